@@ -1,0 +1,1 @@
+"""Benchmarks behind ``ftharness bench``; each prints a JSON object as its last line."""

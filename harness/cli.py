@@ -1,0 +1,102 @@
+"""The ``ftharness`` command line: run | chaos | report | bench.
+
+Each subcommand's implementation is imported only when it runs, so ``ftharness --help`` stays
+fast (no torch import) and a broken optional part cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> "module:function"; each function takes the parsed Namespace and returns an exit code.
+_HANDLERS = {
+    "run": "harness.launch:main",
+    "chaos": "experiments.runner:main",
+    "report": "experiments.report:main",
+}
+_BENCHES = {
+    "runtime": ("harness.bench.runtime:main", "spawn, call latency and failure detection of the "
+                "supervision tree (and Monarch's, where installed)"),
+    "recovery": ("harness.bench.recovery:main", "survivor stall and time-to-participate after a "
+                 "killed replica group, in-place vs full_restart"),
+    "transfer": ("harness.bench.transfer:main", "weight-transfer bandwidth: memcpy, shm, tcp, "
+                 "torchft http and pg"),
+    "telemetry": ("harness.bench.telemetry:main", "training-step overhead of the telemetry"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ftharness",
+        description="Fault-tolerant pretraining harness with chaos testing. Train through "
+        "failures, inject them on purpose, and measure every recovery.",
+        epilog="Examples:\n"
+        "  ftharness run experiments/tiny.toml --set steps=200\n"
+        "  ftharness chaos experiments/quickstart.toml\n"
+        "  ftharness report runs/quickstart --html\n"
+        "  ftharness bench runtime --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="launch a resilient pretraining job from a config",
+                         description="Launch a pretraining job that keeps training while failed "
+                         "replica groups are restarted in place.")
+    run.add_argument("config", help="a TOML job config, or module:function returning a JobConfig")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set steps=100 --set "
+                     "recovery.policy=full_restart (repeatable)")
+    run.add_argument("--out", default=None, help="run directory (journal, checkpoints, report)")
+    run.add_argument("--prometheus-port", type=int, default=None,
+                     help="serve live Prometheus metrics on 127.0.0.1:PORT (0 picks a free port)")
+    run.add_argument("--quiet", action="store_true", help="no progress display")
+
+    chaos = sub.add_parser("chaos", help="run a chaos experiment and write its report",
+                           description="Run an experiment file: hypothesis -> schedule -> faults "
+                           "-> verify. Exits non-zero if a hypothesis fails.")
+    chaos.add_argument("experiment", help="an experiment TOML file")
+    chaos.add_argument("--out", default=None, help="experiment directory (default runs/NAME)")
+    chaos.add_argument("--prometheus-port", type=int, default=None,
+                       help="serve live Prometheus metrics on 127.0.0.1:PORT")
+    chaos.add_argument("--quiet", action="store_true", help="no progress display")
+
+    report = sub.add_parser("report", help="recompute a report from a run's journal",
+                            description="Compute the recovery report (Markdown, JSON, HTML) from "
+                            "a run or experiment directory's journal.")
+    report.add_argument("run_dir", help="a run or experiment directory, or a journal file")
+    report.add_argument("--html", action="store_true", help="also write dashboard.html")
+    report.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    bench = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (_, text) in _BENCHES.items():
+        b = bench_sub.add_parser(name, help=text, description=text)
+        b.add_argument("--json", action="store_true", help="print only the JSON result line")
+        b.add_argument("--reps", type=int, default=None, help="repetitions (default per bench)")
+        b.add_argument("--quick", action="store_true", help="a smaller, faster variant")
+    return parser
+
+
+def _resolve(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        handler = _resolve(_BENCHES[args.bench][0])
+    else:
+        handler = _resolve(_HANDLERS[args.command])
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
