@@ -1,0 +1,195 @@
+"""The fault protocol, the registry of fault kinds, targets and the context faults act through.
+
+A fault kind is a frozen, keyword-only dataclass registered by name::
+
+    @register("kill")
+    @dataclass(frozen=True, kw_only=True)
+    class Kill:
+        default_target: ClassVar[TargetKind] = "rank"
+        hold_s: float = 0.0
+        def fire(self, ctx, target, rng): ...
+        def heal(self, ctx, target): ...
+
+Its fields are the kind's options (an experiment file sets them under
+``[faults.options.KIND]``); ``hold_s`` is how long the injector waits between ``fire`` and
+``heal``. New kinds register themselves on import; the injector only ever looks them up here.
+
+Contract for a fault:
+
+* ``fire`` does the damage and returns; it must not wait for recovery. The injector has already
+  written ``fault.inject`` to the journal before it is called.
+* ``heal`` undoes what the supervisor will not undo by itself (SIGCONT a stopped process, reset a
+  step delay). It may be a no-op (a killed group is restarted by its supervisor). It must be
+  safe to call when the target is already gone.
+* Neither chooses its target: target selection is :mod:`faults.targets`' job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from runtime.journal import Journal
+
+#: What a fault hits: one rank of a group, a whole replica group, a host, or the quorum service.
+TargetKind = Literal["rank", "replica", "host", "service"]
+TARGET_KINDS: tuple[str, ...] = ("rank", "replica", "host", "service")
+
+# The modules that hold the catalogue; imported on first registry lookup so that importing
+# faults.fault alone stays cheap and free of cycles.
+_CATALOGUE_MODULES = (
+    "faults.process",
+    "faults.gil",
+    "faults.collective",
+    "faults.host",
+    "faults.service",
+    "faults.straggler",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where a fault lands. ``rank=None`` with a replica means every rank of that group;
+    all three None means the quorum service. ``host`` is informational for rank/replica
+    targets (where the group ran when the plan was made) and the subject of host faults."""
+
+    replica: int | None = None
+    rank: int | None = None
+    host: str | None = None
+
+    def describe(self) -> str:
+        if self.replica is None and self.host is None:
+            return "quorum service"
+        if self.replica is None:
+            return f"host {self.host}"
+        where = f" on {self.host}" if self.host else ""
+        if self.rank is None:
+            return f"replica group {self.replica} (all ranks){where}"
+        return f"replica {self.replica} rank {self.rank}{where}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``target`` field of a ``fault.inject`` record."""
+        return {"replica": self.replica, "rank": self.rank, "host": self.host}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Target:
+        return cls(replica=data.get("replica"), rank=data.get("rank"), host=data.get("host"))
+
+
+@runtime_checkable
+class FaultContext(Protocol):
+    """What a fault may touch. The harness implements it; tests use a hand-written fake.
+
+    ``run_in_worker`` runs ``"module:function"(*args)`` inside each worker process of ``target``
+    on a thread that is not the training thread and returns once the call is delivered (it does
+    not wait for the function's effect: a segfaulting function never returns).
+    """
+
+    journal: Journal
+    replicas: int
+    ranks: int
+
+    def hosts(self) -> list[str]: ...
+
+    def replica_host(self, replica: int) -> str: ...
+
+    def pids(self, target: Target) -> list[int]: ...
+
+    def run_in_worker(self, target: Target, func: str, *args: Any) -> None: ...
+
+    def kill_host(self, host: str) -> None: ...
+
+    def set_host_cooldown(self, host: str, seconds: float) -> None: ...
+
+    def kill_quorum_service(self) -> None: ...
+
+    def committed_step(self) -> int: ...
+
+
+class Fault(Protocol):
+    """One fault kind's behaviour (see the module docstring for the contract)."""
+
+    name: ClassVar[str]
+    default_target: ClassVar[TargetKind]
+    hold_s: float
+
+    def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None: ...
+
+    def heal(self, ctx: FaultContext, target: Target) -> None: ...
+
+
+class UnknownFault(KeyError):
+    """A fault kind nobody registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0])
+
+
+_REGISTRY: dict[str, type] = {}
+_loaded = False
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make ``cls`` the fault kind ``name``. A second kind with the same name is
+    an error (two modules disagreeing about what a name means)."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"fault kind {name!r} is already registered by {_REGISTRY[name]!r}")
+        if getattr(cls, "default_target", None) not in TARGET_KINDS:
+            raise ValueError(f"fault kind {name!r}: default_target must be one of {TARGET_KINDS}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_catalogue() -> None:
+    global _loaded
+    if not _loaded:
+        for module in _CATALOGUE_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+
+
+def fault_kinds() -> list[str]:
+    """Every registered kind, sorted."""
+    _load_catalogue()
+    return sorted(_REGISTRY)
+
+
+def fault_class(kind: str) -> type:
+    _load_catalogue()
+    try:
+        return _REGISTRY[kind]
+    except KeyError:
+        raise UnknownFault(
+            f"unknown fault kind {kind!r}; known kinds: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def fault_options(kind: str) -> dict[str, Any]:
+    """The options of ``kind`` and their defaults."""
+    cls = fault_class(kind)
+    return {
+        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+    }
+
+
+def make_fault(kind: str, **options: Any) -> Fault:
+    """An instance of ``kind`` with ``options``; an unknown option raises ValueError naming the
+    allowed ones."""
+    cls = fault_class(kind)
+    allowed = fault_options(kind)
+    for key in options:
+        if key not in allowed:
+            raise ValueError(
+                f"fault {kind!r} has no option {key!r}; allowed: {', '.join(sorted(allowed))}"
+            )
+    return cls(**options)

@@ -1,0 +1,218 @@
+"""The fault injector: walks a plan against a clock and the committed step, fires, heals.
+
+Order of events for each planned fault (the journal is the only record anyone reads):
+
+1. At its time (seconds since :meth:`Injector.start`) or once ``ctx.committed_step()`` reaches
+   its step, the target is re-checked against the keep-alive set with the *live* placement;
+   a protected target is skipped and logged (never fired).
+2. ``fault.inject`` is written (``fault_id``, ``kind``, ``target``, ``seed``, ``step``).
+3. ``fault.fire`` runs. If it raises, ``fault.heal`` is written at once with ``error``.
+4. After the fault's ``hold_s``, ``fault.heal`` runs and ``fault.heal`` is written (with
+   ``error`` if healing raised; a failed heal is reported, never retried).
+
+:meth:`Injector.close` heals every fault still held, so a stopped experiment leaves no worker
+SIGSTOPped or slowed down.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from faults.fault import Fault, FaultContext, Target, make_fault
+from faults.schedule import PlannedFault
+from faults.targets import KeepAlive, protected_reason
+from runtime.journal import FAULT_HEAL, FAULT_INJECT
+
+log = logging.getLogger(__name__)
+
+
+def due_faults(
+    plan: Sequence[PlannedFault], fired: int, elapsed_s: float, committed_step: int
+) -> list[PlannedFault]:
+    """The faults due now, in plan order, starting at index ``fired`` (pure). A fault is due when
+    its time has passed or the committed step has reached its step; a later fault never fires
+    before an earlier one."""
+    out = []
+    for f in plan[fired:]:
+        by_time = f.at_s is not None and elapsed_s >= f.at_s
+        by_step = f.at_step is not None and committed_step >= f.at_step
+        if not (by_time or by_step):
+            break
+        out.append(f)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Held:
+    """A fired fault waiting for its heal."""
+
+    planned: PlannedFault
+    fault: Fault
+    target: Target
+    heal_at: float
+
+
+class Injector:
+    """Fires ``plan`` through ``ctx``. ``options`` maps a kind to its fault options (e.g.
+    ``{"slow_rank": {"delay_s": 1.0}}``). ``healthy`` (optional) returns the replica groups
+    healthy right now, for the never-the-last-healthy-group rule. ``clock`` is monotonic seconds.
+
+    Not thread-safe: call :meth:`poll` from one thread, or use :meth:`start_thread`.
+    """
+
+    def __init__(
+        self,
+        plan: Sequence[PlannedFault],
+        ctx: FaultContext,
+        *,
+        seed: int,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+        keep_alive: KeepAlive | None = None,
+        healthy: Callable[[], Collection[int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.plan = list(plan)
+        self.ctx = ctx
+        self.seed = seed
+        self.keep_alive = keep_alive if keep_alive is not None else KeepAlive()
+        self.healthy = healthy
+        self.clock = clock
+        opts = dict(options or {})
+        # Build every fault up front: a bad option fails before the first fault fires.
+        self._faults = {
+            k: make_fault(k, **dict(opts.get(k, {}))) for k in {f.kind for f in self.plan}
+        }
+        self._t0: float | None = None
+        self._next = 0
+        self._held: list[Held] = []
+        self.fired: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- driving --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the clock: ``at_s`` is measured from here."""
+        self._t0 = self.clock()
+
+    @property
+    def done(self) -> bool:
+        """Every planned fault has fired (or been skipped) and healed."""
+        return self._next >= len(self.plan) and not self._held
+
+    def poll(self) -> None:
+        """Fire what is due, heal what has been held long enough."""
+        if self._t0 is None:
+            self.start()
+        assert self._t0 is not None
+        now = self.clock()
+        if self._next < len(self.plan):
+            step = (
+                self.ctx.committed_step()
+                if any(f.at_step is not None for f in self.plan[self._next :])
+                else -1
+            )
+            for planned in due_faults(self.plan, self._next, now - self._t0, step):
+                self._next += 1
+                self._fire(planned)
+        now = self.clock()
+        for held in [h for h in self._held if h.heal_at <= now]:
+            self._held.remove(held)
+            self._heal(held)
+
+    def start_thread(self, poll_s: float = 0.05) -> threading.Thread:
+        """Poll on a daemon thread until :meth:`close`."""
+        self.start()
+
+        def loop() -> None:
+            while not self._stop.wait(poll_s):
+                try:
+                    self.poll()
+                except Exception:  # the injector must not die silently mid-experiment
+                    log.exception("fault injector poll failed")
+
+        self._thread = threading.Thread(target=loop, name="ftharness-injector", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        """Stop polling and heal everything still held."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        while self._held:
+            self._heal(self._held.pop(0))
+
+    # -- one fault ------------------------------------------------------------------------------
+
+    def _live_target(self, planned: PlannedFault) -> Target:
+        """The planned target with its group's *current* host (groups move after evictions)."""
+        t = planned.target
+        if t.replica is not None:
+            return replace(t, host=self.ctx.replica_host(t.replica))
+        return t
+
+    def _fire(self, planned: PlannedFault) -> None:
+        target = self._live_target(planned)
+        healthy = self.healthy() if self.healthy is not None else None
+        reason = protected_reason(
+            target,
+            self.keep_alive,
+            replica_host=self.ctx.replica_host,
+            replicas=self.ctx.replicas,
+            healthy=healthy,
+        )
+        if reason is not None:
+            log.warning(
+                "skipping %s %s at %s: %s",
+                planned.fault_id,
+                planned.kind,
+                target.describe(),
+                reason,
+            )
+            self.skipped.append((planned.fault_id, reason))
+            return
+        fault = self._faults[planned.kind]
+        self.ctx.journal.emit(
+            FAULT_INJECT,
+            fault_id=planned.fault_id,
+            kind=planned.kind,
+            target=target.as_dict(),
+            seed=self.seed,
+            step=self.ctx.committed_step(),
+            planned=planned.when(),
+        )
+        self.fired.append(planned.fault_id)
+        try:
+            fault.fire(self.ctx, target, random.Random(f"{self.seed}:{planned.fault_id}"))
+        except Exception as e:
+            log.exception("fault %s (%s) failed to fire", planned.fault_id, planned.kind)
+            self.ctx.journal.emit(
+                FAULT_HEAL,
+                fault_id=planned.fault_id,
+                kind=planned.kind,
+                error=f"fire failed: {e!r}",
+            )
+            return
+        self._held.append(
+            Held(planned=planned, fault=fault, target=target, heal_at=self.clock() + fault.hold_s)
+        )
+
+    def _heal(self, held: Held) -> None:
+        error = None
+        try:
+            held.fault.heal(self.ctx, held.target)
+        except Exception as e:
+            log.exception("fault %s (%s) failed to heal", held.planned.fault_id, held.planned.kind)
+            error = f"heal failed: {e!r}"
+        fields: dict[str, Any] = {"fault_id": held.planned.fault_id, "kind": held.planned.kind}
+        if error:
+            fields["error"] = error
+        self.ctx.journal.emit(FAULT_HEAL, **fields)
