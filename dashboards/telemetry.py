@@ -1,0 +1,467 @@
+"""OpenTelemetry from the journal: a journal sink that turns records into spans and metrics.
+
+The JSONL journal (``runtime/journal.py``) is the source of truth and needs nothing running;
+this module is one of its sinks::
+
+    journal = Journal(path, job="tiny")
+    tel = Telemetry("tiny", prometheus_port=0, otlp_endpoint="http://127.0.0.1:4318")
+    journal.add_sink(tel.sink)
+    ...
+    tel.shutdown()
+
+Contract:
+
+* ``sink(record)`` is called on the training thread for every record, so it does no I/O: metric
+  updates are in-memory aggregations, spans go to a ``BatchSpanProcessor`` whose worker thread
+  exports them, the Prometheus endpoint is served from its own thread and OTLP metrics are
+  pushed by a periodic reader. ``ftharness bench telemetry`` measures what it costs a step.
+* Spans are built from the records' own times (``t``), not from when the sink saw them, so a
+  replayed journal gives the same spans as a live run. A fault span runs from ``fault.inject``
+  to ``fault.heal``; a recovery span from its first phase (``detected``) to ``participating``,
+  with one event and one child span per phase; a recovery naming a fault is that fault's child.
+  Spans still open at ``shutdown`` are ended at the last time seen and marked incomplete.
+* Metrics carry only low-cardinality attributes (job, policy, replica group, fault kind, cause);
+  spans also carry host, rank and step. Names come from ``dashboards/names.py``.
+* Not guaranteed: exporting. A collector that is down loses spans (the batch processor drops
+  when full) but never blocks or fails training; the journal still has everything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+from dashboards import names as N
+from runtime import journal as J
+
+_NS = 1_000_000_000
+#: How often OTLP metrics are pushed to a collector (Prometheus is pulled instead).
+OTLP_METRIC_INTERVAL_MS = 5_000
+
+
+def _ns(t: float) -> int:
+    return int(t * _NS)
+
+
+@dataclass
+class _Fault:
+    span: Any
+    t: float
+    kind: str
+
+
+@dataclass
+class _Recovery:
+    span: Any
+    t_first: float
+    t_fault: float | None
+    kind: str
+    attrs: dict[str, Any]
+    last_t: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """Running totals of one replica group, read by the observable instruments."""
+
+    steps: int = 0
+    samples: float = 0.0
+    last_step: int | None = None
+
+
+@dataclass
+class _Throughput:
+    """Running aggregates for the live goodput gauge of one policy."""
+
+    first_t: float | None = None
+    last_t: float = 0.0
+    samples: float = 0.0
+    first_fault_t: float | None = None
+    baseline_rate: float | None = None
+
+    def goodput(self) -> float | None:
+        if self.first_t is None or self.last_t <= self.first_t:
+            return None
+        rate = self.samples / (self.last_t - self.first_t)
+        baseline = self.baseline_rate if self.baseline_rate is not None else rate
+        return rate / baseline if baseline > 0 else None
+
+
+class Telemetry:
+    """Journal sink exporting OTel spans and metrics; see the module docstring for the contract.
+
+    ``prometheus_port``: serve ``/metrics`` on ``prometheus_host:port`` (0 picks a free port;
+    :attr:`prometheus_address` reports the real one). ``otlp_endpoint``: a collector's OTLP/HTTP
+    base URL (``http://host:4318``); traces go to ``/v1/traces``, metrics to ``/v1/metrics``.
+    ``resource``: extra resource attributes. ``metric_readers`` / ``span_exporters``: more
+    destinations (an in-memory reader in tests, a console exporter while debugging).
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        prometheus_port: int | None = None,
+        prometheus_host: str = "127.0.0.1",
+        otlp_endpoint: str | None = None,
+        resource: Mapping[str, Any] | None = None,
+        metric_readers: Sequence[MetricReader] = (),
+        span_exporters: Sequence[SpanExporter] = (),
+    ) -> None:
+        self.job = job
+        self._resource = Resource.create(
+            {"service.name": N.SERVICE_NAME, N.ATTR_JOB: job, **dict(resource or {})}
+        )
+        readers: list[MetricReader] = list(metric_readers)
+        exporters: list[SpanExporter] = list(span_exporters)
+        self._http_server = None
+        self._prometheus_address: tuple[str, int] | None = None
+        if prometheus_port is not None:
+            readers.append(self._start_prometheus(prometheus_host, prometheus_port))
+        if otlp_endpoint is not None:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            base = otlp_endpoint.rstrip("/")
+            exporters.append(OTLPSpanExporter(endpoint=base + "/v1/traces"))
+            readers.append(
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=base + "/v1/metrics"),
+                    export_interval_millis=OTLP_METRIC_INTERVAL_MS,
+                )
+            )
+        views = [
+            View(instrument_name=m.otel, aggregation=ExplicitBucketHistogramAggregation(m.buckets))
+            for m in N.ALL_METRICS
+            if m.kind == "histogram"
+        ]
+        self._meter_provider = MeterProvider(
+            resource=self._resource,
+            metric_readers=readers,
+            views=views,
+            exemplar_filter=AlwaysOffExemplarFilter(),  # exemplars cost time on every record
+        )
+        self._tracer_provider = TracerProvider(resource=self._resource)
+        for exporter in exporters:
+            self._tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._tracer = self._tracer_provider.get_tracer(N.TRACER_NAME)
+        self._make_instruments()
+
+        self._lock = threading.Lock()  # the journal may call the sink from several threads
+        self._faults: dict[Any, _Fault] = {}
+        # kept after the heal: a recovery often starts after its fault's span has ended
+        self._fault_info: dict[Any, _Fault] = {}
+        self._recoveries: dict[Any, _Recovery] = {}
+        self._throughput: dict[str, _Throughput] = {}
+        self._groups: dict[tuple[str, Any], _Group] = {}
+        self._participants_now: dict[str, int] = {}
+        self._last_step: dict[str, int] = {}
+        self._last_t = 0.0
+        self._attr_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._closed = False
+
+    # --- setup -----------------------------------------------------------------------------
+    def _start_prometheus(self, host: str, port: int) -> MetricReader:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        # A registry per Telemetry, not the process-global one, so several can coexist.
+        registry = CollectorRegistry(auto_describe=True)
+        reader = PrometheusMetricReader(registry=registry)
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+        self._http_server = server
+        self._prometheus_address = (host, int(server.server_address[1]))
+        return reader
+
+    def _make_instruments(self) -> None:
+        meter = self._meter_provider.get_meter(N.METER_NAME)
+
+        def hist(m: N.MetricName):
+            return meter.create_histogram(m.otel, unit=m.unit, description=m.description)
+
+        def counter(m: N.MetricName):
+            return meter.create_counter(m.otel, unit=m.unit, description=m.description)
+
+        self._step_duration = hist(N.STEP_DURATION)
+        for m, callback in ((N.STEPS, self._observe_steps), (N.SAMPLES, self._observe_samples)):
+            meter.create_observable_counter(
+                m.otel, callbacks=[callback], unit=m.unit, description=m.description
+            )
+        for m, callback in (
+            (N.PARTICIPANTS, self._observe_participants),
+            (N.LAST_STEP, self._observe_last_step),
+        ):
+            meter.create_observable_gauge(
+                m.otel, callbacks=[callback], unit=m.unit, description=m.description
+            )
+        self._recovery_duration = hist(N.RECOVERY_DURATION)
+        self._detection = hist(N.DETECTION)
+        self._stall = hist(N.SURVIVOR_STALL)
+        self._faults_counter = counter(N.FAULTS)
+        self._failures = counter(N.FAILURES)
+        meter.create_observable_gauge(
+            N.GOODPUT.otel,
+            callbacks=[self._observe_goodput],
+            unit=N.GOODPUT.unit,
+            description=N.GOODPUT.description,
+        )
+
+    # --- public ----------------------------------------------------------------------------
+    @property
+    def prometheus_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the Prometheus endpoint really listens on, or None when disabled."""
+        return self._prometheus_address
+
+    def sink(self, record: Mapping[str, Any]) -> None:
+        """Consume one journal record (any event; unknown events are ignored)."""
+        event = record.get("event")
+        handler = _HANDLERS.get(event)  # type: ignore[arg-type]
+        if handler is None or self._closed:
+            return
+        with self._lock:
+            t = float(record.get("t", 0.0))
+            if t > self._last_t:
+                self._last_t = t
+            handler(self, record, t)
+
+    def force_flush(self, timeout_millis: int = 10_000) -> bool:
+        """Export buffered spans and metrics now; True if every exporter finished in time."""
+        spans_ok = self._tracer_provider.force_flush(timeout_millis)
+        metrics_ok = self._meter_provider.force_flush(timeout_millis)
+        return bool(spans_ok and metrics_ok)
+
+    def shutdown(self) -> None:
+        """End open spans (marked incomplete), flush, stop exporters and the HTTP endpoint."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            end = _ns(self._last_t) if self._last_t else None
+            for rec in self._recoveries.values():
+                rec.span.set_attribute(N.ATTR_INCOMPLETE, True)
+                rec.span.end(end_time=end)
+            for fault in self._faults.values():
+                fault.span.set_attribute(N.ATTR_INCOMPLETE, True)
+                fault.span.end(end_time=end)
+            self._recoveries.clear()
+            self._faults.clear()
+        self._tracer_provider.shutdown()
+        self._meter_provider.shutdown()
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
+
+    # --- attributes --------------------------------------------------------------------------
+    def _metric_attrs(self, policy: Any, **extra: Any) -> dict[str, Any]:
+        """Attributes for a measurement, cached: the step path builds none per call."""
+        key = (policy, *sorted(extra.items()))
+        attrs = self._attr_cache.get(key)
+        if attrs is None:
+            attrs = {N.ATTR_JOB: self.job, N.ATTR_POLICY: str(policy or "")}
+            for k, v in extra.items():
+                attrs[k] = str(v) if v is not None else ""
+            self._attr_cache[key] = attrs
+        return attrs
+
+    def _span_attrs(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        policy = record.get("policy")
+        attrs: dict[str, Any] = {N.ATTR_JOB: record.get("job") or self.job}
+        if policy is not None:
+            attrs[N.ATTR_POLICY] = str(policy)
+        target = record.get("target") if isinstance(record.get("target"), dict) else {}
+        coords = record.get("coords") if isinstance(record.get("coords"), dict) else {}
+        for key, attr in (
+            ("replica", N.ATTR_REPLICA),
+            ("rank", N.ATTR_RANK),
+            ("host", N.ATTR_HOST),
+            ("step", N.ATTR_STEP),
+        ):
+            value = record.get(key, target.get(key, coords.get(key)))
+            if value is None and key == "step":
+                value = self._last_step.get(str(policy or ""))
+            if value is not None:
+                attrs[attr] = value if isinstance(value, int | float | bool) else str(value)
+        return attrs
+
+    # --- handlers (called under the lock) ----------------------------------------------------
+    def _on_step(self, r: Mapping[str, Any], t: float) -> None:
+        # The hot path: one histogram record, the rest are plain dict updates that the
+        # observable instruments read at collection time (an SDK measurement costs ~15 us).
+        policy = str(r.get("policy") or "")
+        replica = r.get("replica")
+        step_time = r.get("step_time_s")
+        if step_time is not None:
+            self._step_duration.record(
+                float(step_time), self._metric_attrs(policy, **{N.ATTR_REPLICA: replica})
+            )
+        if r.get("rank") not in (None, 0):
+            return  # count each replica group's step once, not once per rank
+        group = self._groups.get((policy, replica))
+        if group is None:
+            group = self._groups[(policy, replica)] = _Group()
+        group.steps += 1
+        samples = r.get("samples") or 0
+        group.samples += samples
+        step = r.get("step")
+        if step is not None:
+            group.last_step = step
+            if step > self._last_step.get(policy, -1):
+                self._last_step[policy] = step
+        participants = r.get("participants")
+        if participants is not None:
+            n = participants if isinstance(participants, int) else len(participants)
+            self._participants_now[policy] = n
+        tp = self._throughput.get(policy)
+        if tp is None:
+            tp = self._throughput[policy] = _Throughput()
+        if tp.first_t is None:
+            tp.first_t = t  # the first commit opens the window; its samples predate it
+        else:
+            tp.samples += samples
+        if t > tp.last_t:
+            tp.last_t = t
+
+    def _on_fault_inject(self, r: Mapping[str, Any], t: float) -> None:
+        policy = str(r.get("policy") or "")
+        kind = str(r.get("kind") or "unknown")
+        fault_id = r.get("fault_id")
+        attrs = self._span_attrs(r)
+        attrs[N.ATTR_FAULT_KIND] = kind
+        if fault_id is not None:
+            attrs[N.ATTR_FAULT_ID] = str(fault_id)
+        if r.get("seed") is not None:
+            attrs[N.ATTR_FAULT_SEED] = r["seed"]
+        span = self._tracer.start_span(N.SPAN_FAULT, start_time=_ns(t), attributes=attrs)
+        self._faults[fault_id] = self._fault_info[fault_id] = _Fault(span=span, t=t, kind=kind)
+        self._faults_counter.add(1, self._metric_attrs(policy, **{N.ATTR_FAULT_KIND: kind}))
+        tp = self._throughput.setdefault(policy, _Throughput())
+        if tp.first_fault_t is None:
+            tp.first_fault_t = t
+            if tp.first_t is not None and t > tp.first_t and tp.samples > 0:
+                tp.baseline_rate = tp.samples / (t - tp.first_t)
+
+    def _on_fault_heal(self, r: Mapping[str, Any], t: float) -> None:
+        fault = self._faults.pop(r.get("fault_id"), None)
+        if fault is not None:
+            fault.span.end(end_time=_ns(max(t, fault.t)))
+
+    def _on_failure(self, r: Mapping[str, Any], t: float) -> None:
+        cause = str(r.get("cause") or "unknown")
+        policy = str(r.get("policy") or "")
+        self._failures.add(1, self._metric_attrs(policy, **{N.ATTR_CAUSE: cause}))
+        attrs = self._span_attrs(r)
+        attrs[N.ATTR_CAUSE] = cause
+        for key in ("exit_code", "signal", "detail"):
+            if r.get(key) is not None:
+                attrs[f"ftharness.failure.{key}"] = str(r[key])
+        span = self._tracer.start_span(N.SPAN_FAILURE, start_time=_ns(t), attributes=attrs)
+        span.end(end_time=_ns(t))
+
+    def _on_phase(self, r: Mapping[str, Any], t: float) -> None:
+        phase = str(r.get("phase"))
+        rid = r.get("recovery_id")
+        rec = self._recoveries.get(rid)
+        if rec is None:
+            rec = self._start_recovery(r, t)
+            self._recoveries[rid] = rec
+        if phase in rec.phases:
+            return  # a repeated phase record (several ranks report it) adds nothing
+        # the detected phase's child span measures detection latency from the injection
+        start = rec.t_fault if (phase == "detected" and rec.t_fault is not None) else rec.last_t
+        start = min(start, t)
+        rec.phases[phase] = t
+        rec.last_t = max(rec.last_t, t)
+        phase_attrs = {**rec.attrs, N.ATTR_PHASE: phase}
+        rec.span.add_event(phase, attributes={N.ATTR_PHASE: phase}, timestamp=_ns(t))
+        child = self._tracer.start_span(
+            N.phase_span_name(phase),
+            context=trace.set_span_in_context(rec.span),
+            start_time=_ns(start),
+            attributes=phase_attrs,
+        )
+        child.end(end_time=_ns(t))
+
+        policy = rec.attrs.get(N.ATTR_POLICY, "")
+        attrs = self._metric_attrs(policy, **{N.ATTR_FAULT_KIND: rec.kind})
+        origin = rec.t_fault if rec.t_fault is not None else rec.t_first
+        if phase == "detected" and rec.t_fault is not None:
+            self._detection.record(max(0.0, t - rec.t_fault), attrs)
+        elif phase == "survivors_resumed":
+            self._stall.record(max(0.0, t - origin), attrs)
+        elif phase == "participating":
+            self._recovery_duration.record(max(0.0, t - origin), attrs)
+            rec.span.end(end_time=_ns(t))
+            del self._recoveries[r.get("recovery_id")]
+
+    def _start_recovery(self, r: Mapping[str, Any], t: float) -> _Recovery:
+        fault_id = r.get("fault_id")
+        fault = self._fault_info.get(fault_id) if fault_id is not None else None
+        kind = fault.kind if fault is not None else str(r.get("cause") or "unknown")
+        attrs = self._span_attrs(r)
+        attrs[N.ATTR_FAULT_KIND] = kind
+        if r.get("recovery_id") is not None:
+            attrs[N.ATTR_RECOVERY_ID] = str(r["recovery_id"])
+        if fault_id is not None:
+            attrs[N.ATTR_FAULT_ID] = str(fault_id)
+        if r.get("cause") is not None:
+            attrs[N.ATTR_CAUSE] = str(r["cause"])
+        # an ended span is still a valid parent: the trace reads fault -> recovery -> phases
+        context = trace.set_span_in_context(fault.span) if fault is not None else None
+        span = self._tracer.start_span(
+            N.SPAN_RECOVERY, context=context, start_time=_ns(t), attributes=attrs
+        )
+        span_attrs = {k: v for k, v in attrs.items() if k != N.ATTR_STEP}
+        t_fault = fault.t if fault is not None else None
+        return _Recovery(
+            span=span, t_first=t, t_fault=t_fault, kind=kind, attrs=span_attrs, last_t=t
+        )
+
+    def _group_observations(self, value) -> list[Observation]:
+        with self._lock:
+            return [
+                Observation(v, self._metric_attrs(policy, **{N.ATTR_REPLICA: replica}))
+                for (policy, replica), g in self._groups.items()
+                if (v := value(g)) is not None
+            ]
+
+    def _observe_steps(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._group_observations(lambda g: g.steps)
+
+    def _observe_samples(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._group_observations(lambda g: g.samples)
+
+    def _observe_last_step(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._group_observations(lambda g: g.last_step)
+
+    def _observe_participants(self, _options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            return [
+                Observation(n, self._metric_attrs(p)) for p, n in self._participants_now.items()
+            ]
+
+    def _observe_goodput(self, _options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            values = [(tp.goodput(), self._metric_attrs(p)) for p, tp in self._throughput.items()]
+        return [Observation(v, attrs) for v, attrs in values if v is not None]
+
+
+_HANDLERS = {
+    J.STEP_COMMIT: Telemetry._on_step,
+    J.FAULT_INJECT: Telemetry._on_fault_inject,
+    J.FAULT_HEAL: Telemetry._on_fault_heal,
+    J.FAILURE: Telemetry._on_failure,
+    J.RECOVERY_PHASE: Telemetry._on_phase,
+}
