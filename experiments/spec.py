@@ -1,0 +1,512 @@
+"""Experiment files: parsed and validated completely before anything launches.
+
+An experiment (TOML) says: which job, when faults fire, which faults, what they may hit, the
+seed, how long, under which recovery policies, and which steady-state hypotheses must hold::
+
+    name = "quickstart"
+    seed = 7
+    duration_s = 60              # per policy (or steps = N, or both: whichever comes first)
+    policies = ["in_place", "full_restart"]
+    job = "tiny.toml"            # relative to this file; or an inline [job] table
+    overrides = ["model.dim=64"] # applied to the job config
+
+    [schedule]                   # kind = interval | poisson | at_steps | at_times
+    kind = "interval"
+    interval_s = 20
+    jitter_s = 10
+    start_s = 10
+
+    [faults]
+    mix = { segfault = 1, kill = 1 }           # kind -> relative weight
+    [faults.options.host_eviction]              # per-kind options (see faults.fault_options)
+    cooldown_s = 20
+
+    [targets]                    # kind = default | rank | replica | host
+    kind = "default"
+    keep_alive = { replicas = [0] }
+
+    [hypotheses]
+    loss_finite = true
+    goodput_min = { in_place = 0.6 }            # a number applies to every policy
+
+Every error is an :class:`ExperimentError` naming the file, the key, the value and what is
+allowed. The job config is validated through ``harness.config.load_config`` (its replicas, ranks
+and hosts are what targets are checked against).
+"""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from faults.fault import UnknownFault, fault_kinds, make_fault
+from faults.schedule import (
+    SCHEDULE_KINDS,
+    PlannedFault,
+    ScheduleError,
+    ScheduleSpec,
+    plan,
+    schedule_problems,
+)
+from faults.targets import REQUESTED_KINDS, KeepAlive, TargetError, TargetSpec, Topology
+
+POLICIES: tuple[str, ...] = ("in_place", "full_restart")
+
+TOP_KEYS = (
+    "name", "description", "seed", "duration_s", "steps", "policies", "job", "overrides",
+    "schedule", "faults", "targets", "hypotheses",
+)  # fmt: skip
+SCHEDULE_KEYS = (
+    "kind", "interval_s", "jitter_s", "mean_s", "start_s", "at_steps", "at_times", "max_faults",
+)  # fmt: skip
+FAULTS_KEYS = ("mix", "options")
+TARGETS_KEYS = ("kind", "replicas", "hosts", "keep_alive")
+KEEP_ALIVE_KEYS = ("replicas", "hosts", "last_healthy")
+BOOL_HYPOTHESES = ("loss_finite", "committed_steps_rise", "replicas_equal_after_heal")
+#: Threshold hypotheses: name -> (summary figure it bounds, "min" or "max").
+THRESHOLD_HYPOTHESES = {
+    "goodput_min": "goodput >= x",
+    "recovery_p95_max_s": "p95 of fault -> replacement participating <= x s",
+    "detection_p95_max_s": "p95 of fault -> detected <= x s",
+    "stall_p95_max_s": "p95 of survivor stall <= x s",
+    "steps_lost_max": "steps lost over the whole run <= x",
+}
+
+
+class ExperimentError(ValueError):
+    """An experiment file that must not run; the message says where and what is allowed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hypotheses:
+    """Steady-state hypotheses. Thresholds map a policy (or ``"*"``: every policy) to a bound."""
+
+    loss_finite: bool = False
+    committed_steps_rise: bool = False
+    replicas_equal_after_heal: bool = False
+    thresholds: Mapping[str, Mapping[str, float]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def bound(self, name: str, policy: str) -> float | None:
+        """The bound of threshold ``name`` for ``policy``, or None if not set."""
+        per = self.thresholds.get(name, {})
+        return per.get(policy, per.get("*"))
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.loss_finite
+            or self.committed_steps_rise
+            or self.replicas_equal_after_heal
+            or self.thresholds
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultMix:
+    """Fault kinds with relative weights, and per-kind options."""
+
+    weights: Mapping[str, float]
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentSpec:
+    """A validated experiment. ``job_path`` (absolute) or ``job_table`` (inline) names the job."""
+
+    name: str
+    source: Path | None
+    description: str = ""
+    seed: int = 0
+    duration_s: float | None = None
+    steps: int | None = None
+    policies: tuple[str, ...] = ("in_place",)
+    job_path: Path | None = None
+    job_table: Mapping[str, Any] | None = None
+    overrides: tuple[str, ...] = ()
+    topology: Topology
+    schedule: ScheduleSpec
+    faults: FaultMix
+    targets: TargetSpec
+    hypotheses: Hypotheses = field(default_factory=Hypotheses)
+
+    def job_overrides(self, policy: str) -> tuple[str, ...]:
+        """Overrides for the job config of one policy's run (the experiment's own, its steps,
+        and the recovery policy)."""
+        extra = [f"steps={self.steps}"] if self.steps is not None else []
+        return (*self.overrides, *extra, f"recovery.policy={policy}")
+
+    def plan(self, topology: Topology | None = None) -> list[PlannedFault]:
+        """The fault plan (pure: same spec and topology -> same plan). Pass the live topology
+        (``Topology.from_context(ctx)``) once the job runs; the default is the planned one."""
+        return plan(
+            self.schedule,
+            self.faults.weights,
+            self.targets,
+            topology or self.topology,
+            seed=self.seed,
+            horizon_s=self.duration_s,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class _Where:
+    """Builds error messages that name the file and the key."""
+
+    def __init__(self, source: Path | None) -> None:
+        self.source = str(source) if source is not None else "<experiment>"
+
+    def error(self, key: str, problem: str) -> ExperimentError:
+        return ExperimentError(f"{self.source}: {key}: {problem}")
+
+    def unknown(self, table: Mapping[str, Any], allowed: tuple[str, ...], prefix: str) -> None:
+        for key in table:
+            if key not in allowed:
+                raise self.error(prefix + key, f"unknown key; allowed: {', '.join(allowed)}")
+
+    def table(self, data: Mapping[str, Any], key: str, prefix: str = "") -> dict[str, Any]:
+        value = data.get(key, {})
+        if not isinstance(value, dict):
+            raise self.error(prefix + key, f"must be a table, got {value!r}")
+        return value
+
+
+def _number(w: _Where, key: str, value: Any, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise w.error(key, f"must be a number, got {value!r}")
+    if positive and value <= 0:
+        raise w.error(key, f"= {value!r}: must be > 0")
+    if value < 0:
+        raise w.error(key, f"= {value!r}: must be >= 0")
+    return float(value)
+
+
+def _int_list(w: _Where, key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value
+    ):
+        raise w.error(key, f"must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def load_experiment(path: str | Path) -> ExperimentSpec:
+    """Read and validate an experiment file. Raises ExperimentError; launches nothing."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExperimentError(f"{p}: no such experiment file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ExperimentError(f"{p}: not valid TOML: {e}") from None
+    return parse_experiment(data, source=p.resolve())
+
+
+def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> ExperimentSpec:
+    """Validate already-parsed TOML data (``source`` is for messages and relative job paths)."""
+    w = _Where(source)
+    w.unknown(data, TOP_KEYS, "")
+
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise w.error("name", "required: a non-empty string")
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise w.error("seed", f"must be an integer, got {seed!r}")
+
+    duration_s = data.get("duration_s")
+    if duration_s is not None:
+        duration_s = _number(w, "duration_s", duration_s, positive=True)
+    steps = data.get("steps")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise w.error("steps", f"= {steps!r}: must be an integer >= 1")
+    if duration_s is None and steps is None:
+        raise w.error("duration_s", "set duration_s (seconds per policy) or steps (or both)")
+
+    policies = _policies(w, data.get("policies", ["in_place"]))
+    overrides = data.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise w.error("overrides", f"must be a list of 'key=value' strings, got {overrides!r}")
+
+    job_path, job_table, topology = _job(w, data.get("job"), tuple(overrides), source)
+    schedule = _schedule(w, w.table(data, "schedule"))
+    if (
+        schedule.kind in ("interval", "poisson")
+        and duration_s is None
+        and schedule.max_faults is None
+    ):
+        raise w.error(
+            "schedule.kind",
+            f"a {schedule.kind} schedule needs duration_s or schedule.max_faults to end",
+        )
+    faults = _faults(w, w.table(data, "faults"))
+    targets = _targets(w, w.table(data, "targets"), topology)
+    hypotheses = parse_hypotheses(w.table(data, "hypotheses"), source=source)
+
+    spec = ExperimentSpec(
+        name=name,
+        source=source,
+        description=str(data.get("description", "")),
+        seed=seed,
+        duration_s=duration_s,
+        steps=steps,
+        policies=policies,
+        job_path=job_path,
+        job_table=job_table,
+        overrides=tuple(overrides),
+        topology=topology,
+        schedule=schedule,
+        faults=faults,
+        targets=targets,
+        hypotheses=hypotheses,
+    )
+    # A dry run of the planner: every fault kind must find a legal target in this topology.
+    try:
+        spec.plan()
+    except (TargetError, ScheduleError) as e:
+        raise w.error("targets", str(e)) from None
+    return spec
+
+
+def _policies(w: _Where, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise w.error("policies", f"must be a non-empty list of {list(POLICIES)}, got {value!r}")
+    for p in value:
+        if p not in POLICIES:
+            raise w.error("policies", f"unknown policy {p!r}; allowed: {', '.join(POLICIES)}")
+    if len(set(value)) != len(value):
+        raise w.error("policies", f"{value!r} names a policy twice")
+    return tuple(value)
+
+
+def _job(
+    w: _Where, value: Any, overrides: tuple[str, ...], source: Path | None
+) -> tuple[Path | None, Mapping[str, Any] | None, Topology]:
+    if value is None:
+        raise w.error("job", "required: a job config path (relative to this file) or a [job] table")
+    try:
+        config_mod = importlib.import_module("harness.config")
+    except ImportError:
+        config_mod = None
+    if isinstance(value, str):
+        path = Path(value)
+        if not path.is_absolute() and source is not None:
+            path = source.parent / path
+        if not path.is_file():
+            raise w.error("job", f"{value!r}: no such file ({path})")
+        if config_mod is not None:
+            try:
+                cfg = config_mod.load_config(str(path), list(overrides))
+            except ValueError as e:
+                raise w.error("job", f"{value!r}: {e}") from None
+            return path, None, _topology_of(cfg)
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise w.error("job", f"{value!r} is not valid TOML: {e}") from None
+        return path, None, _topology_of(raw)
+    if isinstance(value, dict):
+        table = _with_overrides(w, value, overrides)
+        if config_mod is not None:
+            try:
+                cfg = config_mod.config_from_dict(table)
+            except ValueError as e:
+                raise w.error("job", str(e)) from None
+            return None, MappingProxyType(dict(table)), _topology_of(cfg)
+        return None, MappingProxyType(dict(table)), _topology_of(table)
+    raise w.error("job", f"must be a path string or a table, got {value!r}")
+
+
+def _with_overrides(w: _Where, table: dict[str, Any], overrides: tuple[str, ...]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides to an inline job table (values parsed as TOML)."""
+    import copy
+
+    out = copy.deepcopy(table)
+    for text in overrides:
+        if "=" not in text:
+            raise w.error("overrides", f"{text!r}: expected KEY=VALUE")
+        key, raw = (s.strip() for s in text.split("=", 1))
+        try:
+            parsed = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = parsed
+    return out
+
+
+def _topology_of(cfg: Any) -> Topology:
+    def get(name: str, default: int) -> int:
+        if isinstance(cfg, Mapping):
+            return int(cfg.get(name, default))
+        return int(getattr(cfg, name, default))
+
+    return Topology.from_counts(get("replicas", 3), get("ranks", 1), get("hosts", 1))
+
+
+def _schedule(w: _Where, t: dict[str, Any]) -> ScheduleSpec:
+    w.unknown(t, SCHEDULE_KEYS, "schedule.")
+    kind = t.get("kind", "interval")
+    if kind not in SCHEDULE_KINDS:
+        raise w.error("schedule.kind", f"{kind!r}; allowed: {', '.join(SCHEDULE_KINDS)}")
+    kw: dict[str, Any] = {"kind": kind}
+    for key in ("interval_s", "jitter_s", "mean_s", "start_s"):
+        if key in t:
+            kw[key] = _number(
+                w, f"schedule.{key}", t[key], positive=key in ("interval_s", "mean_s")
+            )
+    if "at_steps" in t:
+        kw["at_steps"] = _int_list(w, "schedule.at_steps", t["at_steps"])
+    if "at_times" in t:
+        v = t["at_times"]
+        if not isinstance(v, list) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in v
+        ):
+            raise w.error("schedule.at_times", f"must be a list of seconds, got {v!r}")
+        kw["at_times"] = tuple(float(x) for x in v)
+    if "max_faults" in t:
+        m = t["max_faults"]
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise w.error("schedule.max_faults", f"= {m!r}: must be an integer >= 0")
+        kw["max_faults"] = m
+    problems = schedule_problems(_as_probe(kw))
+    if problems:  # each problem starts with its key: report it under schedule.KEY
+        raise w.error(f"schedule.{problems[0].split(' ', 1)[0]}", problems[0])
+    return ScheduleSpec(**kw)
+
+
+def _as_probe(kw: dict[str, Any]) -> Any:
+    """A stand-in with ScheduleSpec's fields, for reporting problems without raising first."""
+    from types import SimpleNamespace
+
+    defaults = {
+        "kind": "interval", "interval_s": None, "jitter_s": 0.0, "mean_s": None,
+        "start_s": 0.0, "at_steps": (), "at_times": (), "max_faults": None,
+    }  # fmt: skip
+    return SimpleNamespace(**{**defaults, **kw})
+
+
+def _faults(w: _Where, t: dict[str, Any]) -> FaultMix:
+    w.unknown(t, FAULTS_KEYS, "faults.")
+    known = fault_kinds()
+    mix = t.get("mix")
+    if not isinstance(mix, dict) or not mix:
+        raise w.error(
+            "faults.mix",
+            f"required: a non-empty table of kind = weight; kinds: {', '.join(known)}",
+        )
+    weights: dict[str, float] = {}
+    for kind, weight in mix.items():
+        if kind not in known:
+            raise w.error(f"faults.mix.{kind}", f"unknown fault kind; allowed: {', '.join(known)}")
+        weights[kind] = _number(w, f"faults.mix.{kind}", weight, positive=True)
+    options = w.table(t, "options", "faults.")
+    opts: dict[str, Mapping[str, Any]] = {}
+    for kind, o in options.items():
+        if kind not in known:
+            raise w.error(
+                f"faults.options.{kind}", f"unknown fault kind; allowed: {', '.join(known)}"
+            )
+        if not isinstance(o, dict):
+            raise w.error(f"faults.options.{kind}", f"must be a table, got {o!r}")
+        try:
+            make_fault(kind, **o)
+        except (ValueError, TypeError, UnknownFault) as e:
+            raise w.error(f"faults.options.{kind}", str(e)) from None
+        for key, value in o.items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                raise w.error(f"faults.options.{kind}.{key}", f"= {value!r}: must be >= 0")
+        opts[kind] = MappingProxyType(dict(o))
+    return FaultMix(weights=MappingProxyType(weights), options=MappingProxyType(opts))
+
+
+def _replicas_in_range(w: _Where, key: str, value: Any, topo: Topology) -> tuple[int, ...]:
+    replicas = _int_list(w, key, value)
+    for r in replicas:
+        if not 0 <= r < topo.replicas:
+            raise w.error(
+                key,
+                f"replica {r} of {topo.replicas}: the job's replica groups are "
+                f"0..{topo.replicas - 1}",
+            )
+    return replicas
+
+
+def _hosts_in_range(w: _Where, key: str, value: Any, topo: Topology) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise w.error(key, f"must be a list of host names or indices, got {value!r}")
+    out = []
+    for h in value:
+        if isinstance(h, int) and not isinstance(h, bool) and 0 <= h < len(topo.hosts):
+            out.append(topo.hosts[h])
+        elif isinstance(h, str) and h in topo.hosts:
+            out.append(h)
+        else:
+            raise w.error(key, f"host {h!r} is not one of the job's hosts {list(topo.hosts)}")
+    return tuple(out)
+
+
+def _targets(w: _Where, t: dict[str, Any], topo: Topology) -> TargetSpec:
+    w.unknown(t, TARGETS_KEYS, "targets.")
+    kind = t.get("kind", "default")
+    if kind not in REQUESTED_KINDS:
+        raise w.error("targets.kind", f"{kind!r}; allowed: {', '.join(REQUESTED_KINDS)}")
+    replicas = (
+        _replicas_in_range(w, "targets.replicas", t["replicas"], topo) if "replicas" in t else None
+    )
+    hosts = _hosts_in_range(w, "targets.hosts", t["hosts"], topo) if "hosts" in t else None
+    ka = w.table(t, "keep_alive", "targets.")
+    w.unknown(ka, KEEP_ALIVE_KEYS, "targets.keep_alive.")
+    last_healthy = ka.get("last_healthy", True)
+    if not isinstance(last_healthy, bool):
+        raise w.error(
+            "targets.keep_alive.last_healthy", f"must be true or false, got {last_healthy!r}"
+        )
+    keep_alive = KeepAlive(
+        replicas=frozenset(
+            _replicas_in_range(w, "targets.keep_alive.replicas", ka.get("replicas", []), topo)
+        ),
+        hosts=frozenset(_hosts_in_range(w, "targets.keep_alive.hosts", ka.get("hosts", []), topo)),
+        last_healthy=last_healthy,
+    )
+    return TargetSpec(kind=kind, replicas=replicas, hosts=hosts, keep_alive=keep_alive)
+
+
+def parse_hypotheses(t: Mapping[str, Any], *, source: Path | None = None) -> Hypotheses:
+    """Validate a ``[hypotheses]`` table (also used by ``ftharness report`` on a saved copy)."""
+    w = _Where(source)
+    allowed = (*BOOL_HYPOTHESES, *THRESHOLD_HYPOTHESES)
+    w.unknown(t, allowed, "hypotheses.")
+    flags = {}
+    for key in BOOL_HYPOTHESES:
+        v = t.get(key, False)
+        if not isinstance(v, bool):
+            raise w.error(f"hypotheses.{key}", f"must be true or false, got {v!r}")
+        flags[key] = v
+    thresholds: dict[str, Mapping[str, float]] = {}
+    for key in THRESHOLD_HYPOTHESES:
+        if key not in t:
+            continue
+        v = t[key]
+        per = v if isinstance(v, dict) else {"*": v}
+        for policy, bound in per.items():
+            if policy != "*" and policy not in POLICIES:
+                raise w.error(
+                    f"hypotheses.{key}.{policy}",
+                    f"unknown policy; allowed: {', '.join(POLICIES)} (or a plain number for all)",
+                )
+            _number(w, f"hypotheses.{key}", bound)
+        thresholds[key] = MappingProxyType({p: float(b) for p, b in per.items()})
+    return Hypotheses(**flags, thresholds=MappingProxyType(thresholds))
