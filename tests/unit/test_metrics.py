@@ -1,0 +1,240 @@
+"""dashboards.metrics recomputed from a small hand-written journal; every expected number below
+was worked out by hand from the records (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboards.metrics import percentile, stats, summarize
+from runtime.journal import Journal, read_journal
+
+S = 4  # samples per commit
+
+
+def commit(j: Journal, t: float, replica: int, step: int, **kw) -> None:
+    j.emit(
+        "step.commit",
+        t=t,
+        replica=replica,
+        rank=0,
+        step=step,
+        loss=2.0,
+        checksum=f"c{step}",
+        samples=S,
+        step_time_s=0.1,
+        **kw,
+    )
+
+
+def write_in_place(j: Journal) -> None:
+    """No ``policy`` field: counts as in_place. 3 groups, one commit per second; replica 2 is
+    killed at 105.5 and participates again at 108.2."""
+    j.emit("job.start", t=100.0, config={}, replicas=3, ranks=1)
+    for step in range(1, 6):
+        for r in range(3):
+            commit(j, 100.0 + step, r, step)
+    j.emit(
+        "fault.inject",
+        t=105.5,
+        fault_id="f000",
+        kind="kill",
+        target={"replica": 2, "rank": 0, "host": "host0"},
+        seed=1,
+        step=5,
+    )
+    for phase, t in [
+        ("detected", 105.7),
+        ("survivors_resumed", 106.0),
+        ("replacement_started", 106.1),
+        ("healed", 107.0),
+        ("participating", 108.2),
+    ]:
+        j.emit(
+            "recovery.phase",
+            t=t,
+            recovery_id="r1",
+            fault_id="f000",
+            replica=2,
+            phase=phase,
+            cause="signal",
+        )
+    commit(j, 107.0, 1, 6)
+    commit(j, 107.5, 0, 6)
+    for r in range(3):
+        commit(j, 108.5, r, 7)
+        commit(j, 109.5, r, 8)
+    j.emit("job.end", t=110.0, status="ok", reason="", steps=8)
+
+
+def write_full_restart(j: Journal) -> None:
+    """2 groups; replica 1 killed at 206.5; everything restarts from the step-4 checkpoint and
+    steps 5 and 6 are committed again from 210."""
+    j.emit("job.start", t=200.0, config={}, replicas=2, ranks=1)
+    for step in range(1, 7):
+        for r in range(2):
+            commit(j, 200.0 + step, r, step)
+    j.emit(
+        "fault.inject",
+        t=206.5,
+        fault_id="f000",
+        kind="kill",
+        target={"replica": 1, "rank": 0, "host": "host1"},
+        seed=1,
+        step=6,
+    )
+    for phase, t in [
+        ("detected", 206.6),
+        ("replacement_started", 207.0),
+        ("healed", 209.0),
+        ("participating", 210.0),
+    ]:
+        j.emit(
+            "recovery.phase",
+            t=t,
+            recovery_id="r2",
+            fault_id="f000",
+            replica=1,
+            phase=phase,
+            cause="signal",
+        )
+    j.emit("checkpoint.load", t=209.0, step=4, path="ckpt")
+    for step in range(5, 9):
+        for r in range(2):
+            commit(j, 205.0 + step, r, step)
+    j.emit("job.end", t=214.0, status="ok", reason="", steps=8)
+
+
+@pytest.fixture
+def records(tmp_path):
+    a = Journal(tmp_path / "in_place" / "journal.jsonl", job="t")
+    write_in_place(a)
+    a.close()
+    b = Journal(tmp_path / "full_restart" / "journal.jsonl", job="t", policy="full_restart")
+    write_full_restart(b)
+    b.close()
+    return read_journal(tmp_path)  # both files, merged in time order
+
+
+def test_in_place_figures(records):
+    p = summarize(records)["policies"]["in_place"]
+    assert p["committed_steps"] == 8
+    assert p["duration_s"] == pytest.approx(10.0)  # job.end 110 - job.start 100
+    # Commits after the first (t=101) up to the last (109.5): steps 2-5 x 3 groups = 12, step 6
+    # x 2 (replica 2 was down), steps 7-8 x 3 = 6 -> 20 commits x 4 samples / 8.5 s.
+    assert p["samples_per_s"] == pytest.approx(80 / 8.5)
+    # Fault-free stretch (101, 105]: steps 2-5 x 3 groups = 12 x 4 / 4 s.
+    assert p["baseline_samples_per_s"] == pytest.approx(12.0)
+    assert p["goodput"] == pytest.approx(80 / 8.5 / 12.0)  # 0.784
+
+    (rec,) = p["recoveries"]
+    assert rec["recovery_id"] == "r1" and rec["fault_id"] == "f000" and rec["kind"] == "kill"
+    assert rec["replica"] == 2 and not rec["derived"]
+    assert rec["detection_s"] == pytest.approx(0.2)  # 105.7 - 105.5
+    assert rec["participate_s"] == pytest.approx(2.7)  # 108.2 - 105.5
+    # Replica 0's gaps 1,1,1,1,2.5,1,1 (median 1); the 105 -> 107.5 gap overlaps the window:
+    # 2.5 - 1 = 1.5. Replica 1: 105 -> 107 = 2 - 1 = 1.0. The largest: 1.5.
+    assert rec["stall_s"] == pytest.approx(1.5)
+    # First step after the fault: 6 at 107.0; largest before: 5 -> 5 - 6 + 1 = 0.
+    assert rec["steps_lost"] == 0
+    assert list(rec["phases"]) == [
+        "detected",
+        "survivors_resumed",
+        "replacement_started",
+        "healed",
+        "participating",
+    ]
+
+    kill = p["faults"]["kill"]
+    assert kill["count"] == 1 and kill["recovered"] == 1 and kill["steps_lost"] == 0
+    assert kill["detection_s"]["mean"] == pytest.approx(0.2)
+    assert kill["stall_s"]["p95"] == pytest.approx(1.5)
+
+
+def test_full_restart_figures(records):
+    p = summarize(records)["policies"]["full_restart"]
+    assert p["committed_steps"] == 8
+    assert p["duration_s"] == pytest.approx(14.0)
+    # Redone steps count once: steps 2-4 at 202-204 and 5-8 at 210-213, x 2 groups = 14 commits
+    # x 4 samples over 201 -> 213 = 12 s.
+    assert p["samples_per_s"] == pytest.approx(56 / 12)
+    # Before the fault: (201, 206] holds steps 2-6 x 2 = 10 commits x 4 / 5 s.
+    assert p["baseline_samples_per_s"] == pytest.approx(8.0)
+    assert p["goodput"] == pytest.approx(56 / 12 / 8.0)  # 0.583
+
+    (rec,) = p["recoveries"]
+    assert rec["detection_s"] == pytest.approx(0.1)
+    assert rec["participate_s"] == pytest.approx(3.5)
+    # Replica 0 (the survivor, restarted with everyone): gap 206 -> 210 = 4, median 1 -> 3.
+    assert rec["stall_s"] == pytest.approx(3.0)
+    # Smallest step after the fault: 5 (at 210); largest before 210: 6 -> 6 - 5 + 1 = 2.
+    assert rec["steps_lost"] == 2
+    assert p["faults"]["kill"]["steps_lost"] == 2
+
+
+def test_comparison_ratios(records):
+    comp = summarize(records)["comparison"]
+    assert comp["participate_s_ratio"] == pytest.approx(3.5 / 2.7)
+    assert comp["stall_s_ratio"] == pytest.approx(3.0 / 1.5)
+    assert comp["goodput_ratio"] == pytest.approx((56 / 12 / 8.0) / (80 / 8.5 / 12.0))
+
+
+def test_no_comparison_with_one_policy(tmp_path):
+    j = Journal(tmp_path / "j.jsonl", job="t")
+    write_in_place(j)
+    j.close()
+    assert "comparison" not in summarize(read_journal(tmp_path / "j.jsonl"))
+
+
+def test_derived_recovery_without_phase_records(tmp_path):
+    """A harness that logs only failure / proc.start / step.commit still gets figures."""
+    j = Journal(tmp_path / "j.jsonl", job="t")
+    for step in range(1, 4):
+        commit(j, 10.0 + step, 0, step)
+        commit(j, 10.0 + step, 1, step)
+    j.emit(
+        "fault.inject",
+        t=13.2,
+        fault_id="f000",
+        kind="segfault",
+        target={"replica": 1, "rank": 0, "host": "h"},
+        seed=0,
+    )
+    j.emit("failure", t=13.5, replica=1, rank=0, cause="signal", signal=11)
+    j.emit("proc.start", t=14.0, replica=1, rank=0, host="h", pid=1, spare=False)
+    commit(j, 14.0, 0, 4)
+    commit(j, 15.0, 0, 5)
+    commit(j, 15.0, 1, 5)
+    j.close()
+    (rec,) = summarize(read_journal(tmp_path / "j.jsonl"))["policies"]["in_place"]["recoveries"]
+    assert rec["derived"] and rec["kind"] == "segfault"
+    assert rec["detection_s"] == pytest.approx(0.3)  # failure 13.5 - fault 13.2
+    assert rec["participate_s"] == pytest.approx(1.8)  # replica 1's commit at 15.0 - 13.2
+    # Replica 0's gaps are all 1 s: no stall.
+    assert rec["stall_s"] == pytest.approx(0.0)
+
+
+def test_unrecovered_fault_is_counted_but_not_recovered(tmp_path):
+    j = Journal(tmp_path / "j.jsonl", job="t")
+    commit(j, 1.0, 0, 1)
+    j.emit(
+        "fault.inject",
+        t=1.5,
+        fault_id="f000",
+        kind="slow_rank",
+        target={"replica": 0, "rank": 0, "host": "h"},
+        seed=0,
+    )
+    commit(j, 2.0, 0, 2)
+    j.close()
+    kinds = summarize(read_journal(tmp_path / "j.jsonl"))["policies"]["in_place"]["faults"]
+    assert kinds["slow_rank"]["count"] == 1
+    assert kinds["slow_rank"]["recovered"] == 0
+    assert kinds["slow_rank"]["participate_s"] == {"mean": None, "p50": None, "p95": None}
+
+
+def test_percentiles():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile(list(range(1, 21)), 95) == pytest.approx(19.05)  # numpy's linear rule
+    assert stats([None, 1.0, 3.0]) == {"mean": 2.0, "p50": 2.0, "p95": pytest.approx(2.9)}
