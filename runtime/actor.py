@@ -1,0 +1,108 @@
+"""Actors: user classes hosted inside worker processes, called through declared endpoints.
+
+    class Trainer(Actor):
+        @endpoint
+        def step(self, n: int) -> float: ...
+
+An actor handles one message at a time on its worker's main thread, in arrival order. Only
+methods marked ``@endpoint`` can be called remotely. An exception in an endpoint goes back to
+the caller as a ``RemoteError`` carrying the remote traceback and the actor's coordinates; the
+process keeps serving. Process death, hangs and lost hosts are not exceptions: they are failures
+delivered to the supervisor that owns the process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ENDPOINT_ATTR = "__ftharness_endpoint__"
+
+
+def endpoint(fn: F) -> F:
+    """Mark an actor method as callable from the controller."""
+    setattr(fn, _ENDPOINT_ATTR, True)
+    return fn
+
+
+def endpoints_of(cls: type) -> frozenset[str]:
+    return frozenset(
+        name for name in dir(cls) if getattr(getattr(cls, name, None), _ENDPOINT_ATTR, False)
+    )
+
+
+class WorkerContext:
+    """What an actor can reach in its process: its coordinates and the controller link."""
+
+    def __init__(self, proc_id: str, coords: dict[str, int], send: Callable[[Any], None]) -> None:
+        self.proc_id = proc_id
+        self.coords = dict(coords)
+        self._send = send
+        self.actors: dict[str, Actor] = {}
+        self.lock = threading.Lock()
+
+    def emit(self, event: str, fields: dict[str, Any]) -> None:
+        self._send(("event", event, fields))
+
+
+_context: WorkerContext | None = None
+
+
+def _set_context(ctx: WorkerContext | None) -> None:
+    global _context
+    _context = ctx
+
+
+def current_context() -> WorkerContext:
+    if _context is None:
+        raise RuntimeError("not inside an ftharness worker process")
+    return _context
+
+
+def current_actors() -> dict[str, Actor]:
+    """The actors hosted by this worker process, by name (empty outside a worker)."""
+    return dict(_context.actors) if _context is not None else {}
+
+
+class Actor:
+    """Base class of actors. Subclasses declare endpoints with ``@endpoint``."""
+
+    actor_name: str = ""
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return current_context().coords
+
+    @property
+    def proc_id(self) -> str:
+        return current_context().proc_id
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Send a journal event to the controller (fire and forget, stamped with coordinates)."""
+        merged = {**current_context().coords, **fields}
+        current_context().emit(event, merged)
+
+
+class RemoteError(Exception):
+    """An endpoint raised. Carries the remote exception type, traceback and coordinates."""
+
+    def __init__(
+        self, exc_type: str, message: str, remote_traceback: str, coords: dict[str, int]
+    ) -> None:
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.coords = dict(coords)
+        where = " ".join(f"{k}={v}" for k, v in coords.items())
+        super().__init__(
+            f"{exc_type}: {message} (in actor at [{where}])\nRemote traceback:\n{remote_traceback}"
+        )
+
+    def __reduce__(self):  # keep the fields across pickling
+        return (
+            RemoteError,
+            (self.exc_type, self.message, self.remote_traceback, self.coords),
+        )

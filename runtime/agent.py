@@ -1,0 +1,361 @@
+"""The host agent: one per host. Forks, reaps and watches the worker processes of its host.
+
+Run as ``python -m runtime.agent``; it reads its configuration (including the job secret) as
+one JSON line on stdin, imports the preload modules (torch) once, binds its listener, prints
+``PORT <n>`` and serves. It is single-threaded on purpose: it forks workers from its only thread,
+so a worker starts with torch already imported in milliseconds and no lock held by another
+thread. Everything is one ``selectors`` loop:
+
+* the listener and authenticated connections (non-blocking handshake, then frames);
+* SIGCHLD through a wakeup pipe: ``waitpid`` reaps a dead worker the moment it dies;
+* one heartbeat socketpair per worker: a worker silent for ``heartbeat.timeout_s`` is hung;
+* timers: SIGKILL after a stop's grace period, heartbeats to the controller.
+
+The agent dies with the controller (PR_SET_PDEATHSIG) and also exits, killing its workers, when
+the controller connection closes. It is a child subreaper, so nothing below it escapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import importlib
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from runtime import channel, process
+from runtime.channel import FrameDecoder, FrameError
+
+log = logging.getLogger("ftharness.agent")
+
+
+@dataclass
+class _Peer:
+    sock: socket.socket
+    nonce: bytes
+    deadline: float
+    authed: bool = False
+    buf: bytearray = field(default_factory=bytearray)
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    is_controller: bool = False
+
+
+@dataclass
+class _Worker:
+    proc_id: str
+    pid: int
+    hb: socket.socket
+    last_beat: float
+    hung_reported: bool = False
+    kill_at: float | None = None
+    kill_pids: list[int] = field(default_factory=list)
+
+
+class Agent:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.host = cfg["host"]
+        self.secret = bytes.fromhex(cfg["secret"])
+        self.controller_addr = (cfg["controller_host"], int(cfg["controller_port"]))
+        self.hb_interval = float(cfg["heartbeat_interval_s"])
+        self.hb_timeout = float(cfg["heartbeat_timeout_s"])
+        self.agent_hb_interval = float(cfg["agent_heartbeat_interval_s"])
+        self.connect_timeout = float(cfg["connect_timeout_s"])
+        self.sel = selectors.DefaultSelector()
+        self.listener = channel.listen(cfg.get("bind_host", "127.0.0.1"), 0)
+        self.listener.setblocking(False)
+        self.peers: dict[int, _Peer] = {}
+        self.workers: dict[int, _Worker] = {}  # by pid
+        self.controller: _Peer | None = None
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.next_agent_beat = 0.0
+        self.running = True
+
+    # -- set-up ---------------------------------------------------------------------------
+    def install(self) -> None:
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        signal.set_wakeup_fd(self.wake_w.fileno())
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: self._stop_all_and_exit(0))
+        self.sel.register(self.listener, selectors.EVENT_READ, ("listener", None))
+        self.sel.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+
+    # -- main loop ------------------------------------------------------------------------
+    def serve(self) -> None:
+        while self.running:
+            for key, _ in self.sel.select(timeout=self._tick()):
+                kind, obj = key.data
+                try:
+                    if kind == "listener":
+                        self._accept()
+                    elif kind == "wake":
+                        self._drain_wake()
+                    elif kind == "peer":
+                        self._on_peer(obj)
+                    elif kind == "hb":
+                        self._on_heartbeat(obj)
+                except Exception:
+                    log.exception("agent %s: error handling %s", self.host, kind)
+            self._reap()
+            self._timers()
+
+    def _tick(self) -> float:
+        return max(0.005, min(self.hb_interval, self.agent_hb_interval) / 2)
+
+    # -- connections ----------------------------------------------------------------------
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        peer = _Peer(sock, os.urandom(channel.NONCE_BYTES), time.monotonic() + self.connect_timeout)
+        try:
+            sock.send(peer.nonce)
+        except OSError:
+            sock.close()
+            return
+        self.peers[sock.fileno()] = peer
+        self.sel.register(sock, selectors.EVENT_READ, ("peer", peer))
+
+    def _drop(self, peer: _Peer, why: str) -> None:
+        log.warning("agent %s: dropping peer: %s", self.host, why)
+        self.peers.pop(peer.sock.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(peer.sock)
+        peer.sock.close()
+        if peer is self.controller:
+            log.warning("agent %s: controller connection lost; stopping workers", self.host)
+            self._stop_all_and_exit(3)
+
+    def _on_peer(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop(peer, f"recv failed: {exc}")
+            return
+        if not data:
+            self._drop(peer, "connection closed")
+            return
+        if not peer.authed:
+            # Nothing the peer sends is decoded until it has proved the secret.
+            peer.buf += data
+            need = channel.DIGEST_BYTES + channel.NONCE_BYTES
+            if len(peer.buf) < need:
+                return
+            proof, nonce_c = bytes(peer.buf[:32]), bytes(peer.buf[32:need])
+            if not hmac.compare_digest(proof, channel.client_proof(self.secret, peer.nonce)):
+                self._drop(peer, "failed authentication")
+                return
+            peer.authed = True
+            rest = bytes(peer.buf[need:])
+            peer.buf.clear()
+            peer.sock.setblocking(True)
+            peer.sock.sendall(channel.server_proof(self.secret, nonce_c))
+            peer.sock.setblocking(False)
+            data = rest
+        peer.decoder.feed(data)
+        try:
+            for msg in peer.decoder.messages():
+                self._handle(peer, msg)
+        except FrameError as exc:
+            self._drop(peer, f"bad frame: {exc}")
+
+    def _send(self, peer: _Peer | None, msg: Any) -> None:
+        if peer is None:
+            return
+        try:
+            peer.sock.setblocking(True)
+            peer.sock.sendall(channel.encode(msg))
+            peer.sock.setblocking(False)
+        except OSError as exc:
+            self._drop(peer, f"send failed: {exc}")
+
+    # -- commands -------------------------------------------------------------------------
+    def _handle(self, peer: _Peer, msg: Any) -> None:
+        if not isinstance(msg, tuple) or not msg:
+            raise FrameError(f"malformed message {msg!r:.80}")
+        kind = msg[0]
+        if kind == "hello_controller":
+            self.controller = peer
+            self._send(peer, ("agent_ready", self.host, os.getpid()))
+        elif kind == "spawn":
+            _, proc_id, coords, log_path = msg
+            pid = self._fork_worker(proc_id, coords, log_path)
+            self._send(peer, ("spawned", proc_id, pid))
+        elif kind == "stop":
+            _, proc_id, grace_s = msg
+            for w in self.workers.values():
+                if w.proc_id == proc_id:
+                    self._stop_worker(w, float(grace_s))
+        elif kind == "shutdown":
+            self._stop_all_and_exit(0, float(msg[1]))
+        elif kind == "ping":
+            self._send(peer, ("pong", time.time()))
+        else:
+            raise FrameError(f"unknown command {kind!r}")
+
+    def _fork_worker(self, proc_id: str, coords: dict[str, int], log_path: str | None) -> int:
+        parent_hb, child_hb = socket.socketpair()
+        agent_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                os.setsid()
+                process.die_with_parent(agent_pid)
+                signal.set_wakeup_fd(-1)
+                for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_DFL)
+                for sock in (self.listener, self.wake_r, self.wake_w, parent_hb):
+                    sock.close()
+                for p in self.peers.values():
+                    p.sock.close()
+                for w in self.workers.values():
+                    w.hb.close()
+                if log_path:
+                    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    os.close(fd)
+                from runtime.worker import worker_main
+
+                worker_main(
+                    proc_id=proc_id,
+                    coords=coords,
+                    controller_addr=self.controller_addr,
+                    secret=self.secret,
+                    heartbeat_sock=child_hb,
+                    heartbeat_interval_s=self.hb_interval,
+                    connect_timeout_s=self.connect_timeout,
+                )
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        child_hb.close()
+        parent_hb.setblocking(False)
+        # The first beat gets a full extra timeout of grace: a fork on a loaded host can be slow.
+        w = _Worker(proc_id, pid, parent_hb, time.monotonic() + self.hb_timeout)
+        self.workers[pid] = w
+        self.sel.register(parent_hb, selectors.EVENT_READ, ("hb", w))
+        return pid
+
+    def _stop_worker(self, w: _Worker, grace_s: float) -> None:
+        procs = process.tree(w.pid)
+        w.kill_pids = [p.pid for p in procs]
+        if grace_s <= 0:
+            process.signal_all(procs, signal.SIGKILL)
+        else:
+            process.signal_all(procs, signal.SIGTERM)
+            w.kill_at = time.monotonic() + grace_s
+
+    def _stop_all_and_exit(self, code: int, grace_s: float = 0.0) -> None:
+        for w in list(self.workers.values()):
+            self._stop_worker(w, grace_s)
+        deadline = time.monotonic() + grace_s
+        while self.workers and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
+        for w in list(self.workers.values()):
+            self._stop_worker(w, 0)
+        self._reap()
+        os._exit(code)
+
+    # -- liveness -------------------------------------------------------------------------
+    def _drain_wake(self) -> None:
+        try:
+            while self.wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _on_heartbeat(self, w: _Worker) -> None:
+        try:
+            data = w.hb.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            w.last_beat = time.monotonic()
+        else:  # the worker closed its end: it is exiting; waitpid reports how
+            self.sel.unregister(w.hb)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            w = self.workers.pop(pid, None)
+            if w is None:
+                continue  # an orphaned grandchild we adopted as subreaper
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(w.hb)
+            w.hb.close()
+            # The worker's own children were re-parented to us (we are a subreaper): any child
+            # that is not a worker is such an orphan, and must not outlive its worker.
+            orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
+            process.signal_all(orphans, signal.SIGKILL)
+            self._send(self.controller, ("exit", w.proc_id, pid, status, time.time()))
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.kill_at is not None and now >= w.kill_at:
+                w.kill_at = None
+                for pid in w.kill_pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            silent = now - w.last_beat
+            if not w.hung_reported and w.kill_at is None and silent > self.hb_timeout:
+                w.hung_reported = True
+                t_last = time.time() - silent
+                self._send(self.controller, ("hung", w.proc_id, w.pid, silent, t_last))
+        for peer in list(self.peers.values()):
+            if not peer.authed and now > peer.deadline:
+                self._drop(peer, "handshake timed out")
+        if self.controller is not None and now >= self.next_agent_beat:
+            self.next_agent_beat = now + self.agent_hb_interval
+            self._send(self.controller, ("hb", time.time()))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    cfg = json.loads(sys.stdin.readline())
+    process.become_subreaper()
+    # SIGTERM, not SIGKILL, when the controller dies: the handler kills every worker's whole
+    # tree (workers' own children included) before the agent exits.
+    process.die_with_parent(int(cfg["parent_pid"]), signal.SIGTERM)
+    for path in reversed(cfg.get("sys_path", [])):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    for mod in cfg.get("preload", []):
+        importlib.import_module(mod)
+    agent = Agent(cfg)
+    agent.install()
+    print(f"PORT {agent.listener.getsockname()[1]}", flush=True)
+    # From here on, stdout is for worker logs: point it at stderr so the port pipe is not filled.
+    os.dup2(2, 1)
+    agent.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Actors used by the runtime's integration tests (importable inside worker processes)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+
+from runtime.actor import Actor, endpoint
+
+
+class Echo(Actor):
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+        self.calls = 0
+
+    @endpoint
+    def ping(self, x: int = 0) -> dict:
+        self.calls += 1
+        return {"x": x, "coords": self.coords, "pid": os.getpid(), "tag": self.tag}
+
+    @endpoint
+    def noop(self) -> None:
+        return None
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def boom(self) -> None:
+        raise ValueError("boom from the actor")
+
+    @endpoint
+    def die(self, how: str) -> None:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "segfault":
+            ctypes.string_at(0)  # a real null read: SIGSEGV
+        elif how == "exit3":
+            os._exit(3)
+
+    @endpoint
+    def hold_gil(self, seconds: float) -> None:
+        """Hold the GIL inside a C call (PyDLL does not release it) from a background thread."""
+
+        def hold() -> None:
+            ctypes.PyDLL(None).sleep(int(seconds))
+
+        threading.Thread(target=hold, daemon=True).start()
+        time.sleep(0.05)
+
+    @endpoint
+    def spawn_child(self) -> int:
+        """Start a grandchild process (to check that nothing outlives its supervisor)."""
+        import subprocess
+
+        return subprocess.Popen(["sleep", "300"]).pid
+
+
+class Broken(Actor):
+    def __init__(self) -> None:
+        raise RuntimeError("constructor failed")
