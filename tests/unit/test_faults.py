@@ -1,0 +1,340 @@
+"""Every fault kind fires against a hand-written FaultContext; signals hit real processes.
+
+In-worker functions are only named here (their real effect is tested in
+tests/integration/test_inworker_faults.py); the process, host and service faults act on real
+``sleep`` children and are checked with psutil and exit statuses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psutil
+import pytest
+
+from faults.fault import (
+    Target,
+    fault_class,
+    fault_kinds,
+    fault_options,
+    make_fault,
+    register,
+)
+from faults.injector import Injector, due_faults
+from faults.schedule import PlannedFault
+from faults.targets import KeepAlive
+from runtime.journal import Journal, read_journal
+
+
+def spawn() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "60"])
+
+
+def wait_status(pid: int, want: set[str], deadline_s: float = 10.0) -> str:
+    """Poll until the process's status is one of ``want`` (signal delivery is asynchronous)."""
+    end = time.monotonic() + deadline_s
+    status = ""
+    while time.monotonic() < end:
+        status = psutil.Process(pid).status()
+        if status in want:
+            return status
+        time.sleep(0.01)
+    return status
+
+
+class FakeContext:
+    """The FaultContext a test needs: real child processes per (replica, rank), a host map, a
+    real quorum-service process, and a log of every call."""
+
+    def __init__(self, journal: Journal, replicas: int = 3, ranks: int = 1, hosts: int = 2):
+        self.journal = journal
+        self.replicas = replicas
+        self.ranks = ranks
+        self._hosts = [f"host{i}" for i in range(hosts)]
+        self.workers = {(r, k): spawn() for r in range(replicas) for k in range(ranks)}
+        self.service = spawn()
+        self.calls: list[tuple[Any, ...]] = []
+        self.step = 0
+
+    def hosts(self) -> list[str]:
+        return list(self._hosts)
+
+    def replica_host(self, replica: int) -> str:
+        return self._hosts[replica % len(self._hosts)]
+
+    def pids(self, target: Target) -> list[int]:
+        return [
+            p.pid
+            for (r, k), p in self.workers.items()
+            if r == target.replica and target.rank in (None, k)
+        ]
+
+    def run_in_worker(self, target: Target, func: str, *args: Any) -> None:
+        module, name = func.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), func
+        self.calls.append(("run_in_worker", target, func, args))
+
+    def kill_host(self, host: str) -> None:
+        self.calls.append(("kill_host", host))
+        for (r, _), p in self.workers.items():
+            if self.replica_host(r) == host:
+                p.kill()
+
+    def set_host_cooldown(self, host: str, seconds: float) -> None:
+        self.calls.append(("set_host_cooldown", host, seconds))
+
+    def kill_quorum_service(self) -> None:
+        self.calls.append(("kill_quorum_service",))
+        self.service.kill()
+
+    def committed_step(self) -> int:
+        return self.step
+
+    def close(self) -> None:
+        for p in [*self.workers.values(), self.service]:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGCONT)  # in case a test left it stopped
+                finally:
+                    p.kill()
+                    p.wait()
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    c = FakeContext(Journal(tmp_path / "journal.jsonl", job="test"))
+    yield c
+    c.close()
+    c.journal.close()
+
+
+RNG = random.Random(0)
+
+
+def test_catalogue_is_complete():
+    assert set(fault_kinds()) >= {
+        "segfault", "kill", "collective_abort", "gil_deadlock", "hang", "host_eviction",
+        "lighthouse_crash", "slow_rank",
+    }  # fmt: skip
+    assert fault_class("host_eviction").default_target == "host"
+    assert fault_class("lighthouse_crash").default_target == "service"
+    assert fault_class("kill").default_target == "rank"
+
+
+def test_unknown_kind_and_option_are_named():
+    with pytest.raises(KeyError, match="unknown fault kind 'oom'; known kinds: .*segfault"):
+        fault_class("oom")
+    with pytest.raises(ValueError, match="slow_rank.*no option 'delay'.*delay_s"):
+        make_fault("slow_rank", delay=1)
+    assert fault_options("slow_rank")["delay_s"] == 0.5
+
+
+def test_a_name_cannot_be_registered_twice():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register("kill")
+        @dataclass(frozen=True, kw_only=True)
+        class OtherKill:
+            default_target: ClassVar[str] = "rank"
+
+
+def test_kill_sends_sigkill_to_the_target_rank_only(ctx):
+    make_fault("kill").fire(ctx, Target(replica=1, rank=0), RNG)
+    assert ctx.workers[(1, 0)].wait(timeout=10) == -9
+    assert ctx.workers[(0, 0)].poll() is None and ctx.workers[(2, 0)].poll() is None
+
+
+def test_hang_stops_and_heal_continues(ctx):
+    fault = make_fault("hang")
+    pid = ctx.workers[(2, 0)].pid
+    fault.fire(ctx, Target(replica=2, rank=0), RNG)
+    assert wait_status(pid, {psutil.STATUS_STOPPED}) == psutil.STATUS_STOPPED
+    fault.heal(ctx, Target(replica=2, rank=0))
+    assert wait_status(pid, {psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING}) != "stopped"
+    fault.heal(ctx, Target(replica=2, rank=0))  # healing twice is harmless
+
+
+def test_hang_heal_tolerates_a_process_already_gone(ctx):
+    fault = make_fault("hang")
+    fault.fire(ctx, Target(replica=0, rank=0), RNG)
+    ctx.workers[(0, 0)].kill()
+    ctx.workers[(0, 0)].wait(timeout=10)
+    fault.heal(ctx, Target(replica=0, rank=0))  # no exception
+
+
+def test_host_eviction_sets_cooldown_then_kills_every_process_on_the_host(ctx):
+    make_fault("host_eviction", cooldown_s=12.0).fire(ctx, Target(host="host0"), RNG)
+    assert ctx.calls[:2] == [("set_host_cooldown", "host0", 12.0), ("kill_host", "host0")]
+    assert ctx.workers[(0, 0)].wait(timeout=10) == -9  # replicas 0 and 2 live on host0
+    assert ctx.workers[(2, 0)].wait(timeout=10) == -9
+    assert ctx.workers[(1, 0)].poll() is None
+
+
+def test_lighthouse_crash_kills_the_quorum_service(ctx):
+    make_fault("lighthouse_crash").fire(ctx, Target(), RNG)
+    assert ctx.service.wait(timeout=10) == -9
+    assert all(p.poll() is None for p in ctx.workers.values())
+
+
+@pytest.mark.parametrize(
+    ("kind", "func", "args"),
+    [
+        ("segfault", "faults.inworker:segfault", ()),
+        ("collective_abort", "faults.inworker:abort_collectives", ()),
+        ("gil_deadlock", "faults.inworker:hold_gil", (3600.0,)),
+        ("slow_rank", "faults.inworker:set_step_delay", (0.5,)),
+    ],
+)
+def test_in_worker_faults_name_a_real_function(ctx, kind, func, args):
+    target = Target(replica=1, rank=0)
+    make_fault(kind).fire(ctx, target, RNG)
+    assert ctx.calls == [("run_in_worker", target, func, args)]
+
+
+def test_slow_rank_heal_resets_the_delay(ctx):
+    target = Target(replica=1, rank=0)
+    fault = make_fault("slow_rank", delay_s=2.0)
+    fault.fire(ctx, target, RNG)
+    fault.heal(ctx, target)
+    assert [c[3] for c in ctx.calls] == [(2.0,), (0.0,)]
+
+
+# -- the injector --------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def events(ctx: FakeContext) -> list[dict]:
+    return read_journal(ctx.journal.path)
+
+
+@register("test_journal_probe")
+@dataclass(frozen=True, kw_only=True)
+class JournalProbe:
+    """A kind registered by the test alone: the injector runs it without knowing it, and it
+    records whether its fault.inject record was already on disk when it fired."""
+
+    default_target: ClassVar[str] = "rank"
+    hold_s: float = 0.0
+    seen: ClassVar[list[bool]] = []
+
+    def fire(self, ctx, target, rng) -> None:
+        lines = ctx.journal.path.read_text().splitlines()
+        JournalProbe.seen.append(json.loads(lines[-1])["event"] == "fault.inject")
+
+    def heal(self, ctx, target) -> None:
+        return None
+
+
+def test_injector_logs_before_firing_and_walks_time_and_steps(ctx):
+    clock = Clock()
+    plan = [
+        PlannedFault(
+            fault_id="f000", kind="test_journal_probe", target=Target(replica=1, rank=0), at_s=5.0
+        ),
+        PlannedFault(fault_id="f001", kind="kill", target=Target(replica=2, rank=0), at_step=10),
+    ]
+    inj = Injector(plan, ctx, seed=3, clock=clock)
+    inj.start()
+    inj.poll()
+    assert inj.fired == []
+    clock.now = 5.0
+    inj.poll()
+    assert inj.fired == ["f000"] and JournalProbe.seen == [True]
+    ctx.step = 9
+    inj.poll()
+    assert ctx.workers[(2, 0)].poll() is None
+    ctx.step = 10
+    inj.poll()
+    assert ctx.workers[(2, 0)].wait(timeout=10) == -9
+    inject = [e for e in events(ctx) if e["event"] == "fault.inject"]
+    assert [(e["fault_id"], e["kind"], e["seed"]) for e in inject] == [
+        ("f000", "test_journal_probe", 3),
+        ("f001", "kill", 3),
+    ]
+    assert inject[1]["target"] == {"replica": 2, "rank": 0, "host": "host0"}
+    assert inject[1]["step"] == 10
+    assert inj.done
+
+
+def test_injector_heals_after_hold_and_on_close(ctx):
+    clock = Clock()
+    plan = [
+        PlannedFault(fault_id="f000", kind="hang", target=Target(replica=1, rank=0), at_s=0.0),
+        PlannedFault(fault_id="f001", kind="hang", target=Target(replica=2, rank=0), at_s=1.0),
+    ]
+    inj = Injector(plan, ctx, seed=0, clock=clock, options={"hang": {"hold_s": 5.0}})
+    inj.start()
+    inj.poll()
+    p1, p2 = ctx.workers[(1, 0)].pid, ctx.workers[(2, 0)].pid
+    assert wait_status(p1, {"stopped"}) == "stopped"
+    clock.now = 1.0
+    inj.poll()
+    assert wait_status(p2, {"stopped"}) == "stopped"
+    clock.now = 5.0  # f000 has been held 5 s; f001 only 4 s
+    inj.poll()
+    assert wait_status(p1, {"sleeping", "running"}) != "stopped"
+    assert psutil.Process(p2).status() == "stopped"
+    inj.close()  # heals f001 early
+    assert wait_status(p2, {"sleeping", "running"}) != "stopped"
+    heals = [e["fault_id"] for e in events(ctx) if e["event"] == "fault.heal"]
+    assert heals == ["f000", "f001"]
+
+
+def test_injector_never_hits_keep_alive_or_the_last_healthy_group(ctx):
+    plan = [
+        PlannedFault(fault_id="f000", kind="kill", target=Target(replica=0, rank=0), at_s=0.0),
+        PlannedFault(fault_id="f001", kind="host_eviction", target=Target(host="host0"), at_s=0.0),
+        PlannedFault(fault_id="f002", kind="kill", target=Target(replica=1, rank=0), at_s=0.0),
+    ]
+    inj = Injector(
+        plan, ctx, seed=0, keep_alive=KeepAlive(replicas=frozenset({0})), healthy=lambda: {1}
+    )
+    inj.poll()
+    assert inj.fired == []
+    assert [fid for fid, _ in inj.skipped] == ["f000", "f001", "f002"]
+    assert "keep-alive" in inj.skipped[0][1] and "keep-alive replica [0]" in inj.skipped[1][1]
+    assert "last healthy" in inj.skipped[2][1]
+    assert all(p.poll() is None for p in ctx.workers.values())
+    assert not [e for e in events(ctx) if e["event"] == "fault.inject"]
+
+
+def test_a_fault_that_fails_to_fire_is_reported(ctx):
+    ctx.workers[(1, 0)].kill()
+    ctx.workers[(1, 0)].wait()
+    ctx.workers.pop((1, 0))  # the harness knows no pid for the target any more
+    plan = [PlannedFault(fault_id="f000", kind="kill", target=Target(replica=1, rank=0), at_s=0)]
+    inj = Injector(plan, ctx, seed=0)
+    inj.poll()
+    kinds = [(e["event"], e.get("error", "")) for e in events(ctx)]
+    assert kinds[0] == ("fault.inject", "")
+    assert kinds[1][0] == "fault.heal" and "no worker process" in kinds[1][1]
+
+
+def test_a_bad_fault_option_fails_before_anything_fires(ctx):
+    plan = [PlannedFault(fault_id="f000", kind="hang", target=Target(replica=1), at_s=0)]
+    with pytest.raises(ValueError, match="no option 'hold'"):
+        Injector(plan, ctx, seed=0, options={"hang": {"hold": 1}})
+
+
+def test_due_faults_keeps_plan_order():
+    plan = [
+        PlannedFault(fault_id="a", kind="kill", target=Target(replica=1), at_step=5),
+        PlannedFault(fault_id="b", kind="kill", target=Target(replica=1), at_s=1.0),
+    ]
+    assert due_faults(plan, 0, elapsed_s=10.0, committed_step=4) == []  # b waits for a
+    assert [f.fault_id for f in due_faults(plan, 0, 10.0, 5)] == ["a", "b"]
+    assert [f.fault_id for f in due_faults(plan, 1, 0.5, 5)] == []
