@@ -129,9 +129,9 @@ def test_catalogue_is_complete():
 
 
 def test_unknown_kind_and_option_are_named():
-    with pytest.raises(KeyError, match="unknown fault kind 'oom'; known kinds: .*segfault"):
+    with pytest.raises(KeyError, match=r"unknown fault kind 'oom'; known kinds: .*segfault"):
         fault_class("oom")
-    with pytest.raises(ValueError, match="slow_rank.*no option 'delay'.*delay_s"):
+    with pytest.raises(ValueError, match=r"slow_rank.*no option 'delay'.*delay_s"):
         make_fault("slow_rank", delay=1)
     assert fault_options("slow_rank")["delay_s"] == 0.5
 
