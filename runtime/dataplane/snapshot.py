@@ -1,0 +1,204 @@
+"""The source's double-buffered snapshot: two slots of the registered state plus a seqlock
+header, in one file under /dev/shm (or an anonymous mapping when shared memory is short).
+
+Every backend reads from here, so they share one consistency protocol:
+
+* Layout: ``[header | slot 0 | slot 1]``. The header holds a magic, the active slot, a publish
+  generation, the chunk count, each slot's ``(seq, step)`` and each slot's checksum table
+  (xxh3-64 per chunk).
+* ``publish(step)`` writes the slot *not* being served: seq becomes odd, tensors are copied
+  and hashed, the step is written, seq becomes even, then ``active`` flips. Training goes on
+  the moment ``publish`` returns: readers read the snapshot, never the live tensors.
+* A reader takes ``active``, reads ``seq`` (even), the step and checksums, copies the chunks,
+  then re-reads ``seq``. Unchanged: the copy is a consistent snapshot. Changed: the source
+  published twice during the read and reused the slot; the read is torn and is retried.
+* Invariant: a slot's bytes and checksums only change while its seq is odd, and only the
+  slot that is not ``active`` is ever written.
+
+Memory ordering: the header words are 8-byte aligned single stores, and x86-64 (TSO) keeps
+stores in program order, which is what a seqlock needs. On a weakly ordered CPU (ARM) the
+publisher would need release fences between the data and the seq stores.
+
+The second slot is allocated by tmpfs only when first written (files are sparse), so a
+source that publishes once pays for one copy of its state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from runtime.dataplane.errors import TornRead
+from runtime.dataplane.handle import Chunk, TensorMeta, plan_chunks, round_up, to_dtype
+from runtime.dataplane.memory import address_view, checksum, run_striped
+
+MAGIC = int.from_bytes(b"FTDPSNP1", "little")
+PAGE = 4096
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^ftdp-(\d+)-(\d+)-[0-9a-f]+$")
+# header words: magic, active, generation, n_chunks, then (seq, step) for slot 0 and slot 1
+_TOP = struct.Struct("<QqQQ")
+_SLOT = struct.Struct("<Qq")
+_SLOT_AT = (32, 48)
+_TABLE_AT = 64
+
+
+def header_bytes(n_chunks: int) -> int:
+    return round_up(_TABLE_AT + 2 * 8 * n_chunks, PAGE)
+
+
+def slot_bytes(metas: tuple[TensorMeta, ...]) -> int:
+    end = max((m.offset + m.nbytes for m in metas), default=0)
+    return round_up(max(end, 1), PAGE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotView:
+    """A consistent reading of the header: which slot to read, its seq and step, and the
+    checksums of its chunks."""
+
+    slot: int
+    seq: int
+    step: int
+    checksums: tuple[int, ...]
+
+
+def parse_header(buf, n_chunks: int) -> SlotView | None:
+    """Read the header from any buffer holding its bytes (an mmap, or a copy fetched over a
+    network). Returns None if nothing is published yet; raises ``TornRead`` if the active
+    slot is being written (seq odd) or changed while the table was read."""
+    magic, active, _gen, n = _TOP.unpack_from(buf, 0)
+    if magic != MAGIC or n != n_chunks:
+        raise TornRead(f"bad snapshot header (magic {magic:#x}, {n} chunks, want {n_chunks})")
+    if active < 0:
+        return None
+    seq, step = _SLOT.unpack_from(buf, _SLOT_AT[active])
+    if seq % 2:
+        raise TornRead("the active slot is being written")
+    table = struct.unpack_from(f"<{n_chunks}Q", buf, _TABLE_AT + active * 8 * n_chunks)
+    if slot_seq(buf, active) != seq:
+        raise TornRead("the slot changed while its checksums were read")
+    return SlotView(slot=active, seq=seq, step=step, checksums=table)
+
+
+def slot_seq(buf, slot: int) -> int:
+    return _SLOT.unpack_from(buf, _SLOT_AT[slot])[0]
+
+
+def process_start_time(pid: int) -> float:
+    return psutil.Process(pid).create_time()
+
+
+def owner_alive(pid: int, start_time: float) -> bool:
+    """True if process ``pid`` exists and is the same process (not a reused pid)."""
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - start_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def reap_orphans(directory: str = SHM_DIR) -> list[str]:
+    """Unlink snapshot files whose owner process is gone (a SIGKILLed source cannot clean up).
+    Returns the removed paths."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            m = _NAME.match(name)
+            if m and not owner_alive(int(m.group(1)), int(m.group(2)) / 1000):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+                    removed.append(os.path.join(directory, name))
+    return removed
+
+
+class Snapshot:
+    """The owner's side: creates the mapping, publishes into it, unlinks it on close."""
+
+    def __init__(self, metas: tuple[TensorMeta, ...], chunk_bytes: int, *, shared: bool) -> None:
+        self.metas = metas
+        self.chunks: tuple[Chunk, ...] = plan_chunks(metas, chunk_bytes)
+        self.header_bytes = header_bytes(len(self.chunks))
+        self.slot_bytes = slot_bytes(metas)
+        self.size = self.header_bytes + 2 * self.slot_bytes
+        self.path: str | None = None
+        self._lock = threading.Lock()
+        pid = os.getpid()
+        start_ms = round(process_start_time(pid) * 1000)
+        if shared and _free_bytes(SHM_DIR) > 2 * self.size:
+            self.path = f"{SHM_DIR}/ftdp-{pid}-{start_ms}-{secrets.token_hex(6)}"
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                self.mm = mmap.mmap(fd, self.size)
+            finally:
+                os.close(fd)
+        else:
+            self.mm = mmap.mmap(-1, self.size)
+        self._base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.address = self._base.data_ptr()
+        _TOP.pack_into(self.mm, 0, MAGIC, -1, 0, len(self.chunks))
+        for at in _SLOT_AT:
+            _SLOT.pack_into(self.mm, at, 0, -1)
+
+    def data_offset(self, slot: int) -> int:
+        return self.header_bytes + slot * self.slot_bytes
+
+    def publish(self, tensors: list[torch.Tensor], step: int, *, threads: int = 2) -> None:
+        """Copy ``tensors`` into the idle slot, hash it, and make it the served one. Returns
+        once the snapshot is complete; the caller may then mutate ``tensors`` freely."""
+        with self._lock:
+            _magic, active, gen, n = _TOP.unpack_from(self.mm, 0)
+            slot = 0 if active < 0 else 1 - active
+            seq, _ = _SLOT.unpack_from(self.mm, _SLOT_AT[slot])
+            _SLOT.pack_into(self.mm, _SLOT_AT[slot], seq + 1, -1)  # odd: being written
+            base = self.data_offset(slot)
+            for m, t in zip(self.metas, tensors, strict=True):
+                if m.nbytes:
+                    dst = self._base[base + m.offset : base + m.offset + m.nbytes]
+                    dst.view(to_dtype(m.dtype)).view(m.shape).copy_(t.detach())
+            sums = [0] * n
+
+            def hash_chunk(c: Chunk) -> None:
+                sums[c.index] = checksum(address_view(self.address + base + c.flat, c.length))
+
+            run_striped(self.chunks, hash_chunk, threads)
+            struct.pack_into(f"<{n}Q", self.mm, _TABLE_AT + slot * 8 * n, *sums)
+            _SLOT.pack_into(self.mm, _SLOT_AT[slot], seq + 2, step)  # even: complete
+            _TOP.pack_into(self.mm, 0, MAGIC, slot, gen + 1, n)
+
+    def view(self) -> SlotView | None:
+        """The owner's own consistent view of the header (retries while a publish runs)."""
+        for _ in range(1000):
+            try:
+                return parse_header(self.mm, len(self.chunks))
+            except TornRead:
+                time.sleep(0.001)
+        raise TornRead("snapshot header stayed inconsistent")
+
+    def close(self) -> None:
+        del self._base
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = None
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,350 @@
+"""TCP backend (across hosts): a small server thread in the source process serves chunks of
+its snapshot; the reader pulls them over several parallel streams with ``recv_into`` straight
+into the destination tensors' memory, hashing each chunk on arrival. No tensor is pickled.
+
+One-sided in the sense that matters: the training loop never sends; the server threads read
+the snapshot (``sendall`` of a memoryview of the mapping releases the GIL).
+
+Wire format (little-endian). Every request is ``REQ``: a 16-byte token, an op, a slot, a
+seq, a first chunk and a chunk count. A request with a wrong token closes the connection
+before anything is decoded further.
+
+* HELLO: reply ``HELLO_REP`` (status, slot, seq, step) followed by the header bytes of the
+  snapshot (the reader parses the checksums itself).
+* READ(slot, seq, first, count): reply ``STATUS`` (status, seq now), then the chunks' bytes
+  back to back, then a ``u64`` trailer with the slot's seq after sending. Either seq
+  differing from the requested one means the slot was overwritten: the read is torn.
+* VERBS: a length-prefixed JSON blob for the ibverbs queue-pair exchange (see ibverbs.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from runtime.dataplane.errors import (
+    ChecksumMismatch,
+    SourceGone,
+    TornRead,
+    TransferError,
+    TransferTimeout,
+)
+from runtime.dataplane.handle import Chunk, Handle, plan_chunks
+from runtime.dataplane.memory import checksum, tensor_view
+from runtime.dataplane.snapshot import SlotView, Snapshot, parse_header, slot_seq
+
+REQ = struct.Struct("<16sB7xqQQQ")
+HELLO_REP = struct.Struct("<qqQq")
+STATUS = struct.Struct("<qQ")
+U64 = struct.Struct("<Q")
+OP_HELLO, OP_READ, OP_VERBS = 1, 2, 3
+OK, NOT_READY, STALE, BAD = 0, 1, 2, 3
+SOCK_BUF = 4 << 20
+RUN_BYTES = 8 << 20  # bytes per READ request: amortises the round trip, keeps streams balanced
+
+
+class TcpServer:
+    """Serves a ``Snapshot`` on ``bind:0``; one daemon thread per connection."""
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        token: bytes,
+        bind: str = "127.0.0.1",
+        verbs_accept: Callable[[dict], dict] | None = None,
+    ) -> None:
+        self._snap = snapshot
+        self._token = token
+        self._verbs_accept = verbs_accept
+        self._sock = socket.create_server((bind, 0), backlog=64)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._mv = memoryview(snapshot.mm)
+        self._thread = threading.Thread(target=self._accept, name="dataplane-tcp", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+            while not self._closed:
+                raw = _recv_exact(conn, REQ.size)
+                if raw is None:
+                    return
+                token, op, slot, seq, first, count = REQ.unpack(raw)
+                if not hmac.compare_digest(token, self._token):
+                    return  # unauthenticated: drop without decoding anything else
+                if op == OP_HELLO:
+                    self._hello(conn)
+                elif op == OP_READ:
+                    self._read(conn, slot, seq, first, count)
+                elif op == OP_VERBS and self._verbs_accept is not None:
+                    (n,) = U64.unpack(_recv_exact(conn, 8) or b"\0" * 8)
+                    request = json.loads(_recv_exact(conn, n) or b"{}")
+                    reply = json.dumps(self._verbs_accept(request))
+                    conn.sendall(U64.pack(len(reply)) + reply.encode())
+                else:
+                    return
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _hello(self, conn: socket.socket) -> None:
+        try:
+            view = self._snap.view()
+        except TornRead:
+            view = None
+        if view is None:
+            conn.sendall(HELLO_REP.pack(NOT_READY, -1, 0, -1) + bytes(self._snap.header_bytes))
+            return
+        header = bytes(self._mv[: self._snap.header_bytes])
+        conn.sendall(HELLO_REP.pack(OK, view.slot, view.seq, view.step) + header)
+
+    def _read(self, conn: socket.socket, slot: int, seq: int, first: int, count: int) -> None:
+        chunks = self._snap.chunks
+        if not (0 <= slot <= 1 and first >= 0 and first + count <= len(chunks)):
+            conn.sendall(STATUS.pack(BAD, 0))
+            raise OSError("bad request")
+        now = slot_seq(self._snap.mm, slot)
+        if now != seq:
+            conn.sendall(STATUS.pack(STALE, now))
+            return
+        conn.sendall(STATUS.pack(OK, now))
+        base = self._snap.data_offset(slot)
+        run = chunks[first : first + count]
+        # chunks of one tensor are contiguous: send each maximal contiguous span in one call
+        start = end = base + run[0].flat
+        for c in run:
+            if base + c.flat != end:
+                conn.sendall(self._mv[start:end])
+                start = base + c.flat
+            end = base + c.flat + c.length
+        conn.sendall(self._mv[start:end])
+        conn.sendall(U64.pack(slot_seq(self._snap.mm, slot)))
+
+    def close(self) -> None:
+        """Stop accepting and drop open connections (readers see ``SourceGone``)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with self._lock:
+            for c in list(self._conns):
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2)
+        with contextlib.suppress(BufferError):
+            self._mv.release()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    got = 0
+    view = memoryview(buf)
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+class _Conn:
+    """A reader's authenticated connection with deadline-bound I/O and clear errors."""
+
+    def __init__(self, handle: Handle, deadline: float) -> None:
+        assert handle.tcp is not None
+        self.where = f"{handle.tcp[0]}:{handle.tcp[1]}"
+        self.deadline = deadline
+        self.token = bytes.fromhex(handle.token)
+        try:
+            self.sock = socket.create_connection(handle.tcp, timeout=self._left())
+        except (ConnectionRefusedError, ConnectionResetError) as e:
+            raise SourceGone(f"no data-plane server at {self.where}: {e}") from e
+        except TimeoutError as e:
+            raise TransferTimeout(f"connecting to {self.where} timed out") from e
+        except OSError as e:
+            raise SourceGone(f"cannot connect to {self.where}: {e}") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(f"read from {self.where} passed its deadline")
+        return left
+
+    def request(self, op: int, slot: int = 0, seq: int = 0, first: int = 0, count: int = 0) -> None:
+        self._io(lambda: self.sock.sendall(REQ.pack(self.token, op, slot, seq, first, count)))
+
+    def recv_into(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        while got < n:
+            k = self._io(lambda got=got: self.sock.recv_into(view[got:]))
+            if k == 0:
+                raise SourceGone(f"{self.where} closed the connection mid-transfer")
+            got += k
+
+    def recv_bytes(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def _io(self, fn):
+        self.sock.settimeout(self._left())
+        try:
+            return fn()
+        except TimeoutError as e:
+            raise TransferTimeout(f"read from {self.where} timed out") from e
+        except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as e:
+            raise SourceGone(f"{self.where} dropped the connection mid-transfer: {e}") from e
+        except OSError as e:
+            raise SourceGone(f"I/O error with {self.where}: {e}") from e
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def hello(conn: _Conn, n_chunks: int, header_bytes: int) -> SlotView | None:
+    conn.request(OP_HELLO)
+    status, _slot, _seq, _step = HELLO_REP.unpack(conn.recv_bytes(HELLO_REP.size))
+    header = conn.recv_bytes(header_bytes)
+    if status != OK:
+        return None
+    return parse_header(header, n_chunks)
+
+
+def wait_for_step(
+    conn: _Conn, handle: Handle, n_chunks: int, step: int | None, deadline: float
+) -> SlotView:
+    """HELLO until the source serves a complete slot (with ``step``, if given)."""
+    last = "nothing published"
+    while True:
+        try:
+            view = hello(conn, n_chunks, handle.header_bytes)
+        except TornRead as e:
+            view, last = None, str(e)
+        if view is not None:
+            if step is None or view.step == step:
+                return view
+            last = f"source serves step {view.step}"
+        if time.monotonic() + 0.005 >= deadline:
+            raise TransferTimeout(f"timed out waiting for step {step} from {conn.where}: {last}")
+        time.sleep(0.005)
+
+
+def read_tcp(
+    handle: Handle,
+    dest: Sequence[torch.Tensor],
+    *,
+    deadline: float,
+    step: int | None,
+    streams: int = 4,
+) -> int:
+    """One attempt: pull the served slot into ``dest`` over ``streams`` connections and verify
+    every chunk. Returns the step read. Raises ``TornRead``, ``SourceGone``,
+    ``ChecksumMismatch`` or ``TransferTimeout``."""
+    chunks = plan_chunks(handle.tensors, handle.chunk_bytes)
+    first = _Conn(handle, deadline)
+    conns = [first]
+    try:
+        view = wait_for_step(first, handle, len(chunks), step, deadline)
+        runs = _runs(chunks, max(1, RUN_BYTES // handle.chunk_bytes))
+        n = max(1, min(streams, len(runs)))
+        conns += [_Conn(handle, deadline) for _ in range(n - 1)]
+        views = [tensor_view(t) for t in dest]
+        next_run = iter(runs)
+        lock = threading.Lock()
+        errors: list[TransferError] = []
+        bad: list[int] = []
+
+        def stream(conn: _Conn) -> None:
+            try:
+                while not errors:
+                    with lock:
+                        run = next(next_run, None)
+                    if run is None:
+                        return
+                    _pull(conn, view, run, views, bad)
+            except TransferError as e:
+                errors.append(e)
+            except Exception as e:  # a bug, not a transfer failure: surface it as one
+                errors.append(TransferError(f"reader thread failed: {e!r}"))
+
+        threads = [threading.Thread(target=stream, args=(c,), daemon=True) for c in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            # a dead source shows up in every stream; a torn read in one is enough to retry
+            raise next((e for e in errors if isinstance(e, TornRead)), errors[0])
+        if bad:
+            raise ChecksumMismatch(f"{len(bad)} chunk(s) failed their checksum, first {min(bad)}")
+        return view.step
+    finally:
+        for c in conns:
+            c.close()
+
+
+def _runs(chunks: tuple[Chunk, ...], per_run: int) -> list[tuple[Chunk, ...]]:
+    return [chunks[i : i + per_run] for i in range(0, len(chunks), per_run)]
+
+
+def _pull(
+    conn: _Conn,
+    view: SlotView,
+    run: tuple[Chunk, ...],
+    views: list[memoryview],
+    bad: list[int],
+) -> None:
+    conn.request(OP_READ, view.slot, view.seq, run[0].index, len(run))
+    status, now = STATUS.unpack(conn.recv_bytes(STATUS.size))
+    if status == STALE:
+        raise TornRead(f"slot {view.slot} was republished (seq {view.seq} -> {now})")
+    if status != OK:
+        raise TransferError(f"{conn.where} refused a read (status {status})")
+    for c in run:
+        dst = views[c.tensor][c.offset : c.offset + c.length]
+        conn.recv_into(dst)
+        if checksum(dst) != view.checksums[c.index]:
+            bad.append(c.index)
+    (after,) = U64.unpack(conn.recv_bytes(8))
+    if after != view.seq:
+        raise TornRead(f"slot {view.slot} was republished during the read")
+
+
+def verbs_exchange(handle: Handle, local: dict, deadline: float) -> dict:
+    """Send our queue-pair info to the source's server, return its own (ibverbs setup)."""
+    conn = _Conn(handle, deadline)
+    try:
+        conn.request(OP_VERBS)
+        body = json.dumps(local).encode()
+        conn._io(lambda: conn.sock.sendall(U64.pack(len(body)) + body))
+        (n,) = U64.unpack(conn.recv_bytes(8))
+        return json.loads(conn.recv_bytes(n))
+    finally:
+        conn.close()
