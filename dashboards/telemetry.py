@@ -43,6 +43,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from dashboards import names as N
+from dashboards.metrics import policy_of
 from runtime import journal as J
 
 _NS = 1_000_000_000
@@ -277,10 +278,10 @@ class Telemetry:
         return attrs
 
     def _span_attrs(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        policy = record.get("policy")
-        attrs: dict[str, Any] = {N.ATTR_JOB: record.get("job") or self.job}
-        if policy is not None:
-            attrs[N.ATTR_POLICY] = str(policy)
+        attrs: dict[str, Any] = {
+            N.ATTR_JOB: record.get("job") or self.job,
+            N.ATTR_POLICY: policy_of(record),
+        }
         target = record.get("target") if isinstance(record.get("target"), dict) else {}
         coords = record.get("coords") if isinstance(record.get("coords"), dict) else {}
         for key, attr in (
@@ -291,7 +292,7 @@ class Telemetry:
         ):
             value = record.get(key, target.get(key, coords.get(key)))
             if value is None and key == "step":
-                value = self._last_step.get(str(policy or ""))
+                value = self._last_step.get(policy_of(record))
             if value is not None:
                 attrs[attr] = value if isinstance(value, int | float | bool) else str(value)
         return attrs
@@ -300,21 +301,30 @@ class Telemetry:
     def _on_step(self, r: Mapping[str, Any], t: float) -> None:
         # The hot path: one histogram record, the rest are plain dict updates that the
         # observable instruments read at collection time (an SDK measurement costs ~15 us).
-        policy = str(r.get("policy") or "")
+        policy = policy_of(r)
         replica = r.get("replica")
         step_time = r.get("step_time_s")
         if step_time is not None:
             self._step_duration.record(
                 float(step_time), self._metric_attrs(policy, **{N.ATTR_REPLICA: replica})
             )
-        if r.get("rank") not in (None, 0):
-            return  # count each replica group's step once, not once per rank
         group = self._groups.get((policy, replica))
         if group is None:
             group = self._groups[(policy, replica)] = _Group()
-        group.steps += 1
-        samples = r.get("samples") or 0
+        samples = r.get("samples", 1) or 0  # each rank's own sequences, as metrics.py counts
         group.samples += samples
+        tp = self._throughput.get(policy)
+        if tp is None:
+            tp = self._throughput[policy] = _Throughput()
+        if tp.first_t is None:
+            tp.first_t = t
+        if t > tp.first_t:  # the first commit opens the window; its samples predate it
+            tp.samples += samples
+        if t > tp.last_t:
+            tp.last_t = t
+        if r.get("rank") not in (None, 0):
+            return  # count each replica group's step once, not once per rank
+        group.steps += 1
         step = r.get("step")
         if step is not None:
             group.last_step = step
@@ -324,18 +334,9 @@ class Telemetry:
         if participants is not None:
             n = participants if isinstance(participants, int) else len(participants)
             self._participants_now[policy] = n
-        tp = self._throughput.get(policy)
-        if tp is None:
-            tp = self._throughput[policy] = _Throughput()
-        if tp.first_t is None:
-            tp.first_t = t  # the first commit opens the window; its samples predate it
-        else:
-            tp.samples += samples
-        if t > tp.last_t:
-            tp.last_t = t
 
     def _on_fault_inject(self, r: Mapping[str, Any], t: float) -> None:
-        policy = str(r.get("policy") or "")
+        policy = policy_of(r)
         kind = str(r.get("kind") or "unknown")
         fault_id = r.get("fault_id")
         attrs = self._span_attrs(r)
@@ -349,9 +350,11 @@ class Telemetry:
         self._faults_counter.add(1, self._metric_attrs(policy, **{N.ATTR_FAULT_KIND: kind}))
         tp = self._throughput.setdefault(policy, _Throughput())
         if tp.first_fault_t is None:
+            # the fault-free rate, over first commit .. last commit before the first fault
+            # (dashboards/metrics.py's baseline_samples_per_s, computed incrementally)
             tp.first_fault_t = t
-            if tp.first_t is not None and t > tp.first_t and tp.samples > 0:
-                tp.baseline_rate = tp.samples / (t - tp.first_t)
+            if tp.first_t is not None and tp.last_t > tp.first_t and tp.samples > 0:
+                tp.baseline_rate = tp.samples / (tp.last_t - tp.first_t)
 
     def _on_fault_heal(self, r: Mapping[str, Any], t: float) -> None:
         fault = self._faults.pop(r.get("fault_id"), None)
@@ -360,7 +363,7 @@ class Telemetry:
 
     def _on_failure(self, r: Mapping[str, Any], t: float) -> None:
         cause = str(r.get("cause") or "unknown")
-        policy = str(r.get("policy") or "")
+        policy = policy_of(r)
         self._failures.add(1, self._metric_attrs(policy, **{N.ATTR_CAUSE: cause}))
         attrs = self._span_attrs(r)
         attrs[N.ATTR_CAUSE] = cause
@@ -409,7 +412,8 @@ class Telemetry:
     def _start_recovery(self, r: Mapping[str, Any], t: float) -> _Recovery:
         fault_id = r.get("fault_id")
         fault = self._fault_info.get(fault_id) if fault_id is not None else None
-        kind = fault.kind if fault is not None else str(r.get("cause") or "unknown")
+        # metrics.py calls a recovery with no fault "unplanned"; the cause is its own attribute
+        kind = fault.kind if fault is not None else "unplanned"
         attrs = self._span_attrs(r)
         attrs[N.ATTR_FAULT_KIND] = kind
         if r.get("recovery_id") is not None:

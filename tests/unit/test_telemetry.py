@@ -1,0 +1,186 @@
+"""Telemetry sink: journal records in, OTel spans and metrics out (in-memory SDK exporters)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from dashboards import names as N
+from dashboards.metrics import summarize
+from dashboards.telemetry import Telemetry
+from runtime.journal import PHASES, Journal
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from h3_fake_job import scenario
+
+
+def _feed(records, **kw):
+    spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    tel = Telemetry("unit", span_exporters=[spans], metric_readers=[reader], **kw)
+    for r in records:
+        tel.sink(r)
+    return tel, spans, reader
+
+
+def _points(reader: InMemoryMetricReader) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out.setdefault(m.name, []).extend(m.data.data_points)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("otel", "unit", "kind", "prom"),
+    [
+        ("ftharness.train.steps", "{step}", "counter", "ftharness_train_steps_total"),
+        ("ftharness.recovery.duration", "s", "histogram", "ftharness_recovery_duration_seconds"),
+        ("ftharness.goodput", "1", "gauge", "ftharness_goodput"),
+        ("a.b_seconds", "s", "gauge", "a_b_seconds"),
+        ("bytes.moved", "By", "counter", "bytes_moved_bytes_total"),
+    ],
+)
+def test_prometheus_name_derivation(otel, unit, kind, prom):
+    assert N.prometheus_name(otel, unit, kind) == prom
+
+
+def test_metric_names_are_unique_and_histograms_have_second_buckets():
+    otel = [m.otel for m in N.ALL_METRICS]
+    assert len(set(otel)) == len(otel)
+    assert len(set(N.PROMETHEUS.values())) == len(otel)
+    for m in N.ALL_METRICS:
+        if m.kind == "histogram":
+            assert m.unit == "s" and list(m.buckets) == sorted(m.buckets)
+            assert m.buckets[-1] >= 60  # a minutes-long recovery still lands in a finite bucket
+
+
+def test_spans_form_a_fault_recovery_phase_tree_with_coordinates():
+    tel, exporter, _ = _feed(scenario(job="unit", policy="in_place"))
+    tel.shutdown()
+    spans = exporter.get_finished_spans()
+    by_name = {s.name: s for s in spans}
+    fault, recovery = by_name[N.SPAN_FAULT], by_name[N.SPAN_RECOVERY]
+    assert fault.attributes[N.ATTR_FAULT_KIND] == "kill"
+    assert fault.attributes[N.ATTR_REPLICA] == 1
+    assert fault.attributes[N.ATTR_RANK] == 0
+    assert fault.attributes[N.ATTR_HOST] == "host1"
+    assert fault.attributes[N.ATTR_STEP] == 11  # the last committed step when it fired
+    assert fault.attributes[N.ATTR_JOB] == "unit"
+    assert fault.attributes[N.ATTR_POLICY] == "in_place"
+    assert recovery.parent is not None and recovery.parent.span_id == fault.context.span_id
+    assert recovery.context.trace_id == fault.context.trace_id
+    assert recovery.attributes.get(N.ATTR_INCOMPLETE) is None
+    assert (recovery.end_time - recovery.start_time) / 1e9 == pytest.approx(2.3, abs=1e-3)
+    phase_spans = {
+        s.attributes[N.ATTR_PHASE]: s
+        for s in spans
+        if s.name.startswith(N.SPAN_PHASE_PREFIX) and s.name != N.SPAN_RECOVERY
+    }
+    assert set(phase_spans) == set(PHASES)
+    for phase, span in phase_spans.items():
+        assert span.name == N.phase_span_name(phase)
+        assert span.parent.span_id == recovery.context.span_id
+    detected = phase_spans["detected"]
+    assert (detected.end_time - detected.start_time) / 1e9 == pytest.approx(0.04, abs=1e-3)
+    assert [e.name for e in recovery.events] == [
+        "detected",
+        "replacement_started",
+        "survivors_resumed",
+        "healed",
+        "participating",
+    ]
+    failure = by_name[N.SPAN_FAILURE]
+    assert failure.attributes[N.ATTR_CAUSE] == "signal"
+    assert failure.resource.attributes["service.name"] == "ftharness"
+    assert failure.resource.attributes[N.ATTR_JOB] == "unit"
+
+
+def test_metrics_match_the_journal_summary():
+    records = scenario(job="unit", policy="in_place")
+    tel, _, reader = _feed(records)
+    points = _points(reader)
+    summary = summarize(records)["policies"]["in_place"]
+    (dur,) = points[N.RECOVERY_DURATION.otel]
+    assert dur.count == 1
+    assert dur.sum == pytest.approx(summary["recoveries"][0]["participate_s"], abs=1e-6)
+    assert tuple(dur.explicit_bounds) == N.RECOVERY_BUCKETS_S
+    (det,) = points[N.DETECTION.otel]
+    assert det.sum == pytest.approx(summary["recoveries"][0]["detection_s"], abs=1e-6)
+    steps = {p.attributes[N.ATTR_REPLICA]: p.value for p in points[N.STEPS.otel]}
+    assert steps == {"0": 40, "1": 30}  # group 1 missed the steps while it was away
+    (part,) = points[N.PARTICIPANTS.otel]
+    assert part.value == 2
+    (faults,) = points[N.FAULTS.otel]
+    assert faults.value == 1 and faults.attributes[N.ATTR_FAULT_KIND] == "kill"
+    (goodput,) = points[N.GOODPUT.otel]
+    assert goodput.value == pytest.approx(summary["goodput"], rel=1e-6)
+    step_counts = sum(p.count for p in points[N.STEP_DURATION.otel])
+    assert step_counts == sum(1 for r in records if r["event"] == "step.commit")
+    tel.shutdown()
+
+
+def test_shutdown_ends_open_spans_marked_incomplete():
+    records = scenario(job="unit")
+    cut = next(
+        i
+        for i, r in enumerate(records)
+        if r["event"] == "recovery.phase" and r["phase"] == "healed"
+    )
+    tel, exporter, _ = _feed(records[:cut])
+    assert not [s for s in exporter.get_finished_spans() if s.name == N.SPAN_RECOVERY]
+    tel.shutdown()
+    (rec,) = [s for s in exporter.get_finished_spans() if s.name == N.SPAN_RECOVERY]
+    assert rec.attributes[N.ATTR_INCOMPLETE] is True
+    assert rec.end_time == int(records[cut - 1]["t"] * 1e9)
+
+
+def test_sparse_and_unknown_records_do_not_raise_and_recovery_without_fault_is_unplanned():
+    recs = [
+        {"t": 1.0, "event": "something.new", "job": "unit"},
+        {"t": 2.0, "event": "step.commit", "job": "unit"},
+        {"t": 3.0, "event": "failure", "job": "unit"},
+        {"t": 4.0, "event": "fault.heal", "job": "unit", "fault_id": "nope"},
+        {
+            "t": 5.0,
+            "event": "recovery.phase",
+            "job": "unit",
+            "recovery_id": "x",
+            "phase": "detected",
+            "replica": 0,
+            "cause": "heartbeat",
+        },
+        {
+            "t": 6.0,
+            "event": "recovery.phase",
+            "job": "unit",
+            "recovery_id": "x",
+            "phase": "participating",
+            "replica": 0,
+        },
+    ]
+    tel, exporter, reader = _feed(recs)
+    (dur,) = _points(reader)[N.RECOVERY_DURATION.otel]
+    assert dur.attributes[N.ATTR_FAULT_KIND] == "unplanned" and dur.sum == pytest.approx(1.0)
+    tel.shutdown()
+    (rec,) = [s for s in exporter.get_finished_spans() if s.name == N.SPAN_RECOVERY]
+    assert rec.parent is None
+
+
+def test_attached_to_a_journal_as_a_sink(tmp_path):
+    tel, exporter, _ = _feed([])
+    journal = Journal(tmp_path / "j.jsonl", job="unit", host="h0")
+    journal.add_sink(tel.sink)
+    journal.emit(
+        "fault.inject", fault_id="a", kind="segfault", target={"replica": 0}, policy="in_place"
+    )
+    journal.emit("fault.heal", fault_id="a", kind="segfault")
+    journal.close()
+    tel.shutdown()
+    (fault,) = exporter.get_finished_spans()
+    assert fault.attributes[N.ATTR_HOST] == "h0"  # the journal's stamp reaches the span
+    assert fault.attributes[N.ATTR_REPLICA] == 0
