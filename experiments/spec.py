@@ -183,9 +183,9 @@ def _number(w: _Where, key: str, value: Any, *, positive: bool = False) -> float
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise w.error(key, f"must be a number, got {value!r}")
     if positive and value <= 0:
-        raise w.error(key, f"= {value!r}: must be > 0")
+        raise w.error(key, f"got {value!r}; must be > 0")
     if value < 0:
-        raise w.error(key, f"= {value!r}: must be >= 0")
+        raise w.error(key, f"got {value!r}; must be >= 0")
     return float(value)
 
 
@@ -226,7 +226,7 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
         duration_s = _number(w, "duration_s", duration_s, positive=True)
     steps = data.get("steps")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise w.error("steps", f"= {steps!r}: must be an integer >= 1")
+        raise w.error("steps", f"got {steps!r}; must be an integer >= 1")
     if duration_s is None and steps is None:
         raise w.error("duration_s", "set duration_s (seconds per policy) or steps (or both)")
 
@@ -379,7 +379,7 @@ def _schedule(w: _Where, t: dict[str, Any]) -> ScheduleSpec:
     if "max_faults" in t:
         m = t["max_faults"]
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise w.error("schedule.max_faults", f"= {m!r}: must be an integer >= 0")
+            raise w.error("schedule.max_faults", f"got {m!r}; must be an integer >= 0")
         kw["max_faults"] = m
     problems = schedule_problems(_as_probe(kw))
     if problems:  # each problem starts with its key: report it under schedule.KEY
@@ -427,7 +427,7 @@ def _faults(w: _Where, t: dict[str, Any]) -> FaultMix:
             raise w.error(f"faults.options.{kind}", str(e)) from None
         for key, value in o.items():
             if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-                raise w.error(f"faults.options.{kind}.{key}", f"= {value!r}: must be >= 0")
+                raise w.error(f"faults.options.{kind}.{key}", f"got {value!r}; must be >= 0")
         opts[kind] = MappingProxyType(dict(o))
     return FaultMix(weights=MappingProxyType(weights), options=MappingProxyType(opts))
 

@@ -1,0 +1,171 @@
+"""Experiment files are validated before launch; a malformed one is rejected with a message that
+names the file, the key and what is allowed."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from experiments.spec import ExperimentError, load_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOOD = """\
+name = "t"
+seed = 3
+duration_s = 60
+policies = ["in_place", "full_restart"]
+
+[job]
+replicas = 3
+ranks = 1
+hosts = 2
+
+[schedule]
+kind = "interval"
+interval_s = 10
+start_s = 5
+
+[faults]
+mix = { kill = 2, segfault = 1, host_eviction = 1 }
+
+[targets]
+keep_alive = { replicas = [0] }
+
+[hypotheses]
+loss_finite = true
+goodput_min = { in_place = 0.5 }
+recovery_p95_max_s = 10
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "exp.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+@pytest.mark.parametrize("name", ["quickstart.toml", "monarch_case_study.toml"])
+def test_shipped_experiments_load(name):
+    spec = load_experiment(ROOT / "experiments" / name)
+    assert spec.policies == ("in_place", "full_restart")
+    assert spec.plan() == spec.plan()
+    assert spec.plan(), "the plan fires at least one fault"
+
+
+def test_monarch_case_study_matches_the_story():
+    spec = load_experiment(ROOT / "experiments" / "monarch_case_study.toml")
+    kinds = {"segfault", "kill", "collective_abort", "host_eviction", "gil_deadlock"}
+    assert set(spec.faults.weights) == kinds
+    assert kinds == {f.kind for f in spec.plan()}  # every kind actually fires
+    assert spec.schedule.interval_s == 20 and spec.schedule.jitter_s == 10
+    assert spec.topology.replicas >= 3 and len(spec.topology.hosts) >= 2
+
+
+def test_a_good_file(tmp_path):
+    spec = load_experiment(write(tmp_path, GOOD))
+    assert spec.name == "t" and spec.seed == 3 and spec.duration_s == 60
+    assert spec.faults.weights == {"kill": 2.0, "segfault": 1.0, "host_eviction": 1.0}
+    assert spec.targets.keep_alive.replicas == {0}
+    assert spec.hypotheses.loss_finite
+    assert spec.hypotheses.bound("goodput_min", "in_place") == 0.5
+    assert spec.hypotheses.bound("goodput_min", "full_restart") is None
+    assert spec.hypotheses.bound("recovery_p95_max_s", "full_restart") == 10
+    assert spec.job_overrides("full_restart")[-1] == "recovery.policy=full_restart"
+    assert all(f.target.replica != 0 for f in spec.plan())
+
+
+def test_job_path_is_relative_to_the_experiment_file(tmp_path):
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "small.toml").write_text("replicas = 4\nhosts = 2\n")
+    text = GOOD.replace("[job]\nreplicas = 3\nranks = 1\nhosts = 2\n", "")
+    text = 'job = "jobs/small.toml"\n' + text
+    spec = load_experiment(write(tmp_path, text))
+    assert spec.job_path == tmp_path / "jobs" / "small.toml"
+    assert spec.topology.replicas == 4
+
+
+def _replace(old: str, new: str) -> str:
+    assert old in GOOD, old
+    return GOOD.replace(old, new)
+
+
+BAD = [
+    # (what is wrong, the file text, words the message must contain)
+    ("unknown top-level key", "colour = 1\n" + GOOD, ["colour", "unknown key", "allowed:"]),
+    (
+        "unknown fault kind",
+        _replace("segfault = 1", "oom = 1"),
+        ["faults.mix.oom", "unknown fault kind", "allowed:", "segfault"],
+    ),
+    (
+        "negative interval",
+        _replace("interval_s = 10", "interval_s = -5"),
+        ["schedule.interval_s", "-5", "> 0"],
+    ),
+    (
+        "impossible target",
+        _replace("keep_alive = { replicas = [0] }", "replicas = [5]"),
+        ["targets.replicas", "replica 5 of 3", "0..2"],
+    ),
+    (
+        "empty fault mix",
+        _replace("mix = { kill = 2, segfault = 1, host_eviction = 1 }", "mix = {}"),
+        ["faults.mix", "non-empty", "kinds:"],
+    ),
+    (
+        "unknown schedule kind",
+        _replace('kind = "interval"', 'kind = "sometimes"'),
+        ["schedule.kind", "'sometimes'", "poisson"],
+    ),
+    (
+        "unknown policy",
+        _replace('"full_restart"]', '"reboot"]'),
+        ["policies", "'reboot'", "in_place, full_restart"],
+    ),
+    (
+        "unknown hypothesis",
+        _replace("loss_finite = true", "loss_small = true"),
+        ["hypotheses.loss_small", "unknown key", "goodput_min"],
+    ),
+    (
+        "unknown fault option",
+        GOOD + "[faults.options.kill]\nsignal = 9\n",
+        ["faults.options.kill", "no option 'signal'", "hold_s"],
+    ),
+    ("no duration", _replace("duration_s = 60\n", ""), ["duration_s", "steps"]),
+    (
+        "keep-alive leaves nothing to evict",
+        _replace("keep_alive = { replicas = [0] }", "keep_alive = { replicas = [0, 1] }"),
+        ["targets", "no host can be evicted"],
+    ),
+    ("bad job config", _replace("replicas = 3", "replicas = 0"), ["job", "replicas"]),
+    (
+        "missing job file",
+        _replace("[job]\nreplicas = 3\nranks = 1\nhosts = 2\n", "").replace(
+            'name = "t"', 'name = "t"\njob = "nope.toml"'
+        ),
+        ["job", "nope.toml", "no such file"],
+    ),
+    ("negative weight", _replace("kill = 2", "kill = -2"), ["faults.mix.kill", "> 0"]),
+]
+
+
+@pytest.mark.parametrize(("case", "text", "words"), BAD, ids=[b[0] for b in BAD])
+def test_malformed_files_are_rejected_clearly(tmp_path, case, text, words):
+    path = write(tmp_path, text, name="broken.toml")
+    with pytest.raises(ExperimentError) as err:
+        load_experiment(path)
+    message = str(err.value)
+    assert message.startswith(str(path.resolve())), message  # names the file
+    for w in words:
+        assert w in message, f"{case}: {w!r} not in {message!r}"
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(ExperimentError, match="not valid TOML"):
+        load_experiment(write(tmp_path, "name = \n"))
+    with pytest.raises(ExperimentError, match="no such experiment file"):
+        load_experiment(tmp_path / "absent.toml")
