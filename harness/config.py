@@ -1,0 +1,387 @@
+"""Job configuration: frozen, keyword-only specs, validated before anything launches.
+
+A job config comes from a TOML file or a ``module:function`` returning a :class:`JobConfig`, plus
+``a.b=value`` overrides (values parsed as TOML, bare words taken as strings). Every problem is a
+:class:`ConfigError` whose message names the key and says what is allowed: unknown keys (with the
+closest valid name), wrong types, impossible sizes and timeouts in the wrong order.
+
+The timeout ordering, and why each rule exists (all values in seconds):
+
+* ``heartbeat_interval < heartbeat_timeout``: a live worker must get several beats in before its
+  supervisor declares it hung.
+* ``heartbeat_timeout < process_group_timeout``: a hung rank is killed by its supervisor before the
+  survivors' collectives time out, so survivors see a clean peer death, not a stalled allreduce.
+* ``lighthouse_heartbeat_timeout < quorum_timeout`` and ``lighthouse_join_timeout <
+  quorum_timeout``: the Lighthouse drops a dead group (or stops waiting for joiners) before a
+  survivor's quorum request gives up.
+* ``lighthouse_join_timeout`` should also exceed one step's time: a live group that is mid-step
+  when a quorum forms is waited for instead of left out. (Left out at the same step, it would
+  commit that step in a quorum of its own and the groups' weights would fork.) This is not
+  checked here because step time is only known at run time.
+* ``process_group_timeout <= quorum_timeout``: a collective on a broken quorum fails (and the step
+  aborts) before the next quorum request would time out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A job config is invalid; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to train. ``tiny`` is a plain-torch causal LM; ``llama3_debug`` is torchtitan's
+    llama3 debug model (dim 256, 6 layers) on CPU. ``dim``/``layers``/``heads`` size ``tiny``."""
+
+    kind: Literal["tiny", "llama3_debug"] = "tiny"
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The synthetic token stream. ``vocab_size`` must match the model's (2048 for llama3_debug)."""
+
+    seed: int = 0
+    seq_len: int = 32
+    batch_size: int = 8
+    vocab_size: int = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW hyperparameters."""
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutConfig:
+    """Every timeout of the job, in seconds; their ordering is checked (see the module doc)."""
+
+    heartbeat_interval: float = 0.2
+    heartbeat_timeout: float = 2.0
+    lighthouse_heartbeat_timeout: float = 1.0
+    lighthouse_join_timeout: float = 5.0
+    quorum_timeout: float = 10.0
+    process_group_timeout: float = 5.0
+    manager_timeout: float = 10.0
+    connect_timeout: float = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Durable checkpoints every ``every_steps`` committed steps (0 = never) into ``dir`` (None =
+    the run directory), keeping the newest ``keep``."""
+
+    every_steps: int = 50
+    dir: str | None = None
+    keep: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """How failures are recovered: ``in_place`` restarts only the failed replica group, which heals
+    from a peer; ``full_restart`` restarts the whole job from the last checkpoint."""
+
+    policy: Literal["in_place", "full_restart"] = "in_place"
+    max_restarts: int = 10
+    within_s: float = 600.0
+    restart_delay_s: float = 0.0
+    quorum: Literal["torchft", "tree"] = "torchft"
+    spares_per_host: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TelemetryConfig:
+    """Live exports besides the JSONL journal (None = off)."""
+
+    prometheus_port: int | None = None
+    otlp_endpoint: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole training job: ``replicas`` replica groups of ``ranks`` processes each, spread over
+    ``hosts`` local host agents, training for ``steps`` committed steps."""
+
+    name: str = "job"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    replicas: int = 3
+    ranks: int = 1
+    hosts: int = 1
+    steps: int = 100
+    min_replica_size: int = 1
+    bind_host: str = "127.0.0.1"
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    transport: Literal["torchft_http", "torchft_pg", "dataplane"] = "torchft_http"
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: pure checks, each error names the key and what is allowed.
+
+
+def _positive(key: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} = {value!r}: must be >= {minimum}")
+
+
+def _smaller(
+    small_key: str, small: float, big_key: str, big: float, why: str, *, equal_ok: bool = False
+) -> None:
+    ok = small <= big if equal_ok else small < big
+    if not ok:
+        op = "<=" if equal_ok else "<"
+        raise ConfigError(
+            f"timeouts.{small_key} ({small}) must be {op} timeouts.{big_key} ({big}): {why}"
+        )
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raise :class:`ConfigError` for the first rule ``cfg`` breaks (sizes, then timeouts)."""
+    _positive("replicas", cfg.replicas)
+    _positive("ranks", cfg.ranks)
+    _positive("hosts", cfg.hosts)
+    _positive("steps", cfg.steps, 0)
+    _positive("min_replica_size", cfg.min_replica_size)
+    if cfg.min_replica_size > cfg.replicas:
+        raise ConfigError(
+            f"min_replica_size = {cfg.min_replica_size} must be <= replicas = {cfg.replicas}: "
+            "a quorum can never have more replica groups than the job runs"
+        )
+    for key in ("seq_len", "batch_size", "vocab_size"):
+        _positive(f"data.{key}", getattr(cfg.data, key))
+    m = cfg.model
+    for key in ("dim", "layers", "heads"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.heads:
+        raise ConfigError(f"model.dim = {m.dim} must be divisible by model.heads = {m.heads}")
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, 0)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("recovery.max_restarts", cfg.recovery.max_restarts, 0)
+    _positive("recovery.spares_per_host", cfg.recovery.spares_per_host, 0)
+
+    t = cfg.timeouts
+    for f in dataclasses.fields(t):
+        if getattr(t, f.name) <= 0:
+            raise ConfigError(f"timeouts.{f.name} = {getattr(t, f.name)}: must be > 0 seconds")
+    _smaller(
+        "heartbeat_interval",
+        t.heartbeat_interval,
+        "heartbeat_timeout",
+        t.heartbeat_timeout,
+        "a live worker must send several heartbeats before it is declared hung",
+    )
+    _smaller(
+        "heartbeat_timeout",
+        t.heartbeat_timeout,
+        "process_group_timeout",
+        t.process_group_timeout,
+        "a hung rank must be killed by its supervisor before the survivors' collectives time out",
+    )
+    _smaller(
+        "lighthouse_heartbeat_timeout",
+        t.lighthouse_heartbeat_timeout,
+        "quorum_timeout",
+        t.quorum_timeout,
+        "the Lighthouse must drop a dead replica group before a survivor's quorum request gives up",
+    )
+    _smaller(
+        "lighthouse_join_timeout",
+        t.lighthouse_join_timeout,
+        "quorum_timeout",
+        t.quorum_timeout,
+        "the Lighthouse must stop waiting for joiners before a quorum request gives up",
+    )
+    _smaller(
+        "process_group_timeout",
+        t.process_group_timeout,
+        "quorum_timeout",
+        t.quorum_timeout,
+        "a collective on a broken quorum must fail (aborting the step) before the next quorum "
+        "request would time out",
+        equal_ok=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building from dicts (TOML) with typed, named errors.
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (ints to floats, lists
+    to tuples) or raise ConfigError naming ``key`` and the allowed type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key} = {value!r}: must be one of {', '.join(repr(a) for a in allowed)}"
+            )
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {value!r}: must be {_type_name(tp)}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{key} = {value!r}: must be a list of {len(args)} numbers")
+        pairs = enumerate(zip(args, value, strict=True))
+        return tuple(_coerce(f"{key}[{i}]", a, v) for i, (a, v) in pairs)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: must be a table of {tp.__name__} fields")
+        return _from_dict(tp, value, prefix=f"{key}.")
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} = {value!r}: must be a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: must be an integer")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: must be a string")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp!r}")  # a bug in the spec, not the user's
+
+
+def _unknown(key: str, name: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown key {key!r}{hint}; valid keys here: {', '.join(sorted(valid))}")
+
+
+def _from_dict(cls: type, data: dict[str, Any], *, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        if name not in names:
+            raise _unknown(prefix + name, name, names)
+        kwargs[name] = _coerce(prefix + name, hints[name], value)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build and validate a JobConfig from plain data (as TOML or :func:`config_to_dict` give)."""
+    return _from_dict(JobConfig, data)
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """Plain, JSON-ready data for the journal; ``config_from_dict`` inverts it."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return list(v)
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: TOML or a Python function, then overrides.
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. steps=100")
+    key, raw = text.split("=", 1)
+    key, raw = key.strip(), raw.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word, e.g. recovery.policy=full_restart
+    return key.split("."), value
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    cls: Any = JobConfig
+    for i, part in enumerate(path):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise _unknown(".".join(path[: i + 1]), part, names)
+        if i == len(path) - 1:
+            node[part] = value
+            return
+        cls = typing.get_type_hints(cls)[part]
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"{'.'.join(path[: i + 1])} is a value, not a table")
+        node = node.setdefault(part, {})
+
+
+def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load a job config from a TOML path or ``module:function``, apply ``a.b=value`` overrides,
+    validate. Raises ConfigError (never launches anything)."""
+    if source.endswith(".toml") or Path(source).is_file():
+        try:
+            data = tomllib.loads(Path(source).read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {source!r} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {source!r} is not valid TOML: {e}") from e
+    elif ":" in source:
+        module, func = source.split(":", 1)
+        try:
+            made = getattr(importlib.import_module(module), func)()
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"config function {source!r} cannot be loaded: {e}") from e
+        if not isinstance(made, JobConfig):
+            raise ConfigError(
+                f"config function {source!r} returned {type(made).__name__}, not a JobConfig"
+            )
+        data = config_to_dict(made)
+    else:
+        raise ConfigError(f"config {source!r}: expected a .toml file or module:function")
+    for text in overrides:
+        path, value = _parse_override(text)
+        _apply_override(data, path, value)
+    return config_from_dict(data)

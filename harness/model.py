@@ -1,0 +1,112 @@
+"""The models: a tiny plain-torch causal LM for fast tests, and torchtitan's llama3 debug model.
+
+Nothing here knows about fault tolerance: a model is built deterministically from a seed, takes
+token ids ``(B, L)`` and returns logits ``(B, L, vocab)``. torchtitan is imported only inside
+:func:`_build_llama3_debug`, so importing this module (and training ``tiny``) stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.config import ModelConfig
+
+#: The llama3 debug model's vocabulary (torchtitan's ``debugmodel``); data must match it.
+LLAMA3_DEBUG_VOCAB = 2048
+#: The tiny model's context length bound (positional embedding table size).
+TINY_MAX_SEQ = 1024
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then an MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A small GPT-style causal LM (a few hundred K parameters at the defaults)."""
+
+    def __init__(self, *, vocab_size: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Embedding(TINY_MAX_SEQ, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if "proj" in name else 1))
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _build_llama3_debug() -> nn.Module:
+    """torchtitan's llama3 ``debugmodel`` (dim 256, 6 layers, vocab 2048) in float32 on CPU.
+
+    Built on the meta device, materialised with ``to_empty`` and initialised by torchtitan's own
+    ``init_states``. Flex attention has no CPU backward, so every layer's inner attention is
+    swapped for torchtitan's plain causal ``ScaledDotProductAttention``.
+    """
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel")
+    with torch.device("meta"):
+        model = spec.model.build()
+    for layer in model.layers.values():
+        layer.attention.inner_attention = ScaledDotProductAttention(
+            ScaledDotProductAttention.Config()
+        )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    return model.float()
+
+
+def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
+    """Build the model named by ``cfg.kind`` with weights drawn from ``seed``: the same arguments
+    give bitwise-identical parameters in every process. ``vocab_size`` must be the data's; the
+    llama3 debug model's is fixed at 2048."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if cfg.kind == "tiny":
+            return TinyLM(vocab_size=vocab_size, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads)
+        if cfg.kind == "llama3_debug":
+            if vocab_size != LLAMA3_DEBUG_VOCAB:
+                raise ValueError(
+                    f"data.vocab_size = {vocab_size}: the llama3_debug model needs "
+                    f"{LLAMA3_DEBUG_VOCAB}"
+                )
+            return _build_llama3_debug()
+    raise ValueError(f"model.kind = {cfg.kind!r}: must be 'tiny' or 'llama3_debug'")
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``logits`` (B, L, V), ``targets`` (B, L)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

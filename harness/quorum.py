@@ -1,0 +1,152 @@
+"""torchft glue: the Lighthouse, each replica group's store, and each rank's Manager.
+
+This is the one module of the harness that imports torchft (besides ``harness/transport.py``,
+which registers the "dataplane" checkpoint transport through :func:`register_transport`).
+
+Roles (torchft's, unchanged):
+
+* The **Lighthouse** (one per job) computes each step's quorum: the replica groups that heartbeat
+  and asked to join. A group that stops heartbeating for ``lighthouse_heartbeat_timeout`` is
+  dropped, so survivors stall at most about that long after a group dies.
+* A **Manager** (one per rank) runs the per-step commit protocol: ``start_quorum`` (join the
+  quorum, reconfigure the cross-group process group, heal from a peer if behind),
+  ``allreduce`` (average gradients across participating groups), ``should_commit`` (every rank
+  of the group agrees the step was clean). Rank 0 of a group also runs the group's ManagerServer,
+  which talks to the Lighthouse.
+* Each replica group has its **own TCPStore**, hosted by its rank 0 (or its supervisor) on port 0.
+
+Known limitation: torchft's own servers (ManagerServer, the HTTP checkpoint server and the
+process group's rendezvous store) listen on all interfaces; only the Lighthouse and the group
+store honour ``bind_host``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+from torchft import Manager, ProcessGroupGloo
+from torchft._torchft import LighthouseServer
+from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.checkpointing.transport import CheckpointTransport
+
+from harness.config import JobConfig, TimeoutConfig
+
+#: ``factory(pg, timeout, state_dict_fn) -> CheckpointTransport``; ``pg`` is the rank's
+#: cross-group process group, ``state_dict_fn`` returns the state a healing peer needs.
+TransportFactory = Callable[[ProcessGroupGloo, timedelta, Callable[[], Any]], CheckpointTransport]
+
+_TRANSPORTS: dict[str, TransportFactory] = {
+    "torchft_http": lambda pg, timeout, sd: HTTPTransport(timeout=timeout, num_chunks=0),
+    "torchft_pg": lambda pg, timeout, sd: PGTransport(
+        pg, timeout=timeout, device=torch.device("cpu"), state_dict=sd
+    ),
+}
+
+
+def register_transport(name: str, factory: TransportFactory) -> None:
+    """Make checkpoint transport ``name`` (the config's ``transport``) build with ``factory``.
+    Re-registering a name replaces it."""
+    _TRANSPORTS[name] = factory
+
+
+def transport_names() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
+def _s(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+class Lighthouse:
+    """torchft's Lighthouse server bound to ``bind_host`` on a free port; stop with
+    :meth:`shutdown`. ``address`` is the ``http://host:port`` that Managers need."""
+
+    def __init__(self, *, bind_host: str, min_replicas: int, timeouts: TimeoutConfig) -> None:
+        self._server = LighthouseServer(
+            bind=f"{bind_host}:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=int(timeouts.lighthouse_join_timeout * 1000),
+            heartbeat_timeout_ms=int(timeouts.lighthouse_heartbeat_timeout * 1000),
+        )
+        # The server reports the machine's hostname; advertise the address it is bound to.
+        port = self._server.address().rsplit(":", 1)[1]
+        self.address = f"http://{bind_host}:{port}"
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig) -> Lighthouse:
+        return cls(
+            bind_host=cfg.bind_host, min_replicas=cfg.min_replica_size, timeouts=cfg.timeouts
+        )
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+def host_store(bind_host: str, timeouts: TimeoutConfig) -> tuple[TCPStore, str]:
+    """Start a replica group's TCPStore on a free port; returns it (keep it alive as long as the
+    group runs) and its ``host:port`` for the group's other ranks."""
+    store = TCPStore(
+        host_name=bind_host,
+        port=0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=_s(timeouts.connect_timeout),
+    )
+    return store, f"{bind_host}:{store.port}"
+
+
+def make_manager(
+    cfg: JobConfig,
+    *,
+    replica_id: int,
+    rank: int,
+    store_addr: str,
+    lighthouse_addr: str,
+    state_dict: Callable[[], Any],
+    load_state_dict: Callable[[Any], None],
+) -> tuple[Manager, ProcessGroupGloo]:
+    """torchft's Manager for ``rank`` of replica group ``replica_id``, with its reconfigurable
+    gloo process group (returned too, so a fault hook can abort it).
+
+    The quorum is synchronous (``use_async_quorum=False``): ``start_quorum`` returns only once the
+    group has joined and, if it was behind, loaded a peer's state. A replacement therefore trains
+    its first step on healed weights and the healed data position, and every committed step's
+    batch was really trained by every participant. Initial weights are identical by seed, so the
+    step-0 sync is skipped (``init_sync=False``); a group that joins late still heals.
+    """
+    t = cfg.timeouts
+    if cfg.transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport = {cfg.transport!r} is not registered here; registered: "
+            f"{', '.join(transport_names())} (import harness.transport to add 'dataplane')"
+        )
+    pg = ProcessGroupGloo(timeout=_s(t.process_group_timeout))
+    transport = _TRANSPORTS[cfg.transport](pg, _s(t.manager_timeout), state_dict)
+    host, port = store_addr.rsplit(":", 1)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=cfg.min_replica_size,
+        use_async_quorum=False,
+        timeout=_s(t.manager_timeout),
+        quorum_timeout=_s(t.quorum_timeout),
+        connect_timeout=_s(t.connect_timeout),
+        rank=rank,
+        world_size=cfg.ranks,
+        store_addr=host,
+        store_port=int(port),
+        lighthouse_addr=lighthouse_addr,
+        replica_id=f"replica_{replica_id}",
+        hostname=cfg.bind_host,
+        # Beat well inside the Lighthouse's timeout so a live group is never dropped.
+        heartbeat_interval=_s(min(0.1, t.lighthouse_heartbeat_timeout / 5)),
+        checkpoint_transport=transport,
+        init_sync=False,
+    )
+    return manager, pg

@@ -1,0 +1,353 @@
+"""The training loop of one rank of one replica group, read top to bottom like nanoGPT:
+
+    start quorum (heal if behind) -> batch -> forward/backward -> average gradients across the
+    participating replica groups -> should_commit -> optimizer step -> advance the data
+
+Protocol invariants, and where they are kept:
+
+* **A committed step never goes back.** The step counter is torchft's Manager's; it only grows in
+  ``should_commit`` when every rank of the group agreed, and a heal only loads a peer's state at
+  the quorum's *max* step (never behind ours). The optimizer steps and the data advances only
+  after that agreement (see :meth:`Trainer.train_step`).
+* **After a heal every replica holds the same weights** (bitwise: same checksum at the same
+  step). The replacement loads the peer's model, optimizer and data state (the transport copies
+  tensors exactly) before its first forward pass (synchronous quorum, ``harness.quorum``); from
+  then on every group applies the same averaged gradient with the same deterministic AdamW.
+* **No data position is trained twice by a group**: positions advance only on commit, a healed
+  group takes the peer's (later) position; see ``harness.data``.
+
+Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
+``harness.quorum``; the model code knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from harness import checkpoint
+from harness.config import JobConfig, config_from_dict
+from harness.data import TokenStream
+from harness.model import build_model, loss_fn
+from harness.quorum import host_store, make_manager
+
+#: ``emit(event, fields)``: report a journal event (names and fields in ``runtime/journal.py``).
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+class Trainer:
+    """One rank of one replica group. Build it, then call :meth:`train`.
+
+    ``store_addr`` is the group's TCPStore (``host:port``); ``None`` on rank 0 means this rank
+    hosts it on a free port (read :attr:`store_addr` and give it to the group's other ranks).
+    ``run_dir`` is where checkpoints go when ``cfg.checkpoint.dir`` is None (None: no
+    checkpoints). On start the newest valid checkpoint (if any) is loaded; a group that is behind
+    its peers then heals from them on its first quorum.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        replica_id: int,
+        rank: int,
+        store_addr: str | None,
+        lighthouse_addr: str,
+        emit: Emit,
+        run_dir: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.replica_id = replica_id
+        self.rank = rank
+        self._emit = emit
+        self._stop = threading.Event()
+        self._step_delay = 0.0
+
+        # Same seed in every group and rank: identical initial weights everywhere.
+        self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=o.lr,
+            betas=o.betas,
+            weight_decay=o.weight_decay,
+            eps=o.eps,
+        )
+        self.data = TokenStream(
+            cfg.data, shard=replica_id * cfg.ranks + rank, num_shards=cfg.replicas * cfg.ranks
+        )
+
+        self._store = None
+        if store_addr is None:
+            if rank != 0:
+                raise ValueError("only rank 0 may host the group's store (store_addr=None)")
+            self._store, store_addr = host_store(cfg.bind_host, cfg.timeouts)
+        self.store_addr = store_addr
+        self._intra = self._intra_group_pg(store_addr) if cfg.ranks > 1 else None
+
+        self.manager, self._pg = make_manager(
+            cfg,
+            replica_id=replica_id,
+            rank=rank,
+            store_addr=store_addr,
+            lighthouse_addr=lighthouse_addr,
+            state_dict=self.state_dict,
+            load_state_dict=self.load_state_dict,
+        )
+        self._ckpt_dir = self._checkpoint_root(run_dir)
+        self._resume()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def train(self, steps: int | None = None) -> dict[str, Any]:
+        """Train until ``steps`` (default ``cfg.steps``) steps are committed or :meth:`stop`;
+        return a summary. Returns normally after a stop; raises on an unrecoverable error."""
+        target = self.cfg.steps if steps is None else steps
+        commits = aborts = 0
+        last_loss = float("nan")
+        t0 = time.perf_counter()
+        while self.manager.current_step() < target and not self._stop.is_set():
+            committed, last_loss = self.train_step()
+            commits += committed
+            aborts += not committed
+        return {
+            "replica": self.replica_id,
+            "rank": self.rank,
+            "step": self.manager.current_step(),
+            "commits": commits,
+            "aborts": aborts,
+            "loss": last_loss,
+            "checksum": self.checksum(),
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def train_step(self) -> tuple[bool, float]:
+        """One attempt at the next step; returns (committed, loss)."""
+        t0 = time.perf_counter()
+        # 1. Join this step's quorum. If we are behind (a replacement, or late), this loads a
+        #    healthy peer's model, optimizer, data position and step before returning.
+        self.manager.start_quorum()
+        step = self.manager.current_step()  # steps committed so far = the one we attempt
+        inputs, targets = self.data.batch()
+        pos = self.data.position
+
+        # 2. Forward and backward on our shard of the batch.
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = loss_fn(self.model(inputs), targets)
+        loss.backward()
+        if self._step_delay > 0:
+            time.sleep(self._step_delay)  # fault hook: a straggler
+
+        # 3. Average gradients within the group, then across participating groups.
+        self._average_gradients()
+
+        # 4. Commit only if every rank of the group saw a clean step (no collective failed,
+        #    enough groups took part). Otherwise nothing changes and the step is retried.
+        if not self.manager.should_commit():
+            err = self.manager.errored()
+            self._emit(
+                "step.abort",
+                {
+                    "replica": self.replica_id,
+                    "rank": self.rank,
+                    "step": step + 1,
+                    "reason": repr(err.original_exception) if err else "not enough replicas",
+                },
+            )
+            return False, loss.item()
+
+        self.optimizer.step()
+        self.data.advance()  # the position moves only with a committed step
+        committed = self.manager.current_step()
+        self._emit(
+            "step.commit",
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "step": committed,
+                "loss": loss.item(),
+                "checksum": self.checksum(),
+                "step_time_s": time.perf_counter() - t0,
+                "samples": self.cfg.data.batch_size,
+                "tokens": self.cfg.data.batch_size * self.cfg.data.seq_len,
+                "participants": self.manager.num_participants(),
+                "data_pos": pos,
+            },
+        )
+        self._maybe_checkpoint(committed)
+        return True, loss.item()
+
+    def _average_gradients(self) -> None:
+        """One flat allreduce per step (fewer, larger messages than one per tensor)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self._intra is not None:
+            self._intra.allreduce([flat]).wait()  # a dead group peer raises: the group restarts
+            flat /= self.cfg.ranks
+        # torchft averages over participants; on a peer failure it records the error (so
+        # should_commit says no) instead of raising.
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # --- state: what heals and checkpoints -------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "data": self.data.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.data.load_state_dict(state["data"])
+
+    def checksum(self) -> str:
+        """xxh3-64 over the parameters and the optimizer state, in a fixed order (hex)."""
+        h = xxhash.xxh3_64()
+        for p in self.model.parameters():
+            h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+        state = self.optimizer.state_dict()["state"]
+        for idx in sorted(state):
+            for key in sorted(state[idx]):
+                v = state[idx][key]
+                if isinstance(v, torch.Tensor):
+                    h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+                else:
+                    h.update(repr(v).encode())
+        return h.hexdigest()
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def _checkpoint_root(self, run_dir: str | None) -> Path | None:
+        if self.cfg.checkpoint.every_steps <= 0:
+            return None
+        root = self.cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
+        return Path(root) if root else None
+
+    def _maybe_checkpoint(self, step: int) -> None:
+        # One writer per rank index per step: the group with replica rank 0 in this quorum.
+        # Each group writes its own folder, so two writers never share (or prune) one.
+        if self._ckpt_dir is None or step % self.cfg.checkpoint.every_steps:
+            return
+        if self.manager.participating_rank() != 0:
+            return
+        t0 = time.perf_counter()
+        state = {**self.state_dict(), "manager": self.manager.state_dict()}
+        folder = self._ckpt_dir / f"replica_{self.replica_id}_rank_{self.rank}"
+        path = checkpoint.save(folder, step, state, keep=self.cfg.checkpoint.keep)
+        self._emit(
+            "checkpoint.save",
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "step": step,
+                "path": str(path),
+                "seconds": time.perf_counter() - t0,
+            },
+        )
+
+    def _resume(self) -> None:
+        """Load the newest valid checkpoint written by any group for this rank index (all groups
+        hold identical state at a given step)."""
+        if self._ckpt_dir is None:
+            return
+        best: tuple[int, dict[str, Any], Path] | None = None
+        for folder in sorted(self._ckpt_dir.glob(f"replica_*_rank_{self.rank}")):
+            found = checkpoint.load_latest(folder)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = (found[0], found[1], folder)
+        if best is None:
+            return
+        step, state, folder = best
+        self.load_state_dict(state)
+        self.manager.load_state_dict(state["manager"])
+        self._emit(
+            "checkpoint.load",
+            {"replica": self.replica_id, "rank": self.rank, "step": step, "path": str(folder)},
+        )
+
+    # --- hooks for the runtime and the fault injector ---------------------------------------
+
+    def stop(self) -> None:
+        """Finish the current step, then return from :meth:`train`. Thread-safe."""
+        self._stop.set()
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` inside every step from now on (0 heals it). Thread-safe."""
+        self._step_delay = max(0.0, float(seconds))
+
+    def abort_collectives(self) -> None:
+        """Abort this rank's cross-group communicator, as a NIC/NCCL failure would. The collective
+        in flight (or the next one) fails, the step aborts, the process lives; the next quorum
+        reconfigures a fresh communicator (torchft bumps the quorum id after a commit failure)
+        and training goes on without a restart. Thread-safe."""
+        self.manager.report_error(RuntimeError("collectives aborted by fault injection"))
+        self._pg.abort()
+
+    def close(self) -> None:
+        """Shut down the Manager (and the group store if this rank hosts it)."""
+        self.manager.shutdown(wait=False)
+        self._store = None
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _intra_group_pg(self, store_addr: str) -> torch.distributed.ProcessGroup:
+        """A plain gloo group over this replica group's ranks (same store, own prefix)."""
+        from torch.distributed import PrefixStore, TCPStore
+
+        host, port = store_addr.rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        t = self.cfg.timeouts
+        from datetime import timedelta
+
+        return torch.distributed.ProcessGroupGloo(
+            PrefixStore("harness/intra", store),
+            self.rank,
+            self.cfg.ranks,
+            timedelta(seconds=t.process_group_timeout),
+        )
+
+
+def run_trainer(
+    cfg_dict: dict[str, Any],
+    replica_id: int,
+    rank: int,
+    store_addr: str | None,
+    lighthouse_addr: str,
+    journal_path: str,
+) -> dict[str, Any]:
+    """Entry point for a plain subprocess: build a Trainer from ``config_to_dict`` data, journal
+    to ``journal_path`` (one JSONL file per process), train to the job's step count, and return
+    the summary. Checkpoints (if enabled) go under the journal's folder."""
+    import os
+
+    from runtime.journal import Journal
+
+    cfg = config_from_dict(cfg_dict)
+    journal = Journal(journal_path, job=cfg.name, replica=replica_id, rank=rank)
+    journal.emit("proc.start", replica=replica_id, rank=rank, host=0, pid=os.getpid(), spare=False)
+    trainer = Trainer(
+        cfg,
+        replica_id=replica_id,
+        rank=rank,
+        store_addr=store_addr,
+        lighthouse_addr=lighthouse_addr,
+        emit=lambda event, fields: journal.emit(event, **fields),
+        run_dir=str(Path(journal_path).parent),
+    )
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+        journal.close()

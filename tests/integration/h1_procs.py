@@ -1,0 +1,58 @@
+"""Helpers for the trainer integration tests: start trainer processes, read their journals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from runtime.journal import read_journal
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_trainer(
+    cfg: dict[str, Any],
+    *,
+    replica_id: int,
+    rank: int,
+    store_addr: str | None,
+    lighthouse_addr: str,
+    journal_path: Path,
+) -> subprocess.Popen[bytes]:
+    """``run_trainer`` in a fresh ``python -c`` process (its own session, so a SIGKILL of it is
+    a real death of the whole trainer). Output goes to ``journal_path`` with ``.log``."""
+    code = (
+        "import json, sys\n"
+        "from harness.trainer import run_trainer\n"
+        "a = json.loads(sys.argv[1])\n"
+        "print(json.dumps(run_trainer(**a)), flush=True)\n"
+    )
+    args = {
+        "cfg_dict": cfg,
+        "replica_id": replica_id,
+        "rank": rank,
+        "store_addr": store_addr,
+        "lighthouse_addr": lighthouse_addr,
+        "journal_path": str(journal_path),
+    }
+    log = open(journal_path.with_suffix(".log"), "ab")  # noqa: SIM115 - owned by the child
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(args)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def commits(path: Path) -> list[dict[str, Any]]:
+    """The ``step.commit`` records of one journal file, in file order (empty if none yet)."""
+    if not path.exists():
+        return []
+    return [r for r in read_journal(path) if r["event"] == "step.commit"]
