@@ -465,13 +465,17 @@ def _distribution_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> 
     row_h, width = 26, 1180
     height = 20 + row_h * len(rows) + 34
     top = max(v for pts in points.values() for _, v, _ in pts)
-    ax = _Axes(width=width, height=height, x0=0.0, x1=top * 1.08 or 1.0, y0=0, y1=1, left=230)
+    ax = _Axes(width=width, height=height, x0=0.0, x1=top * 1.08 or 1.0, y0=0, y1=1, left=250)
     body = ax.frame("seconds", "", y_ticks=False)
     for i, (kind, m) in enumerate(rows):
         y = ax.top + 8 + i * row_h
+        label = f"{kind} · {METRIC_LABELS[m]}"
+        # a long kind is cut, the metric name kept; the full label shows on hover
+        short_kind = kind if len(kind) <= 18 else kind[:17] + "\u2026"
+        short = f"{short_kind} · {METRIC_LABELS[m]}"
         body.append(
             f'<text class="tick" x="{ax.left - 6}" y="{y + 4}" text-anchor="end">'
-            f"{_e(kind)} · {METRIC_LABELS[m]}</text>"
+            f"<title>{_e(label)}</title>{_e(short)}</text>"
             f'<line class="grid" x1="{ax.left}" y1="{y}" x2="{width - ax.right}" '
             f'y2="{y}"/>'
         )
