@@ -12,8 +12,9 @@ from faults.fault import FaultContext, Target, TargetKind, register
 @register("slow_rank")
 @dataclass(frozen=True, kw_only=True)
 class SlowRank:
-    """Sets the trainer's step delay to ``delay_s`` for ``hold_s``; heal sets it back to 0.
-    Heal tolerates a worker that died meanwhile (its replacement starts with no delay)."""
+    """Sets the trainer's step delay to ``delay_s`` for ``hold_s``; heal sets it back to 0. If the
+    worker died meanwhile, its replacement starts with no delay; a heal that cannot reach it is
+    recorded by the injector as ``fault.heal`` with ``error``."""
 
     default_target: ClassVar[TargetKind] = "rank"
     hold_s: float = 15.0
