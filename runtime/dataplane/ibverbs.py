@@ -25,9 +25,9 @@ How to validate on an InfiniBand/RoCE host (two hosts A and B, rdma-core + pytho
      for RoCE pick the GID index of a RoCE v2 IPv4 GID (``show_gids``) and export
      ``FTHARNESS_RDMA_GID_INDEX`` to the test (default 0 suits InfiniBand). Check
      ``ulimit -l`` is unlimited (MR pinning).
-  2. On one host: ``pytest -m rdma tests/integration/test_dataplane_rdma.py`` - a source
-     process registers a mixed-dtype state with ``backend="ibverbs"`` and the reader process
-     reads it through the device (loopback through the HCA), checksums verified.
+  2. On one host: ``pytest -m rdma tests/unit/test_dataplane_verbs.py`` runs
+     ``test_real_device_round_trip``: a mixed-dtype state registered with
+     ``backend="ibverbs"`` is read back through the HCA (loopback), checksums verified.
   3. Across hosts: on A run a source (``python -m runtime.dataplane.ibverbs serve --bind
      <A's IP>``) which prints its handle; on B run ``python -m runtime.dataplane.ibverbs read
      '<handle>'``; it prints the GB/s and verifies the bytes. Expect close to line rate for

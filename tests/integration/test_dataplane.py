@@ -1,0 +1,178 @@
+"""The data plane between real processes: round trips through shm and tcp, a source that keeps
+republishing while readers read, and a source SIGKILLed mid-transfer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.dataplane import (
+    Handle,
+    SourceGone,
+    TransferError,
+    read_from_any,
+    read_into,
+)
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def mixed_state(seed: int, big: int = 1 << 20) -> list[torch.Tensor]:
+    """A mixed-dtype state (params, moments, counters, flags) with one large tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(big, generator=g),
+        torch.randn(300, 77, generator=g).to(torch.bfloat16),
+        torch.randn(3, 5, 7, generator=g, dtype=torch.float64),
+        torch.randint(0, 1 << 40, (17,), generator=g),
+        torch.rand(33, generator=g) > 0.5,
+        torch.tensor(3.5, dtype=torch.float16),
+        torch.zeros(0),
+    ]
+
+
+def _source_main(mode: str, backend: str, seed: int, big: int) -> None:
+    """Run in a child: register, publish, print the handle, then (mode "churn") republish as
+    fast as possible with every element of every tensor equal to the step, until stdin closes."""
+    from runtime.dataplane import register
+
+    state = mixed_state(seed, big)
+    reg = register(state, backend=backend)
+    reg.publish(1)
+    print(reg.handle.dumps(), flush=True)
+    if mode == "churn":
+        stop = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+        step = 1
+        while not stop.is_set():
+            step += 1
+            for t in state:
+                t.fill_(step % 100)
+            reg.publish(step)
+    else:
+        sys.stdin.read()
+    reg.close()
+
+
+class Source:
+    def __init__(
+        self, mode: str = "static", backend: str = "auto", seed: int = 0, big: int = 1 << 20
+    ) -> None:
+        code = (
+            f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_dataplane import "
+            f"_source_main; _source_main({mode!r}, {backend!r}, {seed}, {big})"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        line = self.proc.stdout.readline()
+        assert line, f"source exited with {self.proc.wait()}"
+        self.handle = Handle.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait()
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_round_trip_of_a_mixed_state(backend: str) -> None:
+    src = Source(seed=7)
+    try:
+        assert src.handle.pid != os.getpid()
+        want = mixed_state(7)
+        dest = [torch.zeros_like(t) for t in want]
+        assert read_into(src.handle, dest, backend=backend, step=1, timeout=30) == 1
+        assert _equal(want, dest)
+        assert read_into(src.handle.dumps(), dest, backend="auto", timeout=30) == 1  # auto: shm
+    finally:
+        src.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_writer_that_keeps_publishing_never_yields_a_torn_state(backend: str) -> None:
+    src = Source(mode="churn", big=2 << 20)
+    try:
+        dest = [torch.zeros_like(t) for t in mixed_state(0, 2 << 20)]
+        steps = set()
+        for _ in range(15):
+            step = read_into(src.handle, dest, backend=backend, timeout=30)
+            steps.add(step)
+            if step == 1:
+                assert _equal(mixed_state(0, 2 << 20), dest)
+                continue
+            for t in dest:  # every element of every tensor belongs to the step returned
+                assert torch.equal(t, torch.full_like(t, step % 100)), (step, t.flatten()[:4])
+        assert len(steps) > 3  # the source really was publishing during the reads
+    finally:
+        src.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_source_killed_mid_transfer_fails_fast_and_another_peer_serves(backend: str) -> None:
+    big = 64 << 20  # 256 MiB: the transfer is still running when the source is stopped
+    victim, healthy = Source(seed=1, big=big), Source(seed=1, big=big)
+    try:
+        want = mixed_state(1, big)
+        dest = [torch.zeros_like(t) for t in want]
+        outcome: list[BaseException | int] = []
+
+        def reader() -> None:
+            try:
+                outcome.append(
+                    read_into(
+                        victim.handle, dest, backend=backend, timeout=60, streams=1, threads=1
+                    )
+                )
+            except BaseException as e:
+                outcome.append(e)
+
+        probe = dest[0].view(-1)
+        t = threading.Thread(target=reader)
+        t.start()
+        while not bool(probe[0]) and t.is_alive():  # first bytes have landed
+            time.sleep(0.0005)
+        os.kill(victim.proc.pid, signal.SIGSTOP)  # freeze it mid-transfer, then kill it
+        assert t.is_alive(), "the read finished before the source could be stopped"
+        killed_at = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        t.join(timeout=30)
+        assert not t.is_alive()
+        err = outcome[0]
+        assert isinstance(err, SourceGone), err
+        assert time.monotonic() - killed_at < 10  # "fast": far inside the 60 s timeout
+        victim.proc.wait()
+
+        dest = [torch.zeros_like(x) for x in want]
+        res = read_from_any([victim.handle, healthy.handle], dest, backend=backend, timeout=30)
+        assert res.index == 1 and res.step == 1 and "SourceGone" in res.failures[0]
+        assert _equal(want, dest)
+        with pytest.raises(TransferError, match="all 1 sources failed"):
+            read_from_any([victim.handle], dest, backend=backend, timeout=5)
+    finally:
+        victim.stop()
+        healthy.stop()
