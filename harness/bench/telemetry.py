@@ -4,10 +4,11 @@ Trains the tiny model (the default ``ModelConfig``/``DataConfig`` shapes) and, a
 emits a ``step.commit`` into a Journal, as the train loop does. Two journals run side by side in
 one process: one bare, one with a :class:`dashboards.telemetry.Telemetry` sink attached whose
 Prometheus endpoint is live and scraped once a second (so collection runs too). Each repetition
-times ``steps`` steps on both, in alternating order; ``telemetry_overhead`` is the median over
-repetitions of ``(with - without) / without``. On a shared 2-core machine that difference is
-mostly noise around zero, so the sink's own cost is also timed directly (``sink_us_per_step``,
-over many records) and given as a fraction of the step (``sink_fraction``), a tighter bound.
+runs ``steps`` steps on each, alternating step by step; ``telemetry_overhead`` is the median over
+repetitions of (median over adjacent pairs of ``with - without``) / median step without. On a
+shared 2-core machine that difference is mostly noise around zero, so the sink's own cost is
+also timed directly (``sink_us_per_step``, over many records) and given as a fraction of the
+step (``sink_fraction``), a tighter bound.
 
 The last line printed is a JSON object.
 """
@@ -71,17 +72,28 @@ def _commit_fields(step: int, loss: float, step_time: float, batch: int, seq: in
     }
 
 
-def _run(train_step, journal, first_step: int, steps: int, batch: int, seq: int) -> float:
-    """Mean seconds per step including the journal emit (and its sinks)."""
-    start = time.perf_counter()
+def _timed_step(train_step, journal, step: int, batch: int, seq: int) -> float:
+    """Seconds for one train step plus its journal emit (and the journal's sinks)."""
+    t0 = time.perf_counter()
+    loss = train_step()
+    t1 = time.perf_counter()
+    journal.emit("step.commit", **_commit_fields(step, loss, t1 - t0, batch, seq))
+    return time.perf_counter() - t0
+
+
+def _paired(train_step, bare, with_tel, first: int, steps: int, batch: int, seq: int):
+    """Per-step times of both journals, alternating step by step (ABBA...) so both see the
+    same contention from the machine's other tenants; medians are robust to the spikes."""
+    a, b = [], []
     for i in range(steps):
-        t0 = time.perf_counter()
-        loss = train_step()
-        journal.emit(
-            "step.commit",
-            **_commit_fields(first_step + i, loss, time.perf_counter() - t0, batch, seq),
-        )
-    return (time.perf_counter() - start) / steps
+        if i % 2 == 0:
+            a.append(_timed_step(train_step, bare, first + i, batch, seq))
+            b.append(_timed_step(train_step, with_tel, first + i, batch, seq))
+        else:
+            b.append(_timed_step(train_step, with_tel, first + i, batch, seq))
+            a.append(_timed_step(train_step, bare, first + i, batch, seq))
+    diffs = [y - x for x, y in zip(a, b, strict=True)]  # adjacent pairs share the load
+    return statistics.median(a), statistics.median(b), statistics.median(diffs)
 
 
 def _scraper(url: str, stop: threading.Event) -> None:
@@ -133,16 +145,13 @@ def measure(*, reps: int, steps: int) -> dict[str, Any]:
         )
         scraper.start()
         try:
-            _run(train_step, bare, 0, max(3, steps // 3), batch, seq)  # warm up
-            _run(train_step, with_tel, 0, max(3, steps // 3), batch, seq)
+            _paired(train_step, bare, with_tel, 0, max(4, steps // 3), batch, seq)  # warm up
             ratios, without, with_ = [], [], []
             for rep in range(reps):
-                order = (bare, with_tel) if rep % 2 == 0 else (with_tel, bare)
-                times = {id(j): _run(train_step, j, rep * steps, steps, batch, seq) for j in order}
-                a, b = times[id(bare)], times[id(with_tel)]
+                a, b, d = _paired(train_step, bare, with_tel, rep * steps, steps, batch, seq)
                 without.append(a)
                 with_.append(b)
-                ratios.append((b - a) / a)
+                ratios.append(d / a)
         finally:
             stop.set()
             scraper.join(timeout=5)
