@@ -172,6 +172,8 @@ class Telemetry:
         self._last_t = 0.0
         self._attr_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._closed = False
+        #: records skipped because a field had an unexpected type (the journal keeps them)
+        self.dropped_records = 0
 
     # --- setup -----------------------------------------------------------------------------
     def _start_prometheus(self, host: str, port: int) -> MetricReader:
@@ -232,10 +234,15 @@ class Telemetry:
         if handler is None or self._closed:
             return
         with self._lock:
-            t = float(record.get("t", 0.0))
-            if t > self._last_t:
-                self._last_t = t
-            handler(self, record, t)
+            try:
+                t = float(record.get("t", 0.0))
+                if t > self._last_t:
+                    self._last_t = t
+                handler(self, record, t)
+            except (TypeError, ValueError, AttributeError):
+                # one malformed record costs its own telemetry, not the sink: the journal
+                # would drop a sink that raises, losing every later record
+                self.dropped_records += 1
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
         """Export buffered spans and metrics now; True if every exporter finished in time."""

@@ -145,6 +145,7 @@ def test_sparse_and_unknown_records_do_not_raise_and_recovery_without_fault_is_u
         {"t": 2.0, "event": "step.commit", "job": "unit"},
         {"t": 3.0, "event": "failure", "job": "unit"},
         {"t": 4.0, "event": "fault.heal", "job": "unit", "fault_id": "nope"},
+        {"t": 4.5, "event": "step.commit", "job": "unit", "step_time_s": "fast"},
         {
             "t": 5.0,
             "event": "recovery.phase",
@@ -164,6 +165,7 @@ def test_sparse_and_unknown_records_do_not_raise_and_recovery_without_fault_is_u
         },
     ]
     tel, exporter, reader = _feed(recs)
+    assert tel.dropped_records == 1  # the malformed step.commit, and nothing else
     (dur,) = _points(reader)[N.RECOVERY_DURATION.otel]
     assert dur.attributes[N.ATTR_FAULT_KIND] == "unplanned" and dur.sum == pytest.approx(1.0)
     tel.shutdown()
