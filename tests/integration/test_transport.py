@@ -1,0 +1,88 @@
+"""The torchft CheckpointTransport over the data plane: send from one process, receive in
+another straight into the replacement's own tensors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def user_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)},
+        "optim": {
+            "state": {0: {"exp_avg": torch.randn(256, 64, generator=g), "step": 12}},
+            "param_groups": [{"lr": 3e-4, "params": [0]}],
+        },
+        "data": {"position": 4096 + seed},
+    }
+
+
+def _sender_main(seed: int, step: int) -> None:
+    from harness.transport import make_dataplane_transport
+
+    user = user_state(seed)
+    transport = make_dataplane_transport(None, timedelta(seconds=30), lambda: user)
+    print(transport.metadata(), flush=True)  # torchft asks for it at the start of a quorum
+    full = {"user": {"default": user}, "torchft": {"step": step, "batches_committed": 2 * step}}
+    transport.send_checkpoint([1], step, full, timedelta(seconds=30))
+    transport.disallow_checkpoint()
+    sys.stdin.read()
+    transport.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_send_in_one_process_receive_in_place_in_another() -> None:
+    from harness.transport import DataplaneTransport
+
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_transport import "
+        "_sender_main; _sender_main(5, 9)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        metadata = proc.stdout.readline().strip()
+        assert metadata.startswith("{"), metadata
+        mine = user_state(0)  # the replacement's already-built state, different values
+        w = mine["model"]["w"]
+        receiver = DataplaneTransport(state_dict=lambda: mine, timeout=timedelta(seconds=30))
+        got = receiver.recv_checkpoint(0, metadata, 9, timedelta(seconds=30))
+        want = user_state(5)
+        assert got["torchft"] == {"step": 9, "batches_committed": 18}
+        user = got["user"]["default"]
+        assert user["model"]["w"] is w or user["model"]["w"].data_ptr() == w.data_ptr()  # in place
+        assert torch.equal(w, want["model"]["w"])
+        assert torch.equal(
+            user["optim"]["state"][0]["exp_avg"], want["optim"]["state"][0]["exp_avg"]
+        )
+        assert user["optim"]["state"][0]["step"] == 12 and user["data"]["position"] == 4101
+        assert user["optim"]["param_groups"] == want["optim"]["param_groups"]
+        with pytest.raises(Exception, match="timed out waiting for step 10"):
+            receiver.recv_checkpoint(0, metadata, 10, timedelta(seconds=1))
+        receiver.shutdown()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def test_dataplane_is_selectable_by_name() -> None:
+    pytest.importorskip("harness.quorum")
+    import harness.transport  # noqa: F401  (registers "dataplane")
+    from harness.quorum import transport_names
+
+    assert "dataplane" in transport_names()
