@@ -6,19 +6,22 @@ and Managers, gloo on CPU, a real SIGKILL. Everything is asserted from the per-p
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from h1_procs import commits, start_trainer
+from h1_procs import REPO, commits, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, config_to_dict
 from harness.quorum import Lighthouse, host_store
+from runtime.journal import read_journal
 
 KILL_AFTER = 8  # commits by the victim before it is killed
 
@@ -128,3 +131,75 @@ def test_killed_group_heals_in_place(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 def test_killed_two_rank_group_heals_in_place(tmp_path: Path) -> None:
     _run_kill_and_heal(tmp_path, ranks=2)
+
+
+def _start_fault_worker(
+    cfg_dict: dict[str, Any], lighthouse_addr: str, journal: Path, hook: str, at_step: int
+) -> subprocess.Popen[bytes]:
+    args = {
+        "cfg_dict": cfg_dict,
+        "replica_id": 1,
+        "rank": 0,
+        "store_addr": None,
+        "lighthouse_addr": lighthouse_addr,
+        "journal_path": str(journal),
+        "hook": hook,
+        "at_step": at_step,
+    }
+    worker = Path(__file__).with_name("h1_fault_worker.py")
+    return subprocess.Popen(
+        [sys.executable, str(worker), json.dumps(args)],
+        stdout=open(journal.with_suffix(".log"), "ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hook", ["abort", "delay"])
+def test_fault_hooks_recover_without_a_restart(tmp_path: Path, hook: str) -> None:
+    """abort_collectives: the step aborts on both groups, the next one commits in the same
+    process, and weights stay equal. set_step_delay: the straggler's steps take at least the
+    delay, and both groups keep committing identical weights."""
+    cfg = JobConfig(name="hooks", replicas=2, steps=20, checkpoint=CheckpointConfig(every_steps=0))
+    lighthouse = Lighthouse.for_job(cfg)
+    healthy = start_trainer(
+        config_to_dict(cfg),
+        replica_id=0,
+        rank=0,
+        store_addr=None,
+        lighthouse_addr=lighthouse.address,
+        journal_path=tmp_path / "g0.jsonl",
+    )
+    faulty = _start_fault_worker(
+        config_to_dict(cfg), lighthouse.address, tmp_path / "g1.jsonl", hook, at_step=8
+    )
+    try:
+        for p in (healthy, faulty):
+            p.wait(timeout=240)
+        assert (healthy.returncode, faulty.returncode) == (0, 0), f"see {tmp_path}/*.log"
+    finally:
+        for p in (healthy, faulty):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        lighthouse.shutdown()
+
+    records = read_journal(tmp_path / "g1.jsonl")
+    assert [r["event"] for r in records].count("proc.start") == 1  # never restarted
+    fired = next(r["t"] for r in records if r["event"] == "fault.inject")
+    g1 = [r for r in records if r["event"] == "step.commit"]
+    g0 = commits(tmp_path / "g0.jsonl")
+    for group in (g0, g1):
+        _check_group(group)
+        assert group[-1]["step"] == 20
+    # A group that started late healed into the run, so compare the steps both committed.
+    a, b = ({r["step"]: r["checksum"] for r in g} for g in (g0, g1))
+    common = a.keys() & b.keys()
+    assert len(common) >= 10 and all(a[s] == b[s] for s in common)
+    after = [r for r in g1 if r["t"] > fired]
+    if hook == "abort":
+        assert any(r["event"] == "step.abort" for r in records if r["t"] > fired)
+        assert after  # committed again in the same process
+    else:
+        assert all(r["step_time_s"] >= 0.5 for r in after[1:])
