@@ -24,12 +24,14 @@ The timeout ordering, and why each rule exists (all values in seconds):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -381,6 +383,18 @@ def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> Job
         data = config_to_dict(made)
     else:
         raise ConfigError(f"config {source!r}: expected a .toml file or module:function")
+    for text in overrides:
+        path, value = _parse_override(text)
+        _apply_override(data, path, value)
+    return config_from_dict(data)
+
+
+def config_from_table(
+    table: Mapping[str, Any], overrides: list[str] | tuple[str, ...] = ()
+) -> JobConfig:
+    """A job config from an already-parsed table (an experiment's inline ``[job]``), with the
+    same ``a.b=value`` overrides and validation as :func:`load_config`."""
+    data = copy.deepcopy(dict(table))
     for text in overrides:
         path, value = _parse_override(text)
         _apply_override(data, path, value)

@@ -66,9 +66,13 @@ class Lighthouse:
     """torchft's Lighthouse server bound to ``bind_host`` on a free port; stop with
     :meth:`shutdown`. ``address`` is the ``http://host:port`` that Managers need."""
 
-    def __init__(self, *, bind_host: str, min_replicas: int, timeouts: TimeoutConfig) -> None:
+    def __init__(
+        self, *, bind_host: str, min_replicas: int, timeouts: TimeoutConfig, port: int = 0
+    ) -> None:
+        # ``port``: 0 picks a free one; a restarted Lighthouse passes its old port so the
+        # Managers' address stays valid.
         self._server = LighthouseServer(
-            bind=f"{bind_host}:0",
+            bind=f"{bind_host}:{port}",
             min_replicas=min_replicas,
             join_timeout_ms=int(timeouts.lighthouse_join_timeout * 1000),
             heartbeat_timeout_ms=int(timeouts.lighthouse_heartbeat_timeout * 1000),

@@ -1,0 +1,126 @@
+"""``ftharness chaos EXPERIMENT.toml``: hypothesis -> schedule -> faults -> verify -> report.
+
+For each policy the experiment names (in order, on the same seed), run the job for the
+experiment's duration with the fault injector walking the plan, each policy in its own folder
+(``OUT/<policy>/journal.jsonl``, its own checkpoints). Then compute the report and the HTML
+dashboard from the journals alone, and exit non-zero if a hypothesis failed or a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from experiments.spec import ExperimentError, ExperimentSpec, load_experiment
+from runtime.journal import Journal, read_journal
+
+
+def job_config(spec: ExperimentSpec, policy: str) -> Any:
+    from harness.config import config_from_table, load_config
+
+    overrides = list(spec.job_overrides(policy))
+    if spec.job_path is not None:
+        return load_config(str(spec.job_path), overrides)
+    assert spec.job_table is not None
+    return config_from_table(spec.job_table, overrides)
+
+
+def run_policy(
+    spec: ExperimentSpec, policy: str, out: Path, *, quiet: bool, prometheus_port: int | None
+) -> dict[str, Any]:
+    from faults.injector import Injector
+    from faults.targets import Topology
+    from harness.launch import attach_telemetry, run_job
+
+    cfg = job_config(spec, policy)
+    run_dir = out / policy
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a rerun must not resume from the last run's checkpoints
+    journal = Journal(run_dir / "journal.jsonl", job=spec.name, policy=policy)
+    if prometheus_port is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(
+            cfg, telemetry=dataclasses.replace(cfg.telemetry, prometheus_port=prometheus_port)
+        )
+    telemetry = attach_telemetry(cfg, journal, quiet=quiet)
+    injectors: list[Any] = []
+
+    def on_started(job: Any) -> Any:
+        plan = spec.plan(Topology.from_context(job))
+        injector = Injector(
+            plan,
+            job,
+            seed=spec.seed,
+            options=spec.faults.options,
+            keep_alive=spec.targets.keep_alive,
+            healthy=job.healthy_replicas,
+        )
+        injectors.append(injector)
+        job.progress.say(
+            f"{policy}: {len(plan)} faults planned over {spec.duration_s} s (seed {spec.seed})"
+        )
+        injector.start_thread()
+        return injector.close
+
+    try:
+        outcome = run_job(
+            cfg,
+            run_dir,
+            journal=journal,
+            quiet=quiet,
+            on_started=on_started,
+            duration_s=spec.duration_s,
+        )
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()
+        journal.close()
+    outcome["faults_fired"] = len(injectors[0].fired) if injectors else 0
+    return outcome
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        spec = load_experiment(args.experiment)
+    except (ExperimentError, FileNotFoundError) as exc:
+        print(f"ftharness chaos: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("runs") / spec.name)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.source is not None:
+        shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
+    outcomes = {}
+    for policy in spec.policies:
+        if not args.quiet:
+            print(f"[ftharness] === {spec.name}: policy {policy} ===", file=sys.stderr)
+        outcomes[policy] = run_policy(
+            spec, policy, out, quiet=args.quiet, prometheus_port=args.prometheus_port
+        )
+
+    from experiments.report import render_markdown, write_report
+
+    records = read_journal(out)
+    report = write_report(out, records, spec.hypotheses)
+    try:
+        from dashboards.html import write_dashboard
+
+        html = write_dashboard(out, records, report["summary"])
+    except ImportError:
+        html = None
+    print(render_markdown(report["summary"], report["hypotheses"]), end="")
+    for policy, o in outcomes.items():
+        print(
+            f"{policy}: {o['status']} ({o['reason'].splitlines()[0]}), {o['steps']} steps, "
+            f"{o['faults_fired']} faults fired, {o['recoveries']} recoveries"
+        )
+    print(f"report: {out / 'report.md'}" + (f"  dashboard: {html}" if html else ""))
+    failed_runs = [p for p, o in outcomes.items() if o["status"] != "ok"]
+    if failed_runs:
+        for p in failed_runs:
+            print(f"run {p} failed:\n{outcomes[p]['reason']}", file=sys.stderr)
+        return 1
+    return 0 if report["passed"] else 1

@@ -1,0 +1,107 @@
+"""The actors a training job runs in its worker processes: trainers and the quorum service.
+
+Preloaded by every host agent (with torch), so forking a replacement does not import them again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from harness.config import config_from_dict
+from harness.recovery import HEALED
+from harness.trainer import Trainer
+from runtime.actor import Actor, current_actors, endpoint
+
+
+class TrainerActor(Actor):
+    """One rank of one replica group (see harness.trainer for the training loop itself).
+
+    ``train`` occupies the worker's main thread for the whole run; the fault hooks
+    (``set_step_delay``, ``abort_collectives``) and ``stop`` are therefore reached through
+    the runtime's system calls (``run_in_worker``), which run on another thread.
+    """
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        replica_id: int,
+        store_addr: str,
+        lighthouse_addr: str,
+        run_dir: str | None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.rank = self.coords["rank"]
+        job = config_from_dict(cfg)
+        # One intra-op thread per process unless cores are plentiful: several trainers share
+        # the host's cores, and oversubscribed OpenMP pools made a tiny step 15-50x slower here.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.replicas * job.ranks)))
+        self._training = False
+        self.trainer = Trainer(
+            job,
+            replica_id=replica_id,
+            rank=self.rank,
+            store_addr=store_addr,
+            lighthouse_addr=lighthouse_addr,
+            emit=lambda event, fields: self.emit(event, **fields),
+            run_dir=run_dir,
+        )
+        load = self.trainer.load_state_dict
+
+        def load_and_report(state: dict[str, Any]) -> None:
+            load(state)
+            if self._training:  # not the checkpoint resume in __init__: a heal from a peer
+                self.emit(
+                    HEALED, replica=replica_id, rank=self.rank, data_pos=self.trainer.data.position
+                )
+
+        # torchft calls the Manager's load_state_dict callback, which is this bound method.
+        self.trainer.load_state_dict = load_and_report  # type: ignore[method-assign]
+
+    @endpoint
+    def train(self) -> dict[str, Any]:
+        self._training = True
+        try:
+            return self.trainer.train()
+        finally:
+            self._training = False
+
+    @endpoint
+    def checksum(self) -> str:
+        return self.trainer.checksum()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    # Hooks for the fault injector (faults/inworker.py calls these on the trainer actor).
+    def set_step_delay(self, seconds: float) -> None:
+        self.trainer.set_step_delay(seconds)
+
+    def abort_collectives(self) -> None:
+        self.trainer.abort_collectives()
+
+
+def stop_training() -> None:
+    """System call: make every trainer in this worker return from ``train`` after its step."""
+    for actor in current_actors().values():
+        if isinstance(actor, TrainerActor):
+            actor.trainer.stop()
+
+
+class LighthouseActor(Actor):
+    """torchft's Lighthouse as a supervised process; a restart binds the same port."""
+
+    def __init__(self, cfg: dict[str, Any], port: int) -> None:
+        from harness.quorum import Lighthouse
+
+        c = config_from_dict(cfg)
+        self.lighthouse = Lighthouse(
+            bind_host=c.bind_host, min_replicas=c.min_replica_size, timeouts=c.timeouts, port=port
+        )
+
+    @endpoint
+    def address(self) -> str:
+        return self.lighthouse.address

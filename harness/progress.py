@@ -1,0 +1,71 @@
+"""A plain, log-friendly progress display: one line per second while a job trains."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from runtime.journal import FAILURE, FAULT_INJECT, RECOVERY_PHASE, STEP_COMMIT, Record
+
+
+class Progress:
+    def __init__(self, cfg: Any, tracker: Any, *, quiet: bool = False, every_s: float = 1.0):
+        self.cfg = cfg
+        self.tracker = tracker
+        self.quiet = quiet
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last_print = 0.0
+        self._step = 0
+        self._loss = float("nan")
+        self._participants = 0
+        self._t0 = time.monotonic()
+        self._steps_at_t0 = 0
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[ftharness] {text}", file=sys.stderr, flush=True)
+
+    def on_record(self, r: Record) -> None:
+        event = r.get("event")
+        if event == STEP_COMMIT:
+            with self._lock:
+                if r.get("step", 0) >= self._step:
+                    self._step = r["step"]
+                    self._loss = r.get("loss", float("nan"))
+                    self._participants = r.get("participants", 0)
+            self._maybe_print()
+        elif event == FAULT_INJECT:
+            tgt = r.get("target") or {}
+            where = ", ".join(f"{k} {v}" for k, v in tgt.items() if v is not None) or "service"
+            self.say(f"fault {r.get('fault_id')}: {r.get('kind')} -> {where}")
+        elif event == FAILURE and not r.get("fatal"):
+            self.say(
+                f"failure: {r.get('cause')} {r.get('signal') or ''} at "
+                f"{r.get('proc')} (replica {r.get('replica')}): {r.get('detail')}"
+            )
+        elif event == RECOVERY_PHASE and r.get("phase") == "participating":
+            self.say(
+                f"recovered: replica {r.get('replica')} participating again "
+                f"({r.get('recovery_id')})"
+            )
+
+    def _maybe_print(self) -> None:
+        now = time.monotonic()
+        if self.quiet or now - self._last_print < self.every_s:
+            return
+        with self._lock:
+            self._last_print = now
+            rate = (self._step - self._steps_at_t0) / max(1e-9, now - self._t0)
+            line = (
+                f"step {self._step}/{self.cfg.steps} | loss {self._loss:.3f} | "
+                f"groups {self._participants}/{self.cfg.replicas} | "
+                f"recoveries {self.tracker.completed} (open {self.tracker.open_count}) | "
+                f"{rate:.1f} steps/s"
+            )
+        print(f"[ftharness] {line}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass

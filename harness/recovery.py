@@ -1,0 +1,163 @@
+"""Recovery phases, derived from what the tree and the trainers report, written to the journal.
+
+One recovery per failed replica group (or per aborted step, or per quorum-service crash):
+
+    detected            the failure value reached the controller (or a step aborted)
+    survivors_resumed   another group committed a step after the detection
+    replacement_started the group's new processes are up and its trainers constructed
+    healed              torchft loaded a healthy peer's state into the replacement
+    participating       the failed group committed a step again
+
+``fault_id`` links a recovery to the ``fault.inject`` that most recently targeted that group
+(or its host) within ``link_window_s``; a failure nobody injected has ``fault_id`` null.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.failure import Failure
+from runtime.journal import (
+    FAULT_INJECT,
+    RECOVERY_PHASE,
+    STEP_ABORT,
+    STEP_COMMIT,
+    Journal,
+    Record,
+)
+
+#: Journal event a trainer emits when torchft loads a healthy peer's state into it mid-run.
+HEALED = "trainer.healed"
+
+
+@dataclass
+class _Open:
+    recovery_id: str
+    replica: int | None
+    fault_id: str | None
+    cause: str
+    t_detected: float
+    phases: set[str] = field(default_factory=set)
+
+
+class RecoveryTracker:
+    def __init__(self, journal: Journal, link_window_s: float = 30.0) -> None:
+        self.journal = journal
+        self.link_window_s = link_window_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._open: dict[int | None, _Open] = {}  # by replica (None: the quorum service)
+        self._faults: list[Record] = []
+        self._linked: set[str] = set()  # a fault explains one recovery, never a later one
+        self.committed_step = 0
+        self.completed = 0
+        journal.add_sink(self.on_record)
+
+    # -- inputs -------------------------------------------------------------------------------
+    def on_failure(self, failure: Failure, replica_host: dict[int, str]) -> None:
+        replica = failure.coords.get("replica")
+        self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
+
+    def replacement_started(self, replica: int | None) -> None:
+        self._phase(replica, "replacement_started")
+
+    def on_record(self, r: Record) -> None:
+        event = r.get("event")
+        if event == FAULT_INJECT:
+            with self._lock:
+                self._faults.append(r)
+        elif event == STEP_COMMIT:
+            self._on_commit(r)
+        elif event == STEP_ABORT and r.get("rank") == 0:
+            # An aborted step is its own recovery only when a fault hit this group without
+            # killing it (collective_abort); survivors of a peer's death abort a step too, and
+            # that stall belongs to the peer's recovery.
+            with self._lock:
+                fault_id = self._link(r.get("replica"), None, r["t"])
+            if fault_id is not None:
+                self._begin(r.get("replica"), "step_abort", r["t"], r.get("host"))
+        elif event == HEALED and r.get("rank") == 0:
+            self._phase(r.get("replica"), "healed")
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _link(self, replica: int | None, host: str | None, t: float) -> str | None:
+        for f in reversed(self._faults):
+            if t - f["t"] > self.link_window_s:
+                break
+            if f["fault_id"] in self._linked:
+                continue
+            tgt = f.get("target") or {}
+            if replica is not None and tgt.get("replica") == replica:
+                return f["fault_id"]
+            if tgt.get("replica") is None and host is not None and tgt.get("host") == host:
+                return f["fault_id"]
+            if replica is None and tgt.get("replica") is None and tgt.get("host") is None:
+                return f["fault_id"]
+        return None
+
+    def _begin(self, replica: int | None, cause: str, t: float, host: str | None) -> None:
+        with self._lock:
+            if replica in self._open:
+                return  # one recovery per group at a time; later failures belong to it
+            rec = _Open(f"rec-{next(self._ids)}", replica, self._link(replica, host, t), cause, t)
+            if rec.fault_id is not None:
+                self._linked.add(rec.fault_id)
+            self._open[replica] = rec
+        self._write(rec, "detected", t)
+
+    def _phase(self, replica: int | None, phase: str, t: float | None = None) -> None:
+        with self._lock:
+            rec = self._open.get(replica)
+            if rec is None or phase in rec.phases:
+                return
+        self._write(rec, phase, t)
+
+    def _on_commit(self, r: Record) -> None:
+        replica, t = r.get("replica"), r["t"]
+        self.committed_step = max(self.committed_step, int(r.get("step", 0)))
+        with self._lock:
+            recs = list(self._open.values())
+        for rec in recs:
+            if t < rec.t_detected:
+                continue
+            if rec.replica != replica and "survivors_resumed" not in rec.phases:
+                self._write(rec, "survivors_resumed", t)
+            ours = rec.replica == replica or rec.replica is None
+            if ours and (
+                rec.replica is None
+                or "replacement_started" in rec.phases
+                or rec.cause == "step_abort"
+            ):
+                for p in ("replacement_started", "healed"):
+                    if rec.replica is None and p not in rec.phases:
+                        self._write(rec, p, t)
+                self._write(rec, "participating", t)
+                with self._lock:
+                    self._open.pop(rec.replica, None)
+                    self.completed += 1
+
+    def _write(self, rec: _Open, phase: str, t: float | None) -> None:
+        with self._lock:
+            if phase in rec.phases:
+                return
+            rec.phases.add(phase)
+        fields: dict[str, Any] = {
+            "recovery_id": rec.recovery_id,
+            "fault_id": rec.fault_id,
+            "replica": rec.replica,
+            "phase": phase,
+            "cause": rec.cause,
+        }
+        self.journal.emit(RECOVERY_PHASE, t=t, **fields)
+
+    def open_replicas(self) -> set[int | None]:
+        with self._lock:
+            return set(self._open)
+
+    @property
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)
