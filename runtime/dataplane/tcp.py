@@ -187,6 +187,7 @@ class _Conn:
             raise TransferTimeout(f"connecting to {self.where} timed out") from e
         except OSError as e:
             raise SourceGone(f"cannot connect to {self.where}: {e}") from e
+        self.sock.settimeout(None)  # blocking: deadlines via SO_RCVTIMEO/SO_SNDTIMEO
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
@@ -200,9 +201,11 @@ class _Conn:
         self._io(lambda: self.sock.sendall(REQ.pack(self.token, op, slot, seq, first, count)))
 
     def recv_into(self, view: memoryview) -> None:
+        # MSG_WAITALL on a blocking socket: one syscall (one GIL release) per chunk, not one
+        # per socket-buffer's worth; the deadline is enforced by SO_RCVTIMEO in _io.
         got, n = 0, len(view)
         while got < n:
-            k = self._io(lambda got=got: self.sock.recv_into(view[got:]))
+            k = self._io(lambda got=got: self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL))
             if k == 0:
                 raise SourceGone(f"{self.where} closed the connection mid-transfer")
             got += k
@@ -213,10 +216,14 @@ class _Conn:
         return bytes(buf)
 
     def _io(self, fn):
-        self.sock.settimeout(self._left())
+        left = self._left()
+        sec = int(left)
+        timeo = struct.pack("ll", sec, max(1, int((left - sec) * 1e6)))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeo)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeo)
         try:
             return fn()
-        except TimeoutError as e:
+        except (TimeoutError, BlockingIOError) as e:  # SO_RCVTIMEO expiry reads as EAGAIN
             raise TransferTimeout(f"read from {self.where} timed out") from e
         except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as e:
             raise SourceGone(f"{self.where} dropped the connection mid-transfer: {e}") from e

@@ -1,0 +1,233 @@
+"""``ftharness bench transfer``: weight-transfer bandwidth, in GB/s (median of reps).
+
+For each state size, a realistic mix of float32 shapes (a transformer's parameters plus Adam's
+two moments) is built by a *separate source process*, which serves it four ways at once: the
+data plane's shm and tcp backends, torchft's HTTPTransport (its default) and torchft's
+PGTransport over gloo. The reader (this process) receives into pre-built, pre-faulted tensors
+(PGTransport in place; HTTPTransport allocates its own, as it always does) and verifies every
+transfer: an xxh3-128 digest of every tensor's bytes must equal the source's. ``memcpy`` is
+torch ``copy_`` within this process: the limit.
+
+``shm_first`` is the first shm read (it faults in the reader's mapping of the source's
+snapshot; later reads reuse the cached mapping); ``publish_s`` is the source's cost of one
+``publish`` (copy + checksums), paid once per heal while training continues.
+
+The last line printed is ``{"sizes": [{"bytes", "memcpy", "shm", "tcp", "http", "pg",
+"verified", ...}, ...]}`` with the largest size last.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import xxhash
+
+MiB = 1 << 20
+FULL_SIZES = (64 * MiB, 512 * MiB, 2048 * MiB)
+QUICK_SIZES = (16 * MiB, 64 * MiB)  # two small sizes: --quick is for development
+TIMEOUT = timedelta(seconds=300)
+
+
+def transformer_shapes(total_bytes: int) -> list[tuple[int, ...]]:
+    """float32 shapes summing to about ``total_bytes``: embeddings, per-layer attention and
+    MLP matrices and norms (the parameters), then the same shapes twice (Adam's moments)."""
+    dim = 256 if total_bytes <= 64 * MiB else 1024
+    vocab = 2048 if total_bytes <= 64 * MiB else 8192
+    params: list[tuple[int, ...]] = [(vocab, dim)]
+    layer = [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim), (4 * dim, dim), (dim,), (dim,)]
+    per_layer = sum(torch.Size(s).numel() for s in layer)
+    budget = total_bytes // 4 // 3 - vocab * dim * 2 - dim
+    params += layer * max(1, budget // per_layer)
+    params += [(dim,), (vocab, dim)]  # final norm, output head
+    used = sum(torch.Size(s).numel() for s in params)
+    rest = (total_bytes // 4 // 3 - used) // dim
+    if rest > 0:
+        params.append((rest, dim))  # a partial layer, so the total lands on the target size
+    return params * 3
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = xxhash.xxh3_128()
+    for t in tensors:
+        if t.numel():
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _source(total_bytes: int, store_addr: str) -> None:
+    """The source process: build, serve four ways, then answer "pg" requests from stdin."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
+
+    from runtime.dataplane import register
+
+    g = torch.Generator().manual_seed(0)
+    state = [torch.randn(s, generator=g) for s in transformer_shapes(total_bytes)]
+    sd = {f"t{i}": t for i, t in enumerate(state)}
+    reg = register(state, backend=("shm", "tcp"))
+    t0 = time.perf_counter()
+    reg.publish(1)
+    publish_s = time.perf_counter() - t0
+    http = HTTPTransport(timeout=TIMEOUT, num_chunks=0)
+    http.send_checkpoint([1], 1, sd, TIMEOUT)
+    pg = ProcessGroupGloo(timeout=TIMEOUT)
+    reconfigure_with_store(pg, store_addr, 0, 2)
+    pgt = PGTransport(pg, timeout=TIMEOUT, device=torch.device("cpu"))
+    line = {
+        "handle": reg.handle.dumps(),
+        "http": http.metadata(),
+        "digest": _digest(state),
+        "publish_s": publish_s,
+    }
+    print(json.dumps(line), flush=True)
+    for cmd in sys.stdin:
+        if cmd.strip() == "pg":
+            pgt.send_checkpoint([1], 1, sd, TIMEOUT)
+            print("sent", flush=True)
+    http.shutdown(wait=False)
+    reg.close()
+
+
+def _median_gbps(nbytes: int, times: list[float]) -> float:
+    return round(nbytes / statistics.median(times) / 1e9, 3)
+
+
+def _bench_size(total_bytes: int, reps: int, log) -> dict:
+    import torch.distributed as dist
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
+
+    from runtime.dataplane import Handle, read_into
+    from runtime.dataplane.shm import release_mappings
+
+    shapes = transformer_shapes(total_bytes)
+    dest = [torch.zeros(s) for s in shapes]  # pre-built and pre-faulted
+    nbytes = sum(t.numel() * 4 for t in dest)
+    out: dict = {"bytes": nbytes, "tensors": len(dest)}
+
+    src = [torch.ones(s) for s in shapes]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for d, s in zip(dest, src, strict=True):
+            d.copy_(s)
+        times.append(time.perf_counter() - t0)
+    out["memcpy"] = _median_gbps(nbytes, times)
+    del src
+    gc.collect()
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store_addr = f"127.0.0.1:{store.port}/bench/{total_bytes}"
+    code = f"from harness.bench.transfer import _source; _source({total_bytes}, {store_addr!r})"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    verified = True
+    try:
+        pg = ProcessGroupGloo(timeout=TIMEOUT)
+        reconfigure_with_store(pg, store_addr, 1, 2)
+        info = json.loads(proc.stdout.readline())
+        handle, want = Handle.loads(info["handle"]), info["digest"]
+        out["publish_s"] = round(info["publish_s"], 3)
+
+        def check(tensors: list[torch.Tensor]) -> None:
+            nonlocal verified
+            verified = verified and _digest(tensors) == want
+
+        for backend in ("shm", "tcp"):
+            times = []
+            for _ in range(reps):
+                for d in dest:
+                    d.zero_()  # a stale copy could not pass verification
+                t0 = time.perf_counter()
+                read_into(handle, dest, backend=backend, step=1, timeout=300)
+                times.append(time.perf_counter() - t0)
+                check(dest)
+            out[backend] = _median_gbps(nbytes, times)
+            if backend == "shm":
+                out["shm_first"] = round(nbytes / times[0] / 1e9, 3)
+                release_mappings()
+            log(f"  {backend}: {out[backend]} GB/s")
+
+        http_meta = info["http"].replace(
+            info["http"].split("/")[2].rsplit(":", 1)[0], "127.0.0.1", 1
+        )
+        receiver = HTTPTransport(timeout=TIMEOUT, num_chunks=0)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            got = receiver.recv_checkpoint(0, http_meta, 1, TIMEOUT)
+            times.append(time.perf_counter() - t0)
+            check([got[f"t{i}"] for i in range(len(dest))])
+            del got
+            gc.collect()
+        receiver.shutdown(wait=False)
+        out["http"] = _median_gbps(nbytes, times)
+        log(f"  http: {out['http']} GB/s")
+
+        inplace = {f"t{i}": t for i, t in enumerate(dest)}
+        pgt = PGTransport(
+            pg, timeout=TIMEOUT, device=torch.device("cpu"), state_dict=lambda: inplace
+        )
+        times = []
+        for _ in range(reps):
+            for d in dest:
+                d.zero_()
+            proc.stdin.write("pg\n")
+            proc.stdin.flush()
+            t0 = time.perf_counter()
+            got = pgt.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)
+            times.append(time.perf_counter() - t0)
+            assert proc.stdout.readline().strip() == "sent"
+            verified = verified and got["t0"].data_ptr() == dest[0].data_ptr()  # in place
+            check(dest)
+        out["pg"] = _median_gbps(nbytes, times)
+        log(f"  pg: {out['pg']} GB/s")
+        pg.shutdown()
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        del store
+    out["verified"] = verified
+    for k in ("memcpy", "shm", "tcp", "http", "pg"):  # the contract's keys first
+        out[k] = out.pop(k)
+    out["verified"] = out.pop("verified")
+    return out
+
+
+def main(args) -> int:
+    """Run the benchmark; ``args`` has ``.json``, ``.reps`` and ``.quick``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    reps = args.reps or (3 if args.quick else 5)
+
+    def log(msg: str) -> None:
+        if not args.json:
+            print(msg, file=sys.stderr, flush=True)
+
+    results = []
+    for size in sizes:
+        log(f"{size // MiB} MiB state ({reps} reps each)")
+        results.append(_bench_size(size, reps, log))
+        gc.collect()
+    r = results[-1]
+    log(
+        f"at {r['bytes'] / 2**30:.2f} GiB: shm/memcpy {r['shm'] / r['memcpy']:.0%}, "
+        f"tcp/http {r['tcp'] / r['http']:.1f}x, tcp/pg {r['tcp'] / r['pg']:.2f}x"
+    )
+    print(json.dumps({"sizes": results}))
+    return 0 if all(x["verified"] for x in results) else 1
