@@ -21,7 +21,7 @@ from typing import Any
 
 from dashboards.metrics import percentile, split_by_policy, summarize
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
-from runtime.journal import FAULT_INJECT, STEP_COMMIT, read_journal
+from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
 
 Record = dict[str, Any]
 Result = dict[str, Any]
@@ -76,22 +76,26 @@ def _steps_rise(policy: str, records: Sequence[Record]) -> Result:
 
 
 def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
-    # The last checksum each replica committed for each (step, rank): a step redone after a full
-    # restart is compared as redone.
-    last: dict[tuple[Any, Any], dict[Any, str]] = defaultdict(dict)
+    # The checksum each replica committed for each (incarnation, step, rank). A whole-job
+    # restart (job.restart) starts a new incarnation: a step redone after it is compared with
+    # the other replicas' redone step, never with a commit from before the restart.
+    last: dict[tuple[Any, Any, Any], dict[Any, str]] = defaultdict(dict)
+    incarnation = 0
     for r in records:
-        if r.get("event") == STEP_COMMIT and r.get("checksum") is not None:
-            last[(r.get("step"), r.get("rank"))][r.get("replica")] = r["checksum"]
+        if r.get("event") == JOB_RESTART:
+            incarnation += 1
+        elif r.get("event") == STEP_COMMIT and r.get("checksum") is not None:
+            last[(incarnation, r.get("step"), r.get("rank"))][r.get("replica")] = r["checksum"]
     name = f"replicas_equal_after_heal[{policy}]"
     compared = {k: v for k, v in last.items() if len(v) >= 2}
     if not compared:
         return _result(name, False, "no step was committed with a checksum by two replicas")
     bad = sorted(
         (k for k, v in compared.items() if len(set(v.values())) > 1),
-        key=lambda k: (k[0] is None, k[0]),
+        key=lambda k: (k[0], k[1] is None, k[1]),
     )
     if bad:
-        step, rank = bad[0]
+        _, step, rank = bad[0]
         return _result(
             name, False,
             f"{len(bad)} of {len(compared)} steps differ across replicas; first: step {step} "

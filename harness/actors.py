@@ -16,6 +16,21 @@ from harness.trainer import Trainer
 from runtime.actor import Actor, current_actors, endpoint
 
 
+class _ReportingTrainer(Trainer):
+    """A Trainer that journals each heal: torchft calls ``load_state_dict`` (the bound method
+    handed to its Manager) when it loads a healthy peer's state into a group that is behind."""
+
+    training = False  # False while __init__ resumes from a checkpoint: that is not a heal
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.training:
+            self._emit(
+                HEALED,
+                {"replica": self.replica_id, "rank": self.rank, "data_pos": self.data.position},
+            )
+
+
 class TrainerActor(Actor):
     """One rank of one replica group (see harness.trainer for the training loop itself).
 
@@ -38,8 +53,7 @@ class TrainerActor(Actor):
         # One intra-op thread per process unless cores are plentiful: several trainers share
         # the host's cores, and oversubscribed OpenMP pools made a tiny step 15-50x slower here.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.replicas * job.ranks)))
-        self._training = False
-        self.trainer = Trainer(
+        self.trainer = _ReportingTrainer(
             job,
             replica_id=replica_id,
             rank=self.rank,
@@ -48,25 +62,14 @@ class TrainerActor(Actor):
             emit=lambda event, fields: self.emit(event, **fields),
             run_dir=run_dir,
         )
-        load = self.trainer.load_state_dict
-
-        def load_and_report(state: dict[str, Any]) -> None:
-            load(state)
-            if self._training:  # not the checkpoint resume in __init__: a heal from a peer
-                self.emit(
-                    HEALED, replica=replica_id, rank=self.rank, data_pos=self.trainer.data.position
-                )
-
-        # torchft calls the Manager's load_state_dict callback, which is this bound method.
-        self.trainer.load_state_dict = load_and_report  # type: ignore[method-assign]
 
     @endpoint
     def train(self) -> dict[str, Any]:
-        self._training = True
+        self.trainer.training = True
         try:
             return self.trainer.train()
         finally:
-            self._training = False
+            self.trainer.training = False
 
     @endpoint
     def checksum(self) -> str:

@@ -32,7 +32,7 @@ from harness.progress import Progress
 from harness.recovery import RecoveryTracker
 from runtime.controller import Controller, HostAgentHandle
 from runtime.failure import Failure, SupervisionError
-from runtime.journal import JOB_END, JOB_START, Journal
+from runtime.journal import JOB_END, JOB_RESTART, JOB_START, Journal
 from runtime.mesh import ActorMesh
 from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
 
@@ -104,6 +104,8 @@ class Job:
                     within_s=r.within_s,
                     grace_s=0.5,
                 ),
+                # one_for_all restarts the quorum first: one record per whole-job restart
+                on_restart=lambda name, _: name == "quorum" and self._journal_restart(),
             )
             job.add_child("quorum", self._start_lighthouse)
             for rep in range(self.replicas):
@@ -128,6 +130,11 @@ class Job:
         self.job_supervisor = job
         self.progress.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
+        )
+
+    def _journal_restart(self) -> None:
+        self.journal.emit(
+            JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
         )
 
     def _start_lighthouse(self) -> ActorMesh:

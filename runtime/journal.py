@@ -15,6 +15,8 @@ Event names and their extra fields:
 ========================  =====================================================================
 ``job.start``             ``config`` (dict), ``replicas``, ``ranks``
 ``job.end``               ``status`` (``"ok"`` | ``"failed"``), ``reason``, ``steps``
+``job.restart``           ``reason``: the whole job restarted (full_restart policy); steps
+                          committed after it may redo step numbers committed before it
 ``proc.start``            ``replica``, ``rank``, ``host``, ``pid``, ``spare`` (bool)
 ``failure``               ``cause``, ``detail``, ``exit_code``, ``signal``, ``traceback``,
                           ``coords`` (dict), ``replica``, ``rank``, ``host``, ``pid``
@@ -47,6 +49,7 @@ from typing import Any
 
 JOB_START = "job.start"
 JOB_END = "job.end"
+JOB_RESTART = "job.restart"
 PROC_START = "proc.start"
 FAILURE = "failure"
 SUPERVISOR = "supervisor"

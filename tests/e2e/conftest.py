@@ -1,0 +1,66 @@
+"""Shared helpers for end-to-end runs of ftharness jobs."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.config import load_config
+from runtime.journal import JOB_RESTART, STEP_COMMIT, read_journal
+
+
+@pytest.fixture
+def tiny_cfg():
+    def make(*overrides: str):
+        return load_config("experiments/tiny.toml", list(overrides))
+
+    return make
+
+
+def after_step(job: Any, step: int, action: Callable[[], None], timeout: float = 120) -> None:
+    """Run ``action`` once the job has committed ``step`` (on a background thread)."""
+    import threading
+
+    def run() -> None:
+        deadline = time.monotonic() + timeout
+        while job.committed_step() < step and time.monotonic() < deadline:
+            time.sleep(0.05)
+        action()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def events(run_dir, name: str | None = None) -> list[dict]:
+    rs = read_journal(run_dir / "journal.jsonl")
+    return [r for r in rs if name is None or r["event"] == name]
+
+
+def check_invariants(records: list[dict]) -> None:
+    """The protocol's invariants, from the journal: per group, committed steps only go forward
+    (within an incarnation of the job), losses are finite, no data position is trained twice,
+    and every step committed by several groups has one checksum."""
+    incarnation = 0
+    last_step: dict[tuple, int] = {}
+    positions: dict[tuple, set] = defaultdict(set)
+    sums: dict[tuple, set] = defaultdict(set)
+    for r in records:
+        if r["event"] == JOB_RESTART:
+            incarnation += 1
+            last_step.clear()
+            positions.clear()
+        if r["event"] != STEP_COMMIT:
+            continue
+        key = (r["replica"], r["rank"])
+        assert r["step"] > last_step.get(key, -1), f"step went back for {key}: {r}"
+        last_step[key] = r["step"]
+        assert math.isfinite(r["loss"]), r
+        assert r["data_pos"] not in positions[key], f"data position trained twice: {r}"
+        positions[key].add(r["data_pos"])
+        sums[(incarnation, r["step"], r["rank"])].add(r["checksum"])
+    differing = {k: v for k, v in sums.items() if len(v) > 1}
+    assert not differing, f"replicas disagree at {sorted(differing)[:3]}"

@@ -1,0 +1,168 @@
+"""End-to-end runs of resilient training on CPU: real processes, real faults, gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import after_step, check_invariants, events
+
+from faults.fault import Target
+from harness.launch import run_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+def test_killed_group_restarts_in_place_and_heals(tmp_path, tiny_cfg):
+    cfg = tiny_cfg("steps=45", "checkpoint.every_steps=10")
+    killed = {}
+
+    def started(job):
+        def kill():
+            killed["pid"] = job.pids(Target(replica=1, rank=0))[0]
+            killed["others"] = job.pids(Target(replica=0)) + job.pids(Target(replica=2))
+            os.kill(killed["pid"], signal.SIGKILL)
+
+        after_step(job, 12, kill)
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+
+    (failure,) = [r for r in records if r["event"] == "failure"]
+    assert failure["signal"] == "SIGKILL" and failure["replica"] == 1
+    # only group 1 was restarted: one new process, for replica 1
+    restarted = [r for r in records if r["event"] == "proc.start" and r["t"] > failure["t"]]
+    assert [r["replica"] for r in restarted] == [1]
+    # the replacement healed from a peer, then committed steps with the peers' checksums
+    healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > failure["t"]]
+    assert healed and all(r["replica"] == 1 for r in healed)
+    phases = [r["phase"] for r in records if r["event"] == "recovery.phase"]
+    assert phases[0] == "detected" and phases[-1] == "participating"
+    assert set(phases) == {
+        "detected",
+        "survivors_resumed",
+        "replacement_started",
+        "healed",
+        "participating",
+    }
+    commits = [r for r in records if r["event"] == "step.commit"]
+    back = [r for r in commits if r["replica"] == 1 and r["t"] > failure["t"]]
+    assert back, "the replacement never committed"
+    peer = {r["step"]: r["checksum"] for r in commits if r["replica"] == 0}
+    assert all(peer[r["step"]] == r["checksum"] for r in back if r["step"] in peer)
+    # the survivors kept training in their original processes
+    survivors_after = [r for r in commits if r["replica"] != 1 and r["t"] > failure["t"]]
+    assert max(r["step"] for r in survivors_after) == 45
+    assert not any(r["replica"] != 1 for r in restarted)
+
+
+def test_segfault_in_one_rank_restarts_only_its_group(tmp_path, tiny_cfg):
+    cfg = tiny_cfg("replicas=2", "ranks=2", "steps=30", "checkpoint.every_steps=0")
+
+    def started(job):
+        after_step(
+            job, 8, lambda: job.run_in_worker(Target(replica=0, rank=1), "faults.inworker:segfault")
+        )
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+    failures = [r for r in records if r["event"] == "failure"]
+    assert failures[0]["signal"] == "SIGSEGV"
+    assert (failures[0]["replica"], failures[0]["rank"]) == (0, 1)
+    decisions = [r for r in records if r["event"] == "supervisor"]
+    assert [(d["supervisor"], d["decision"]) for d in decisions] == [
+        ("job/replica0", "restart_all")
+    ]
+    restarted = [r for r in records if r["event"] == "proc.start" and r["t"] > failures[0]["t"]]
+    assert sorted((r["replica"], r["rank"]) for r in restarted) == [(0, 0), (0, 1)]
+
+
+def test_restart_intensity_exhausted_stops_the_job_with_a_report(tmp_path, tiny_cfg):
+    cfg = tiny_cfg("steps=400", "recovery.max_restarts=1", "checkpoint.every_steps=0")
+
+    def started(job):
+        def kill_twice():
+            import time
+
+            for _ in range(2):
+                pids = job.pids(Target(replica=2, rank=0))
+                os.kill(pids[0], signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while job.pids(Target(replica=2, rank=0)) == pids and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)
+
+        after_step(job, 5, kill_twice)
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started, timeout=200)
+    assert out["status"] == "failed"
+    assert (
+        "supervisor job/replica2 gave up: restart intensity exceeded: 1 restarts" in out["reason"]
+    )
+    assert "killed by SIGKILL" in out["reason"]
+    end = events(tmp_path, "job.end")[-1]
+    assert end["status"] == "failed"
+
+
+def test_full_restart_resumes_from_checkpoint_losing_at_most_k_steps(tmp_path, tiny_cfg):
+    k = 5
+    cfg = tiny_cfg("steps=30", f"checkpoint.every_steps={k}", "recovery.policy=full_restart")
+
+    def started(job):
+        after_step(job, 13, lambda: os.kill(job.pids(Target(replica=1, rank=0))[0], signal.SIGKILL))
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+    (restart,) = [r for r in records if r["event"] == "job.restart"]
+    before = [r["step"] for r in records if r["event"] == "step.commit" and r["t"] < restart["t"]]
+    loads = [r for r in records if r["event"] == "checkpoint.load" and r["t"] > restart["t"]]
+    assert loads and {r["step"] for r in loads} == {loads[0]["step"]}
+    resumed = loads[0]["step"]
+    assert resumed % k == 0 and resumed >= 10
+    first_after = min(
+        r["step"] for r in records if r["event"] == "step.commit" and r["t"] > restart["t"]
+    )
+    assert first_after == resumed + 1
+    assert max(before) - resumed <= k  # steps lost
+    # every process was restarted, not just the failed group's
+    after = [r for r in records if r["event"] == "proc.start" and r["t"] > restart["t"] - 5]
+    assert {r.get("replica") for r in after if "replica" in r} == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("replicass=3", "unknown key 'replicass'"),
+        ("replicas=0", "replicas"),
+        ("timeouts.heartbeat_timeout=30", "heartbeat_timeout"),
+    ],
+)
+def test_bad_config_fails_before_launch(override, message, tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "experiments/tiny.toml",
+            "--set",
+            override,
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert not (tmp_path / "run").exists()  # nothing launched, nothing written
