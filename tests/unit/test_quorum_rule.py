@@ -1,0 +1,281 @@
+"""torchft's Lighthouse quorum rule (``harness.quorum_rule``) and the Lighthouse wire codec
+(``harness.tree_quorum``): pure functions, no sockets.
+
+The rule cases follow torchft's own ``src/lighthouse.rs`` tests (join timeout, heartbeats, fast
+quorum, shrink_only) and add the supervision tree's input, ``drop_failed``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import quorum_rule as rule
+from harness.tree_quorum import (
+    WireError,
+    decode_fields,
+    decode_heartbeat_request,
+    decode_quorum_request,
+    encode_field,
+    encode_quorum_response,
+    encode_varint,
+)
+
+OPTS = rule.QuorumOpts(min_replicas=1, join_timeout_s=3600.0, heartbeat_timeout_s=5.0)
+T = 1000.0  # an arbitrary monotonic "now"
+
+
+def member(rid: str, **kw) -> rule.Member:
+    return rule.Member(replica_id=rid, step=kw.pop("step", 1), world_size=1, **kw)
+
+
+def joined(state: rule.QuorumState, *rids: str, now: float = T, **kw) -> rule.QuorumState:
+    for rid in rids:
+        state = rule.join(state, member(rid, **kw), now)
+    return state
+
+
+def with_quorum(*rids: str) -> rule.QuorumState:
+    """A state whose last issued quorum is ``rids`` (all heartbeating at ``T``)."""
+    state, quorum, _ = rule.tick(joined(rule.QuorumState(), *rids), T, OPTS)
+    assert quorum is not None and quorum.replica_ids == tuple(sorted(rids))
+    return state
+
+
+def ids(members) -> list[str]:
+    return [m.replica_id for m in members]
+
+
+# --- torchft's rule ------------------------------------------------------------------------------
+
+
+def test_nothing_joined_means_no_quorum() -> None:
+    members, reason = rule.compute(rule.QuorumState(), T, OPTS)
+    assert members is None
+    assert "only have 0 participants, need min_replicas 1 [0/0 participants healthy]" in reason
+
+
+def test_join_timeout_waits_for_healthy_stragglers_then_issues() -> None:
+    state = joined(rule.QuorumState(), "a", "b")
+    members, reason = rule.compute(state, T, OPTS)
+    assert ids(members) == ["a", "b"], reason  # every healthy replica joined
+    state = rule.heartbeat(state, "c", T)  # alive but not asking to join
+    members, reason = rule.compute(state, T, OPTS)
+    assert members is None and "join timeout" in reason
+    # The straggler is waited for until join_timeout after the *first* join.
+    later = T + OPTS.join_timeout_s
+    for rid in ("a", "c"):
+        state = rule.heartbeat(state, rid, later)  # a heartbeat does not restart a's join clock
+    state = rule.join(state, member("b"), later)  # nor does b asking again
+    members, reason = rule.compute(state, later - 0.001, OPTS)
+    assert members is None and "join timeout" in reason
+    members, reason = rule.compute(state, later, OPTS)
+    assert ids(members) == ["a", "b"], reason
+
+
+def test_expired_heartbeat_is_not_a_participant() -> None:
+    state = joined(rule.QuorumState(), "a")
+    members, reason = rule.compute(state, T, OPTS)
+    assert ids(members) == ["a"] and "[1/1 participants healthy][1 heartbeating]" in reason
+    stale = T + OPTS.heartbeat_timeout_s
+    members, reason = rule.compute(state, stale, OPTS)
+    assert members is None and "[0/1 participants healthy][0 heartbeating]" in reason
+    state = rule.join(state, member("b"), stale)
+    members, reason = rule.compute(state, stale, OPTS)
+    assert ids(members) == ["b"], reason
+
+
+def test_min_replicas() -> None:
+    opts = rule.QuorumOpts(min_replicas=3, join_timeout_s=0.0, heartbeat_timeout_s=5.0)
+    state = joined(rule.QuorumState(), "a", "b")
+    members, reason = rule.compute(state, T, opts)
+    assert members is None and "need min_replicas 3" in reason
+    members, _ = rule.compute(rule.join(state, member("c"), T), T, opts)
+    assert ids(members) == ["a", "b", "c"]
+
+
+def test_split_brain_needs_more_than_half_of_the_healthy() -> None:
+    opts = rule.QuorumOpts(min_replicas=1, join_timeout_s=0.0, heartbeat_timeout_s=5.0)
+    state = joined(rule.QuorumState(), "a", "b")
+    for rid in ("c", "d"):
+        state = rule.heartbeat(state, rid, T)
+    members, reason = rule.compute(state, T, opts)  # 2 of 4: not more than half
+    assert members is None and "need at least half of 4 healthy workers" in reason
+    members, reason = rule.compute(rule.join(state, member("c"), T), T, opts)  # 3 of 4
+    assert ids(members) == ["a", "b", "c"], reason
+
+
+def test_fast_quorum_when_the_previous_quorum_rejoined() -> None:
+    state = with_quorum("a")
+    state = rule.heartbeat(state, "b", T)  # healthy, not joined: the full rule would wait
+    state = joined(state, "a")
+    members, reason = rule.compute(state, T, OPTS)
+    assert ids(members) == ["a"] and reason.startswith("Fast quorum found!")
+    # A newcomer that joined in time rides along (the quorum grows without a wait).
+    members, reason = rule.compute(rule.join(state, member("b"), T), T, OPTS)
+    assert ids(members) == ["a", "b"] and reason.startswith("Fast quorum")
+
+
+def test_no_fast_quorum_while_a_previous_member_is_missing() -> None:
+    state = joined(with_quorum("a", "b", "c"), "a", "c")
+    members, reason = rule.compute(state, T, OPTS)
+    assert members is None and "waiting for 1 healthy but not participating" in reason
+
+
+def test_shrink_only_keeps_only_previous_members() -> None:
+    state = with_quorum("a", "b")
+    state = rule.join(state, member("a", shrink_only=True), T)
+    state = rule.join(state, member("c", shrink_only=True), T)
+    state = rule.join(state, member("b"), T)
+    members, reason = rule.compute(state, T, OPTS)
+    assert ids(members) == ["a", "b"] and "[shrink_only=true]" in reason
+
+
+def test_participants_are_sorted_and_cleared_after_issue() -> None:
+    state = joined(rule.QuorumState(), "replica_2:x", "replica_0:y", "replica_1:z")
+    state, quorum, _ = rule.tick(state, T, OPTS)
+    assert quorum is not None
+    assert quorum.replica_ids == ("replica_0:y", "replica_1:z", "replica_2:x")
+    assert state.participants == {} and state.prev_quorum == quorum
+    assert rule.tick(state, T, OPTS)[1] is None  # nobody asked again
+
+
+def test_quorum_id_bumps_on_member_change_or_commit_failure_only() -> None:
+    state = with_quorum("a", "b")
+    assert state.quorum_id == 1
+    state, q, _ = rule.tick(joined(state, "a", "b"), T, OPTS)
+    assert q is not None and q.quorum_id == 1  # same members, clean: same id
+    state, q, _ = rule.tick(joined(state, "a", "b", commit_failures=1), T, OPTS)
+    assert q is not None and q.quorum_id == 2  # same members, a failed commit: new id
+    state, q, _ = rule.tick(joined(state, "a", "b", "c"), T, OPTS)
+    assert q is not None and q.quorum_id == 3  # grew
+
+
+def test_join_keeps_the_raw_member_it_was_given() -> None:
+    m = rule.Member(replica_id="a", step=7, raw=b"\x0a\x01a\x20\x07\xd2\x02\x03new")
+    state = rule.join(rule.QuorumState(), m, T)
+    _, q, _ = rule.tick(state, T, OPTS)
+    assert q is not None and q.members == (m,)
+
+
+# --- the supervision tree's input ----------------------------------------------------------------
+
+
+def test_failed_replica_gives_the_survivors_a_fast_quorum_at_once() -> None:
+    a, b, c = "replica_0:u1", "replica_1:u2", "replica_2:u3"
+    state = joined(with_quorum(a, b, c), a, c)  # b died; a and c asked again
+    assert rule.compute(state, T, OPTS)[0] is None  # torchft alone: wait for b's heartbeat
+    state, dropped = rule.drop_failed(state, rule.ids_of_replica(1))
+    assert dropped == {b}
+    members, reason = rule.compute(state, T, OPTS)
+    assert ids(members) == [a, c] and reason.startswith("Fast quorum")
+    state, q, _ = rule.tick(state, T, OPTS)
+    assert q is not None and q.quorum_id == 2  # the dead member left: a new id, a new pg
+
+
+def test_failure_before_the_survivors_ask_still_bumps_the_id() -> None:
+    a, b = "replica_0:u1", "replica_1:u2"
+    state, _ = rule.drop_failed(with_quorum(a, b), "replica_1:")
+    state, q, _ = rule.tick(joined(state, a), T, OPTS)  # a saw no commit failure
+    assert q is not None and q.replica_ids == (a,) and q.quorum_id == 2
+
+
+def test_failed_replica_is_fenced_but_its_replacement_joins() -> None:
+    a, b, b2 = "replica_0:u1", "replica_1:u2", "replica_1:new"
+    state, dropped = rule.drop_failed(joined(with_quorum(a, b), b), "replica_1:")
+    assert dropped == {b} and b not in state.participants and b not in state.heartbeats
+    # A late heartbeat or a zombie's request cannot bring the dead id back.
+    state = rule.join(rule.heartbeat(state, b, T), member(b), T)
+    assert b not in state.heartbeats and b not in state.participants
+    # The replacement (fresh uuid) waits for the survivor, then both form a fast quorum.
+    state = rule.join(state, member(b2), T)
+    assert rule.compute(state, T, OPTS)[0] is None
+    members, reason = rule.compute(rule.join(state, member(a), T), T, OPTS)
+    assert ids(members) == [a, b2] and reason.startswith("Fast quorum")
+
+
+def test_dropping_only_matches_that_replicas_prefix() -> None:
+    state = with_quorum("replica_1:u", "replica_10:v", "replica_11:w")
+    state, dropped = rule.drop_failed(state, rule.ids_of_replica(1))
+    assert dropped == {"replica_1:u"}
+    assert rule.drop_failed(state, rule.ids_of_replica(7))[1] == frozenset()
+
+
+def test_all_previous_members_failed_falls_back_to_the_full_rule() -> None:
+    opts = rule.QuorumOpts(min_replicas=2, join_timeout_s=3600.0, heartbeat_timeout_s=5.0)
+    state, _ = rule.drop_failed(with_quorum("replica_0:a"), "replica_0:")
+    members, reason = rule.compute(rule.join(state, member("replica_0:b"), T), T, opts)
+    assert members is None and "need min_replicas 2" in reason
+
+
+def test_pure_transitions_do_not_touch_the_input_state() -> None:
+    before = with_quorum("replica_0:a", "replica_1:b")
+    snapshot = (dict(before.heartbeats), dict(before.participants), before.fenced)
+    rule.drop_failed(joined(before, "replica_0:a"), "replica_1:")
+    rule.tick(joined(before, "replica_0:a"), T, OPTS)
+    assert (dict(before.heartbeats), dict(before.participants), before.fenced) == snapshot
+
+
+# --- the wire codec ------------------------------------------------------------------------------
+
+# A real QuorumRequest captured from torchft-nightly 2026.10.26's ManagerServer (replica_7, step
+# 0, world_size 1, commit_failures 3, reconfigure handle "HANDLE"; zero fields are omitted).
+CAPTURED = bytes.fromhex(
+    "0a650a2e7265706c6963615f373a30623230356163652d313738642d346234642d383466642d343830353763"
+    "6665636331631216687474703a2f2f3132372e302e302e313a33393539351a0f3132372e302e302e313a3335"
+    "373239280140034a0648414e444c45"
+)
+
+
+def test_decodes_a_captured_manager_request() -> None:
+    m = decode_quorum_request(CAPTURED)
+    assert m.replica_id == "replica_7:0b205ace-178d-4b4d-84fd-48057cfecc1c"
+    assert (m.step, m.world_size, m.shrink_only, m.commit_failures) == (0, 1, False, 3)
+    assert m.raw == CAPTURED[2:]  # the member, byte for byte
+
+
+def test_member_fields_and_negative_step_round_trip() -> None:
+    raw = (
+        encode_field(1, b"replica_3:x")
+        + encode_field(4, -5)
+        + encode_field(5, 2)
+        + encode_field(6, 1)
+        + encode_field(8, 4)
+        + encode_field(99, b"future field")
+    )
+    m = decode_quorum_request(encode_field(1, raw))
+    assert (m.replica_id, m.step, m.world_size, m.shrink_only, m.commit_failures) == (
+        "replica_3:x",
+        -5,
+        2,
+        True,
+        4,
+    )
+
+
+def test_response_carries_members_verbatim() -> None:
+    a = decode_quorum_request(CAPTURED)
+    b = rule.Member(replica_id="b", raw=encode_field(1, b"b") + encode_field(77, b"?"))
+    buf = encode_quorum_response(rule.Quorum(quorum_id=9, members=(a, b)), created=12.5)
+    [(n, _, quorum)] = decode_fields(buf)
+    assert n == 1 and isinstance(quorum, bytes)
+    fields = decode_fields(quorum)
+    assert fields[0] == (1, 0, 9)
+    assert [v for f, _, v in fields if f == 2] == [a.raw, b.raw]
+    [stamp] = [v for f, _, v in fields if f == 3]
+    assert decode_fields(stamp) == [(1, 0, 12), (2, 0, 500_000_000)]
+
+
+def test_heartbeat_and_varints() -> None:
+    assert decode_heartbeat_request(encode_field(1, b"replica_0:a")) == "replica_0:a"
+    for v in (0, 1, 127, 128, 300, 2**63 - 1):
+        assert decode_fields(encode_field(4, v)) == [(4, 0, v)]
+    assert len(encode_varint(-1)) == 10
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"\x0a\x05ab", b"\x08", b"\x0b", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b""],
+)
+def test_malformed_requests_are_rejected(bad: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_quorum_request(bad)
