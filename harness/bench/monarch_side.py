@@ -108,7 +108,16 @@ def measure_monarch(
         elif fast is not None:
             note += f"; the {FAST_POLL} poll run failed: {fast['error']}"
     main["supervision_poll_note"] = note
-    return main
+    return _ordered(main)
+
+
+def _ordered(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline keys first, in the order the issue lists them, then the rest."""
+    head = ["version", "spawn_mesh_s", "call_p50_ms", "detect_kill_ms", "detect_kill_reported"]
+    head += ["detect_hang_s", "detect_hang_reported", "supervision_poll_note"]
+    return {k: result[k] for k in head if k in result} | {
+        k: v for k, v in result.items() if k not in head
+    }
 
 
 # --------------------------------------------------------------------------------------------
