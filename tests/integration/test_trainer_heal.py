@@ -21,6 +21,7 @@ from h1_procs import REPO, commits, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, config_to_dict
 from harness.quorum import Lighthouse, host_store
+from harness.trainer import Trainer
 from runtime.journal import read_journal
 
 KILL_AFTER = 8  # commits by the victim before it is killed
@@ -203,3 +204,68 @@ def test_fault_hooks_recover_without_a_restart(tmp_path: Path, hook: str) -> Non
         assert after  # committed again in the same process
     else:
         assert all(r["step_time_s"] >= 0.5 for r in after[1:])
+
+
+@pytest.mark.timeout(180)
+def test_stop_then_resume_from_checkpoint(tmp_path: Path) -> None:
+    """stop() ends train() after the current step; a new Trainer (a full restart) resumes from
+    the newest checkpoint with the same weights, step and data position it had there."""
+    cfg = JobConfig(
+        name="resume", replicas=1, steps=20, checkpoint=CheckpointConfig(every_steps=4, keep=2)
+    )
+    events: list[tuple[str, dict[str, Any]]] = []
+    lighthouse = Lighthouse.for_job(cfg)
+    try:
+        first = Trainer(
+            cfg,
+            replica_id=0,
+            rank=0,
+            store_addr=None,
+            lighthouse_addr=lighthouse.address,
+            run_dir=str(tmp_path),
+            emit=lambda e, f: events.append((e, f)),
+        )
+
+        def stop_at_10(event: str, fields: dict[str, Any]) -> None:
+            events.append((event, fields))
+            if event == "step.commit" and fields["step"] == 10:
+                first.stop()
+
+        first._emit = stop_at_10
+        summary = first.train()
+        first.close()
+        assert summary["step"] == 10  # stopped after step 10, well before 20
+        saved = {f["step"]: f for e, f in events if e == "checkpoint.save"}
+        assert sorted(saved) == [4, 8]
+        at_8 = next(f for e, f in events if e == "step.commit" and f["step"] == 8)
+
+        resumed_events: list[tuple[str, dict[str, Any]]] = []
+        second = Trainer(
+            cfg,
+            replica_id=0,
+            rank=0,
+            store_addr=None,
+            lighthouse_addr=lighthouse.address,
+            run_dir=str(tmp_path),
+            emit=lambda e, f: resumed_events.append((e, f)),
+        )
+        try:
+            assert second.manager.current_step() == 8
+            assert second.data.position == 8
+            assert second.checksum() == at_8["checksum"]
+            second.train(steps=9)
+        finally:
+            second.close()
+        commit = next(f for e, f in resumed_events if e == "step.commit")
+        assert (commit["step"], commit["data_pos"]) == (9, 8)
+        assert (
+            "checkpoint.load",
+            {
+                "replica": 0,
+                "rank": 0,
+                "step": 8,
+                "path": str(tmp_path / "checkpoints" / "replica_0_rank_0"),
+            },
+        ) in resumed_events
+    finally:
+        lighthouse.shutdown()
