@@ -42,13 +42,15 @@ class TrainerActor(Actor):
     def __init__(
         self,
         cfg: dict[str, Any],
-        replica_id: int,
-        store_addr: str,
+        store_addrs: dict[int, str],
         lighthouse_addr: str,
         run_dir: str | None,
     ) -> None:
-        self.replica_id = replica_id
+        """``store_addrs`` maps each replica group to its TCPStore; this actor's group and
+        rank are its mesh coordinates."""
+        self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
+        store_addr = store_addrs[replica_id]
         job = config_from_dict(cfg)
         # One intra-op thread per process unless cores are plentiful: several trainers share
         # the host's cores, and oversubscribed OpenMP pools made a tiny step 15-50x slower here.

@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# subcommand -> "module:function"; each function takes the parsed Namespace and returns an exit code.
+# subcommand -> "module:function"; the function takes the parsed Namespace, returns an exit code.
 _HANDLERS = {
     "run": "harness.launch:main",
     "chaos": "experiments.runner:main",

@@ -10,8 +10,9 @@ The tree of one job (``in_place`` policy)::
 
 Under ``full_restart`` (the baseline: what a SLURM or torchrun job gets) the job supervisor is
 one_for_all over the quorum and every group, so any failure stops every process and the whole
-job restarts from its last checkpoint. It restarts on warm host agents (torch already imported),
-so the baseline here is cheaper than a real scheduler restart: the comparison is conservative.
+job restarts from its last checkpoint, in fresh interpreters that import torch again (``cold``
+spawns), as a scheduler's restart would. The host agents themselves stay up: the baseline does
+not pay for node allocation or container start, so the comparison favours it.
 
 ``Job`` also implements the fault injector's ``FaultContext`` (faults.fault): faults reach the
 job only through it.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import threading
 import time
@@ -33,7 +35,7 @@ from harness.recovery import RecoveryTracker
 from runtime.controller import Controller, HostAgentHandle
 from runtime.failure import Failure, SupervisionError
 from runtime.journal import JOB_END, JOB_RESTART, JOB_START, Journal
-from runtime.mesh import ActorMesh
+from runtime.mesh import ActorMesh, ProcMesh
 from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
 
 
@@ -54,6 +56,11 @@ class Job:
         self.replicas = cfg.replicas
         self.ranks = cfg.ranks
         self.policy = cfg.recovery.policy
+        if self.policy == "full_restart":
+            # The baseline is a classic synchronous job: it trains only with every group, as
+            # torchrun's rendezvous would (a lone group must not run ahead after a restart).
+            cfg = dataclasses.replace(cfg, min_replica_size=cfg.replicas)
+            self.cfg = cfg
         self.quiet = quiet
         self._cfg_dict = config_to_dict(cfg)
         self._groups: dict[int, ActorMesh] = {}
@@ -64,6 +71,8 @@ class Job:
         self._lighthouse: ActorMesh | None = None
         self._lighthouse_port = 0
         self._lighthouse_addr = ""
+        self._tree: Any = None
+        self._started = False
         self._done = threading.Event()
         self._lock = threading.RLock()
         self.controller: Controller | None = None
@@ -95,6 +104,9 @@ class Job:
         for i in range(self.cfg.hosts):
             self.controller.spawn_host(f"host{i}")
         r = self.cfg.recovery
+        tree = r.quorum == "tree"
+        if tree:
+            self._start_tree_quorum()
         if self.policy == "full_restart":
             job = self.controller.supervisor(
                 "job",
@@ -104,18 +116,18 @@ class Job:
                     within_s=r.within_s,
                     grace_s=0.5,
                 ),
-                # one_for_all restarts the quorum first: one record per whole-job restart
-                on_restart=lambda name, _: name == "quorum" and self._journal_restart(),
             )
-            job.add_child("quorum", self._start_lighthouse)
-            for rep in range(self.replicas):
-                job.add_child(f"replica{rep}", lambda rep=rep: self._start_group(rep))
+            if not tree:
+                job.add_child("quorum", self._start_lighthouse)
+            # One child for all groups: a full restart brings them back together, in parallel.
+            job.add_child("groups", lambda: self._start_groups(list(range(self.replicas))))
         else:
             job = self.controller.supervisor("job", SupervisorSpec(max_restarts=0))
-            quorum = job.add_supervisor(
-                "quorum", SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
-            )
-            quorum.add_child("lighthouse", self._start_lighthouse)
+            if not tree:
+                quorum = job.add_supervisor(
+                    "quorum", SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
+                )
+                quorum.add_child("lighthouse", self._start_lighthouse)
             for rep in range(self.replicas):
                 group = job.add_supervisor(
                     f"replica{rep}",
@@ -128,6 +140,7 @@ class Job:
                 )
                 group.add_child("ranks", lambda rep=rep: self._start_group(rep))
         self.job_supervisor = job
+        self._started = True
         self.progress.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
         )
@@ -136,6 +149,34 @@ class Job:
         self.journal.emit(
             JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
         )
+
+    def _cold_restart(self) -> bool:
+        """Under full_restart, every process after the first start is a fresh interpreter:
+        that baseline pays the imports a scheduler's restart pays (in_place forks warm ones)."""
+        return self.policy == "full_restart" and self._started
+
+    def _start_tree_quorum(self, port: int = 0) -> None:
+        """Membership driven by the tree: a Lighthouse-protocol service in this process that
+        drops a failed group the moment its failure value arrives (harness.tree_quorum)."""
+        from harness.tree_quorum import TreeQuorum
+
+        t = self.cfg.timeouts
+        self._tree = TreeQuorum(
+            bind_host=self.cfg.bind_host,
+            port=port,
+            min_replicas=self.cfg.min_replica_size,
+            join_timeout_s=t.lighthouse_join_timeout,
+            heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+        )
+        self._lighthouse_addr = self._tree.address
+        if port == 0:
+            assert self.controller is not None
+            self.controller.add_failure_listener(self._tell_tree)
+
+    def _tell_tree(self, failure: Failure) -> None:
+        replica = failure.coords.get("replica")
+        if replica is not None and self._tree is not None:
+            self._tree.replica_failed(replica)
 
     def _start_lighthouse(self) -> ActorMesh:
         assert self.controller is not None
@@ -149,33 +190,45 @@ class Job:
         return self._lighthouse
 
     def _start_group(self, replica: int) -> ActorMesh:
+        return self._start_groups([replica])
+
+    def _start_groups(self, replicas: list[int]) -> ActorMesh:
+        """Start replica groups (processes, trainers, then training) and return them stacked
+        on a "replica" dimension. Several groups start together: their processes are all
+        requested before any is awaited and their trainers are constructed in parallel."""
         from harness.actors import TrainerActor
         from harness.quorum import host_store
 
-        if self.cfg.recovery.restart_delay_s and replica in self._groups:
+        if self._cold_restart():
+            self._journal_restart()
+        if self.cfg.recovery.restart_delay_s and replicas[0] in self._groups:
             time.sleep(self.cfg.recovery.restart_delay_s)
-        host = self._place(replica)
+        assert self.controller is not None
+        hosts = {r: self._place(r) for r in replicas}
         # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
-        store, store_addr = host_store(self.cfg.bind_host, self.cfg.timeouts)
-        procs = host.spawn_procs(
-            {"rank": self.ranks}, fixed={"replica": replica}, log_dir=str(self.run_dir / "logs")
+        stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
+        meshes = self.controller.spawn_many(
+            [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
+            log_dir=str(self.run_dir / "logs"),
+            cold=self._cold_restart(),
         )
-        actors = procs.spawn(
+        actors = ProcMesh.stack(meshes, "replica").spawn(
             "trainer",
             TrainerActor,
             self._cfg_dict,
-            replica,
-            store_addr,
+            {r: addr for r, (_, addr) in stores.items()},
             self._lighthouse_addr,
             str(self.run_dir),
         )
-        with self._lock:
-            self._stores[replica] = store
-            self._groups[replica] = actors
-            self._group_host[replica] = host.name
-            self._train[replica] = actors.train.call()
-        self.tracker.replacement_started(replica)
-        self._train[replica].futures[(0,)].add_done_callback(lambda _: self._check_done())
+        training = actors.train.call()
+        for i, r in enumerate(replicas):
+            with self._lock:
+                self._stores[r] = stores[r][0]
+                self._groups[r] = actors.slice(replica=slice(i, i + 1))
+                self._group_host[r] = hosts[r].name
+                self._train[r] = training.futures[(i, 0)]
+            self.tracker.replacement_started(r)
+            training.futures[(i, 0)].add_done_callback(lambda _: self._check_done())
         return actors
 
     def _place(self, replica: int) -> HostAgentHandle:
@@ -203,14 +256,20 @@ class Job:
     def _check_done(self) -> None:
         with self._lock:
             futs = list(self._train.values())
-        if any(f.futures[(0,)].done() and f.futures[(0,)].exception() is None for f in futs):
+        if any(f.done() and f.exception() is None for f in futs):
             # One group reached the last step: the others are at most a step behind. Ask all
             # to stop after their current step rather than train on alone.
             self._done.set()
 
-    def wait(self, timeout: float | None = None, duration_s: float | None = None) -> dict[str, Any]:
-        """Block until the job trains to its last step, runs for ``duration_s`` (a normal end),
-        fails, or exceeds ``timeout`` (a failure); return the outcome."""
+    def wait(
+        self,
+        timeout: float | None = None,
+        duration_s: float | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> dict[str, Any]:
+        """Block until the job trains to its last step, runs for ``duration_s`` or sees
+        ``stop_event`` set (normal ends), fails, or exceeds ``timeout`` (a failure); return the
+        outcome."""
         assert self.controller is not None
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
@@ -222,6 +281,9 @@ class Job:
                 break
             if end is not None and time.monotonic() > end:
                 reason = f"ran for its duration of {duration_s:g} s"
+                break
+            if stop_event is not None and stop_event.is_set():
+                reason = "stopped by its caller"
                 break
             if deadline is not None and time.monotonic() > deadline:
                 status, reason = "failed", f"timed out after {timeout} s"
@@ -241,10 +303,12 @@ class Job:
                     self.controller.run_in_worker(pid, "harness.actors:stop_training")
         for rep, _ in groups:
             with contextlib.suppress(Exception):
-                self._train[rep].get(timeout=10)
+                self._train[rep].result(timeout=10)
         with contextlib.suppress(Exception):
             self.job_supervisor.stop()
         self.controller.shutdown(grace_s=1.0)
+        if self._tree is not None:
+            self._tree.shutdown()
         self.progress.close()
 
     # -- FaultContext -------------------------------------------------------------------------
@@ -288,6 +352,16 @@ class Job:
         self._cooldown[host] = time.monotonic() + seconds
 
     def kill_quorum_service(self) -> None:
+        if self._tree is not None:
+            # The in-controller service "crashes": it loses all its state and comes back on
+            # the same port, as a restarted Lighthouse would.
+            port = int(self._tree.address.rsplit(":", 1)[1])
+            self._tree.shutdown()
+            self._start_tree_quorum(port)
+            return
+        self._kill_lighthouse()
+
+    def _kill_lighthouse(self) -> None:
         import os
         import signal
 
@@ -321,6 +395,7 @@ def run_job(
     on_started: Any = None,
     timeout: float | None = None,
     duration_s: float | None = None,
+    stop_event: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` to completion (or failure) and return its outcome; the journal is written
     to ``run_dir/journal.jsonl`` unless one is given. ``on_started(job)`` runs once training
@@ -339,7 +414,7 @@ def run_job(
         job.start()
         if on_started is not None:
             before_stop = on_started(job)
-        outcome = job.wait(timeout, duration_s)
+        outcome = job.wait(timeout, duration_s, stop_event)
     except SupervisionError as exc:
         outcome = {"status": "failed", "reason": exc.failure.report(), "steps": 0}
     except Exception as exc:

@@ -71,6 +71,7 @@ class Agent:
         self.hb_timeout = float(cfg["heartbeat_timeout_s"])
         self.agent_hb_interval = float(cfg["agent_heartbeat_interval_s"])
         self.connect_timeout = float(cfg["connect_timeout_s"])
+        self.preload = list(cfg.get("preload", []))
         self.sel = selectors.DefaultSelector()
         self.listener = channel.listen(cfg.get("bind_host", "127.0.0.1"), 0)
         self.listener.setblocking(False)
@@ -193,8 +194,8 @@ class Agent:
             self.controller = peer
             self._send(peer, ("agent_ready", self.host, os.getpid()))
         elif kind == "spawn":
-            _, proc_id, coords, log_path = msg
-            pid = self._fork_worker(proc_id, coords, log_path)
+            _, proc_id, coords, log_path, cold = msg
+            pid = self._fork_worker(proc_id, coords, log_path, cold)
             self._send(peer, ("spawned", proc_id, pid))
         elif kind == "stop":
             _, proc_id, grace_s = msg
@@ -208,7 +209,9 @@ class Agent:
         else:
             raise FrameError(f"unknown command {kind!r}")
 
-    def _fork_worker(self, proc_id: str, coords: dict[str, int], log_path: str | None) -> int:
+    def _fork_worker(
+        self, proc_id: str, coords: dict[str, int], log_path: str | None, cold: bool = False
+    ) -> int:
         parent_hb, child_hb = socket.socketpair()
         agent_pid = os.getpid()
         pid = os.fork()
@@ -231,6 +234,8 @@ class Agent:
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
                     os.close(fd)
+                if cold:
+                    self._exec_cold_worker(proc_id, coords, child_hb)
                 from runtime.worker import worker_main
 
                 worker_main(
@@ -254,6 +259,27 @@ class Agent:
         self.workers[pid] = w
         self.sel.register(parent_hb, selectors.EVENT_READ, ("hb", w))
         return pid
+
+    def _exec_cold_worker(self, proc_id: str, coords: dict[str, int], hb: socket.socket) -> None:
+        """Replace this forked child by a fresh interpreter that imports everything itself:
+        what a scheduler's restart gives (the full_restart baseline), not the warm fork."""
+        os.set_inheritable(hb.fileno(), True)
+        cfg = {
+            "proc_id": proc_id,
+            "coords": coords,
+            "controller": list(self.controller_addr),
+            "secret": self.secret.hex(),
+            "heartbeat_fd": hb.fileno(),
+            "heartbeat_interval_s": self.hb_interval,
+            "connect_timeout_s": self.connect_timeout,
+            "preload": self.preload,
+            "sys_path": sys.path,
+        }
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, json.dumps(cfg).encode() + b"\n")
+        os.close(write_fd)
+        os.dup2(read_fd, 0)  # the config (with the secret) arrives on stdin, never in argv
+        os.execv(sys.executable, [sys.executable, "-m", "runtime.worker"])
 
     def _stop_worker(self, w: _Worker, grace_s: float) -> None:
         procs = process.tree(w.pid)

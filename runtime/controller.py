@@ -90,13 +90,16 @@ class HostAgentHandle:
         *,
         fixed: Mapping[str, int] | None = None,
         log_dir: str | None = None,
+        cold: bool = False,
     ) -> ProcMesh:
         """Fork one worker per point of ``dims``; return when all are connected.
 
         ``fixed`` adds coordinates shared by all of them (e.g. ``{"replicas": 2}`` when one
         host holds one replica group); each process's ``coords`` are ``fixed`` plus its point.
+        ``cold`` execs a fresh interpreter that imports the preload modules itself, as a
+        scheduler's restart would, instead of forking the agent's warm one.
         """
-        return self.controller._spawn_procs(self, dict(dims), dict(fixed or {}), log_dir)
+        return self.controller._spawn_procs(self, dict(dims), dict(fixed or {}), log_dir, cold)
 
     def kill(self) -> None:
         """SIGKILL the agent and every process under it at once (a host eviction)."""
@@ -262,8 +265,44 @@ class Controller:
             self._owner.value = prev
 
     def _spawn_procs(
-        self, h: HostAgentHandle, dims: dict[str, int], fixed: dict[str, int], log_dir: str | None
+        self,
+        h: HostAgentHandle,
+        dims: dict[str, int],
+        fixed: dict[str, int],
+        log_dir: str | None,
+        cold: bool = False,
     ) -> ProcMesh:
+        return self.spawn_many([(h, dims, fixed)], log_dir=log_dir, cold=cold)[0]
+
+    def spawn_many(
+        self,
+        requests: list[tuple[HostAgentHandle, Mapping[str, int], Mapping[str, int]]],
+        *,
+        log_dir: str | None = None,
+        cold: bool = False,
+    ) -> list[ProcMesh]:
+        """Spawn several meshes at once, (host, dims, fixed) each: every fork is requested
+        before any is awaited, so cold starts on one or many hosts overlap."""
+        pending = [self._request_procs(h, dict(d), dict(f), log_dir, cold) for h, d, f in requests]
+        deadline = time.monotonic() + self.spec.spawn_timeout_s
+        for _, _, recs in pending:
+            for rec in recs:
+                try:
+                    rec.ready.result(timeout=max(0.0, deadline - time.monotonic()))
+                except cf.TimeoutError:
+                    raise ProcFailedError(
+                        f"{rec.ref.proc_id} did not connect within {self.spec.spawn_timeout_s} s"
+                    ) from None
+        return [ProcMesh(self, dims, items) for dims, items, _ in pending]
+
+    def _request_procs(
+        self,
+        h: HostAgentHandle,
+        dims: dict[str, int],
+        fixed: dict[str, int],
+        log_dir: str | None,
+        cold: bool,
+    ) -> tuple[dict[str, int], dict[tuple[int, ...], ProcRef], list[_Proc]]:
         if h.lost or h.conn is None:
             raise ProcFailedError(f"host {h.name} is lost")
         if not dims or any(n < 1 for n in dims.values()):
@@ -284,16 +323,8 @@ class Controller:
             log_path = (
                 os.path.join(log_dir, ref.proc_id.replace("/", "_") + ".log") if log_dir else None
             )
-            h.conn.send(("spawn", ref.proc_id, coords, log_path))
-        deadline = time.monotonic() + self.spec.spawn_timeout_s
-        for rec in recs:
-            try:
-                rec.ready.result(timeout=max(0.0, deadline - time.monotonic()))
-            except cf.TimeoutError:
-                raise ProcFailedError(
-                    f"{rec.ref.proc_id} did not connect within {self.spec.spawn_timeout_s} s"
-                ) from None
-        return ProcMesh(self, dims, items)
+            h.conn.send(("spawn", ref.proc_id, coords, log_path, cold))
+        return dims, items, recs
 
     def stop_proc(self, proc_id: str, grace_s: float | None = None) -> None:
         self.stop_procs([proc_id], grace_s, wait=False)
@@ -480,11 +511,18 @@ class Controller:
             rec.ready.set_exception(ProcFailedError(failure.summary(), failure))
         self._fail_calls(rec, ProcFailedError(failure.summary(), failure))
         self._emit(FAILURE, **failure.journal_fields(), t_detected=failure.t_detected)
+        for fn in list(self._failure_listeners):
+            try:
+                fn(failure)
+            except Exception:
+                log.exception("failure listener raised")
         self._queue.put((failure, rec))
         return True
 
     def add_failure_listener(self, fn: Callable[[Failure], None]) -> None:
-        """``fn(failure)`` is called on the supervision thread for every failure, first."""
+        """``fn(failure)`` is called for every process failure the moment it is known, on the
+        thread that learnt it, before any supervisor acts: it must be quick and never block
+        (e.g. tell the quorum service to drop a dead group)."""
         self._failure_listeners.append(fn)
 
     def _supervision_loop(self) -> None:
@@ -494,11 +532,6 @@ class Controller:
                 return
             failure, rec = item
             self.failures.append(failure)
-            for fn in list(self._failure_listeners):
-                try:
-                    fn(failure)
-                except Exception:
-                    log.exception("failure listener raised")
             try:
                 owner = rec.owner if rec is not None else None
                 if owner is not None:

@@ -63,14 +63,16 @@ def worker_main(
     heartbeat_sock: socket.socket,
     heartbeat_interval_s: float,
     connect_timeout_s: float,
+    start_heartbeat: bool = True,
 ) -> None:
     """Serve actors until told to stop; never returns normally (the caller ``os._exit``s)."""
-    threading.Thread(
-        target=_heartbeat_loop,
-        args=(heartbeat_sock, heartbeat_interval_s),
-        daemon=True,
-        name="ftharness-heartbeat",
-    ).start()
+    if start_heartbeat:
+        threading.Thread(
+            target=_heartbeat_loop,
+            args=(heartbeat_sock, heartbeat_interval_s),
+            daemon=True,
+            name="ftharness-heartbeat",
+        ).start()
 
     conn = connect(controller_addr, secret, connect_timeout_s)
     ctx = actor_mod.WorkerContext(proc_id, coords, conn.send)
@@ -138,3 +140,35 @@ def worker_main(
                 raise ValueError(f"unknown message kind {kind!r}")
         except Exception as exc:
             reply(call_id, False, _error_payload(exc))
+
+
+def main() -> None:
+    """A cold worker (``python -m runtime.worker``): exec'd by the agent with its config on
+    stdin; imports its preload modules itself, then serves like a forked worker."""
+    import json
+    import sys
+
+    cfg = json.loads(sys.stdin.readline())
+    for path in reversed(cfg["sys_path"]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    hb = socket.socket(fileno=cfg["heartbeat_fd"])
+    threading.Thread(
+        target=_heartbeat_loop, args=(hb, cfg["heartbeat_interval_s"]), daemon=True
+    ).start()  # beat while the imports run: a slow import is not a hang
+    for mod in cfg["preload"]:
+        importlib.import_module(mod)
+    worker_main(
+        proc_id=cfg["proc_id"],
+        coords=cfg["coords"],
+        controller_addr=tuple(cfg["controller"]),
+        secret=bytes.fromhex(cfg["secret"]),
+        heartbeat_sock=hb,
+        heartbeat_interval_s=cfg["heartbeat_interval_s"],
+        connect_timeout_s=cfg["connect_timeout_s"],
+        start_heartbeat=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""``ftharness bench recovery``: what a SIGKILLed replica group costs, policy by policy.
+
+3 replica groups x 1 rank. In each configuration one job runs and ``--reps`` (default 5) times
+a random replica group (never the same twice in a row) is SIGKILLed at a random step, once the
+previous recovery has finished and the job has trained a few steps since. Configurations, all
+in the same run and on the same seed:
+
+* ``in_place/torchft`` — in-place restart; membership by torchft's Lighthouse (heartbeats);
+* ``in_place/tree``    — in-place restart; membership by the supervision tree (harness.tree_quorum);
+* ``full_restart``     — every process restarted, resume from the last checkpoint.
+
+Figures per configuration (median, min, max over the kills), computed from the journal by
+``dashboards.metrics`` (its docstring has the definitions): ``survivor_stall_s``,
+``replacement_back_s`` (kill -> the killed group commits again), ``steps_lost``; for
+full_restart also ``full_restart_back_s`` (kill -> the job commits its next step); and
+``weights_match`` (every step committed by several groups has one checksum, per incarnation).
+A second row set runs the llama3 debug model (not with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dashboards.metrics import summarize
+from experiments.report import evaluate_hypotheses
+from experiments.spec import Hypotheses
+from harness.config import load_config
+from harness.launch import run_job
+from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
+
+CONFIGS = {
+    "in_place/torchft": ["recovery.policy=in_place", "recovery.quorum=torchft"],
+    "in_place/tree": ["recovery.policy=in_place", "recovery.quorum=tree"],
+    "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
+}
+MODELS = {
+    "tiny": [],
+    "llama3_debug": [
+        "model.kind=llama3_debug",
+        "data.seq_len=128",
+        "data.batch_size=4",
+        "data.vocab_size=2048",
+    ],
+}
+
+
+def _stats(xs: list[float]) -> dict[str, float] | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+    }
+
+
+def _killer(job: Any, reps: int, seed: int, done: threading.Event, log: Any) -> None:
+    """Kill a group ``reps`` times, each after the last recovery finished plus 5-15 steps."""
+    from faults.fault import Target
+
+    rng = random.Random(seed)
+    last = None
+    for i in range(reps):
+        gap = rng.randint(5, 15)
+        target_step = job.committed_step() + gap
+        deadline = time.monotonic() + 180
+        while (
+            (job.committed_step() < target_step or job.tracker.open_count)
+            and time.monotonic() < deadline
+            and not done.is_set()
+        ):
+            time.sleep(0.02)
+        if done.is_set():
+            return
+        replica = rng.choice([r for r in range(job.replicas) if r != last])
+        last = replica
+        pids = job.pids(Target(replica=replica, rank=0))
+        if not pids:
+            continue
+        job.journal.emit(
+            FAULT_INJECT,
+            fault_id=f"k{i}",
+            kind="kill",
+            target={"replica": replica, "rank": 0, "host": job.replica_host(replica)},
+            seed=seed,
+            step=job.committed_step(),
+        )
+        os.kill(pids[0], signal.SIGKILL)
+        log(f"kill {i + 1}/{reps}: replica {replica} at step {job.committed_step()}")
+    # let the last recovery finish and a few steps commit
+    target_step = job.committed_step() + 5
+    deadline = time.monotonic() + 120
+    while (
+        job.committed_step() < target_step or job.tracker.open_count
+    ) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    done.set()
+
+
+def run_config(
+    model: str, name: str, reps: int, seed: int, workdir: Path, log: Any
+) -> dict[str, Any]:
+    overrides = [
+        "replicas=3",
+        "ranks=1",
+        "hosts=1",
+        "steps=1000000",
+        "checkpoint.every_steps=10",
+        f"data.seed={seed}",
+        *MODELS[model],
+        *CONFIGS[name],
+    ]
+    cfg = load_config(
+        "experiments/tiny.toml" if Path("experiments/tiny.toml").exists() else _packaged_tiny(),
+        overrides,
+    )
+    run_dir = workdir / model / name.replace("/", "_")
+    done = threading.Event()
+
+    def started(job: Any) -> Any:
+        threading.Thread(target=_killer, args=(job, reps, seed, done, log), daemon=True).start()
+
+    t0 = time.monotonic()
+    outcome = run_job(cfg, run_dir, quiet=True, on_started=started, timeout=900, stop_event=done)
+    records = read_journal(run_dir / "journal.jsonl")
+    policy = cfg.recovery.policy
+    summary = summarize(records)["policies"].get(policy, {})
+    recs = summary.get("recoveries", [])
+    row: dict[str, Any] = {
+        "kills": len([r for r in records if r["event"] == FAULT_INJECT]),
+        "recovered": len([r for r in recs if r.get("participate_s") is not None]),
+        "survivor_stall_s": _stats([r.get("stall_s") for r in recs]),
+        "replacement_back_s": _stats([r.get("participate_s") for r in recs]),
+        "steps_lost": _stats([r.get("steps_lost") for r in recs]),
+        "step_time_s": round(
+            statistics.median(r["step_time_s"] for r in records if r["event"] == STEP_COMMIT), 4
+        ),
+        "status": outcome.get("status"),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    if policy == "full_restart":
+        backs = []
+        kills = [r for r in records if r["event"] == FAULT_INJECT]
+        restarts = [r for r in records if r["event"] == JOB_RESTART]
+        commits = [r for r in records if r["event"] == STEP_COMMIT]
+        for k in kills:
+            rs = [x for x in restarts if x["t"] > k["t"]]
+            if rs:
+                after = [c["t"] for c in commits if c["t"] > rs[0]["t"]]
+                if after:
+                    backs.append(min(after) - k["t"])
+        row["full_restart_back_s"] = _stats(backs)
+    hyp = evaluate_hypotheses(Hypotheses(replicas_equal_after_heal=True), {}, records)
+    row["weights_match"] = all(h["passed"] for h in hyp)
+    return row
+
+
+def _packaged_tiny() -> str:
+    import experiments
+
+    return str(Path(experiments.__file__).parent / "tiny.toml")
+
+
+def main(args: argparse.Namespace) -> int:
+    reps = args.reps or (2 if args.quick else 5)
+    models = ["tiny"] if args.quick else ["tiny", "llama3_debug"]
+    configs = [c for c in CONFIGS if _available(c)]
+
+    def log(msg: str) -> None:
+        if not args.json:
+            print(f"[bench recovery] {msg}", file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {"replicas": 3, "ranks": 1, "reps": reps, "rows": {}}
+    with tempfile.TemporaryDirectory(prefix="ftharness-bench-") as tmp:
+        for model in models:
+            result["rows"][model] = {}
+            for name in configs:
+                log(f"{model} / {name}: starting")
+                row = run_config(model, name, reps, seed=7, workdir=Path(tmp), log=log)
+                result["rows"][model][name] = row
+                log(f"{model} / {name}: {json.dumps(row)}")
+    tiny = result["rows"]["tiny"]
+    best = tiny.get("in_place/tree") or tiny.get("in_place/torchft")
+    full = tiny.get("full_restart")
+
+    def med(row: dict | None, key: str) -> float | None:
+        v = (row or {}).get(key)
+        return v["median"] if v else None
+
+    if best and full:
+        fb, bb = med(full, "full_restart_back_s"), med(best, "replacement_back_s")
+        fs, bs = med(full, "survivor_stall_s"), med(best, "survivor_stall_s")
+        result["vs_full_restart"] = {
+            "replacement_back_ratio": round(fb / bb, 2) if fb and bb else None,
+            "survivor_stall_ratio": round(fs / bs, 2) if fs and bs else None,
+        }
+    print(json.dumps(result))
+    return 0
+
+
+def _available(name: str) -> bool:
+    if "tree" not in name:
+        return True
+    try:
+        import harness.tree_quorum  # noqa: F401
+    except ImportError:
+        return False
+    return True
