@@ -185,6 +185,14 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("recovery.max_restarts", cfg.recovery.max_restarts, 0)
     _positive("recovery.spares_per_host", cfg.recovery.spares_per_host, 0)
+    if cfg.recovery.within_s <= 0 or cfg.recovery.restart_delay_s < 0:
+        raise ConfigError(
+            f"recovery.within_s = {cfg.recovery.within_s} must be > 0 and "
+            f"recovery.restart_delay_s = {cfg.recovery.restart_delay_s} must be >= 0 (seconds)"
+        )
+    port = cfg.telemetry.prometheus_port
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"telemetry.prometheus_port = {port}: must be 0..65535 (0 = any free)")
 
     t = cfg.timeouts
     for f in dataclasses.fields(t):

@@ -124,6 +124,8 @@ def make_manager(
     step-0 sync is skipped (``init_sync=False``); a group that joins late still heals.
     """
     t = cfg.timeouts
+    if cfg.transport == "dataplane" and "dataplane" not in _TRANSPORTS:
+        import harness.transport  # noqa: F401 - registers "dataplane" on import
     if cfg.transport not in _TRANSPORTS:
         raise ValueError(
             f"transport = {cfg.transport!r} is not registered here; registered: "

@@ -50,10 +50,15 @@ def _check_group(records: list[dict[str, Any]]) -> None:
     assert all(math.isfinite(r["loss"]) for r in records)
 
 
-def _run_kill_and_heal(tmp_path: Path, *, ranks: int) -> None:
+def _run_kill_and_heal(tmp_path: Path, *, ranks: int, transport: str = "torchft_http") -> None:
     # Checkpoints every 10 steps: the replacement first resumes from one, then heals past it.
     cfg = JobConfig(
-        name="heal", replicas=3, ranks=ranks, steps=60, checkpoint=CheckpointConfig(every_steps=10)
+        name="heal",
+        replicas=3,
+        ranks=ranks,
+        steps=60,
+        checkpoint=CheckpointConfig(every_steps=10),
+        transport=transport,
     )
     cfg_dict = config_to_dict(cfg)
     lighthouse = Lighthouse.for_job(cfg)
@@ -126,6 +131,12 @@ def _run_kill_and_heal(tmp_path: Path, *, ranks: int) -> None:
 @pytest.mark.timeout(420)
 def test_killed_group_heals_in_place(tmp_path: Path) -> None:
     _run_kill_and_heal(tmp_path, ranks=1)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_killed_group_heals_over_the_process_group_transport(tmp_path: Path) -> None:
+    _run_kill_and_heal(tmp_path, ranks=1, transport="torchft_pg")
 
 
 @pytest.mark.e2e
