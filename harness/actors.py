@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+import harness.transport  # noqa: F401 - registers the "dataplane" checkpoint transport
 from harness.config import config_from_dict
 from harness.recovery import HEALED
 from harness.trainer import Trainer
@@ -27,7 +28,12 @@ class _ReportingTrainer(Trainer):
         if self.training:
             self._emit(
                 HEALED,
-                {"replica": self.replica_id, "rank": self.rank, "data_pos": self.data.position},
+                {
+                    "replica": self.replica_id,
+                    "rank": self.rank,
+                    "data_pos": self.data.position,
+                    "transport": self.cfg.transport,  # the CheckpointTransport that carried it
+                },
             )
 
 

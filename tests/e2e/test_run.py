@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import after_step, check_invariants, events
+from e2e_helpers import after_step, check_invariants, events, tiny_cfg
 
 from faults.fault import Target
 from harness.launch import run_job
@@ -16,7 +16,7 @@ from harness.launch import run_job
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-def test_killed_group_restarts_in_place_and_heals(tmp_path, tiny_cfg):
+def test_killed_group_restarts_in_place_and_heals(tmp_path):
     cfg = tiny_cfg("steps=45", "checkpoint.every_steps=10")
     killed = {}
 
@@ -61,7 +61,7 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path, tiny_cfg):
     assert not any(r["replica"] != 1 for r in restarted)
 
 
-def test_segfault_in_one_rank_restarts_only_its_group(tmp_path, tiny_cfg):
+def test_segfault_in_one_rank_restarts_only_its_group(tmp_path):
     cfg = tiny_cfg("replicas=2", "ranks=2", "steps=30", "checkpoint.every_steps=0")
 
     def started(job):
@@ -84,7 +84,7 @@ def test_segfault_in_one_rank_restarts_only_its_group(tmp_path, tiny_cfg):
     assert sorted((r["replica"], r["rank"]) for r in restarted) == [(0, 0), (0, 1)]
 
 
-def test_restart_intensity_exhausted_stops_the_job_with_a_report(tmp_path, tiny_cfg):
+def test_restart_intensity_exhausted_stops_the_job_with_a_report(tmp_path):
     cfg = tiny_cfg("steps=400", "recovery.max_restarts=1", "checkpoint.every_steps=0")
 
     def started(job):
@@ -111,7 +111,7 @@ def test_restart_intensity_exhausted_stops_the_job_with_a_report(tmp_path, tiny_
     assert end["status"] == "failed"
 
 
-def test_full_restart_resumes_from_checkpoint_losing_at_most_k_steps(tmp_path, tiny_cfg):
+def test_full_restart_resumes_from_checkpoint_losing_at_most_k_steps(tmp_path):
     k = 5
     cfg = tiny_cfg("steps=30", f"checkpoint.every_steps={k}", "recovery.policy=full_restart")
 
@@ -166,3 +166,24 @@ def test_bad_config_fails_before_launch(override, message, tmp_path):
     assert done.returncode == 2
     assert message in done.stderr
     assert not (tmp_path / "run").exists()  # nothing launched, nothing written
+
+
+def test_heal_through_the_dataplane_transport(tmp_path):
+    """A replacement pulls a peer's state one-sidedly over the data plane (shm on one host),
+    through torchft's CheckpointTransport seam, and ends bitwise equal to its peers."""
+    cfg = tiny_cfg("steps=40", "checkpoint.every_steps=0", "transport=dataplane")
+
+    def started(job):
+        after_step(job, 10, lambda: os.kill(job.pids(Target(replica=2, rank=0))[0],
+                                            signal.SIGKILL))
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+    (failure,) = [r for r in records if r["event"] == "failure"]
+    healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > failure["t"]]
+    assert healed and healed[0]["replica"] == 2 and healed[0]["transport"] == "dataplane"
+    back = [r for r in records if r["event"] == "step.commit" and r["replica"] == 2
+            and r["t"] > failure["t"]]
+    assert back

@@ -1,4 +1,5 @@
-"""Shared helpers for end-to-end runs of ftharness jobs."""
+"""Helpers shared by the end-to-end tests (a plain module: a second conftest.py named module
+would shadow the root one under pytest's default import mode)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import pytest
-
 from harness.config import load_config
 from runtime.journal import JOB_RESTART, STEP_COMMIT, read_journal
 
 
-@pytest.fixture
-def tiny_cfg():
-    def make(*overrides: str):
-        return load_config("experiments/tiny.toml", list(overrides))
-
-    return make
+def tiny_cfg(*overrides: str):
+    """The tiny job config with ``a.b=value`` overrides."""
+    return load_config("experiments/tiny.toml", list(overrides))
 
 
 def after_step(job: Any, step: int, action: Callable[[], None], timeout: float = 120) -> None:
