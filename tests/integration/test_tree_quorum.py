@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -120,12 +121,15 @@ def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> 
 # --- whole trainers ------------------------------------------------------------------------------
 
 
-def _kill_gap(records: list[dict[str, Any]], t_kill: float) -> float:
+def _kill_gap(records: list[dict[str, Any]], t_kill: float) -> tuple[float, float]:
     """A survivor's pause at the failure: the longer of the two commit gaps ending first after
-    ``t_kill`` (the step in flight at the kill may still commit; the next one then waits)."""
+    ``t_kill`` (the step in flight at the kill may still commit; the next one then waits); and
+    its usual gap before the kill (median), to see the pause apart from this shared machine's
+    step time."""
     ts = [r["t"] for r in records]
-    gaps = [b - a for a, b in itertools.pairwise(ts) if b > t_kill]
-    return max(gaps[:2])
+    after = [b - a for a, b in itertools.pairwise(ts) if b > t_kill]
+    before = [b - a for a, b in itertools.pairwise(ts) if b <= t_kill]
+    return max(after[:2]), statistics.median(before)
 
 
 def _gaps(records: list[dict[str, Any]], start: float, end: float) -> list[float]:
@@ -181,7 +185,8 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
     procs = [start(r) for r in range(3)]
     deadline = time.monotonic() + 240
     try:
-        _wait_commits(tmp_path / "g1.jsonl", 5, procs, deadline)
+        for r in range(3):  # every group trained a few steps: the usual gap is known
+            _wait_commits(tmp_path / f"g{r}.jsonl", 5, procs, deadline)
         dead = [m for m in tq.status()["members"] if m.startswith("replica_1:")]
         t_kill = time.time()
         os.killpg(procs[1].pid, signal.SIGKILL)
@@ -231,8 +236,10 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
     return {
         # From the kill to the survivors' quorum without the dead group.
         "survivor_quorum_s": t_survivor_quorum - t_kill,
-        # A survivor's pause at the failure (commit to commit), the worse survivor.
-        "kill_gap_s": max(_kill_gap(s, t_kill) for s in (g0, g2)),
+        # A survivor's pause at the failure (commit to commit), the worse survivor; and that
+        # pause less the survivor's usual step gap: the stall the failure added.
+        "kill_gap_s": max(_kill_gap(s, t_kill)[0] for s in (g0, g2)),
+        "kill_stall_s": max(gap - usual for gap, usual in (_kill_gap(s, t_kill) for s in (g0, g2))),
         # Longest pause of a survivor from the kill until the replacement's process was up.
         "max_gap_until_replacement_s": max(max(_gaps(s, t_kill, rep_up)) for s in (g0, g2)),
         # Longest pause of a survivor while the replacement joined and healed.
@@ -246,10 +253,12 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
 def test_replica_failed_spares_survivors_the_heartbeat_timeout(tmp_path: Path) -> None:
     figures = _run(tmp_path, tell_quorum=True)
     print(f"tree quorum, replica_failed called: {figures}")
-    # Generous bounds (the figures are ~0.2 s / ~0.5 s here); the next test shows the same run
-    # without replica_failed waiting out the heartbeat timeout.
+    # Generous bounds: the quorum came 0.2-0.6 s after the kill on a loaded 2-core machine (the
+    # survivors must first finish their step and see its allreduce fail); the stall adds to that
+    # the first step on the new quorum, which rebuilds the gloo group (~1 s there). The next test
+    # is the same run without replica_failed: it waits out the heartbeat timeout.
     assert figures["survivor_quorum_s"] < HEARTBEAT_TIMEOUT_S / 2
-    assert figures["kill_gap_s"] < HEARTBEAT_TIMEOUT_S
+    assert figures["kill_stall_s"] < HEARTBEAT_TIMEOUT_S
 
 
 @pytest.mark.timeout(360)
@@ -257,6 +266,7 @@ def test_without_replica_failed_survivors_wait_for_the_heartbeat_timeout(tmp_pat
     figures = _run(tmp_path, tell_quorum=False)
     print(f"tree quorum, replica_failed NOT called: {figures}")
     # The dead group counts as healthy until its last heartbeat (at most 0.1 s before the kill)
-    # is HEARTBEAT_TIMEOUT_S old, and the join timeout (5 s) is longer: no quorum sooner.
+    # is HEARTBEAT_TIMEOUT_S old, and the join timeout (5 s) is longer: no quorum sooner, and no
+    # survivor commit without one.
     assert figures["survivor_quorum_s"] > 0.75 * HEARTBEAT_TIMEOUT_S
     assert figures["kill_gap_s"] > 0.75 * HEARTBEAT_TIMEOUT_S
