@@ -102,7 +102,7 @@ class Job:
         )
         self.progress.say(f"starting {self.cfg.hosts} host agent(s) (each imports torch once)")
         for i in range(self.cfg.hosts):
-            self.controller.spawn_host(f"host{i}")
+            self._spawn_host(f"host{i}")
         r = self.cfg.recovery
         tree = r.quorum == "tree"
         if tree:
@@ -149,6 +149,16 @@ class Job:
         self.journal.emit(
             JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
         )
+
+    def _spawn_host(self, name: str) -> HostAgentHandle:
+        """A host agent, with its warm spares (in-place recovery only: a full restart starts
+        cold on purpose)."""
+        assert self.controller is not None
+        host = self.controller.spawn_host(name)
+        n = self.cfg.recovery.spares_per_host
+        if n and self.policy == "in_place":
+            host.keep_spares(n, log_dir=str(self.run_dir / "logs"))
+        return host
 
     def _cold_restart(self) -> bool:
         """Under full_restart, every process after the first start is a fresh interpreter:
@@ -248,7 +258,7 @@ class Job:
                     continue
                 h = self.controller.hosts.get(name)
                 if h is None or h.lost:
-                    h = self.controller.spawn_host(name)
+                    h = self._spawn_host(name)
                 return h
             time.sleep(max(0.05, min(self._cooldown.values()) - now))
 

@@ -62,6 +62,11 @@ def current_context() -> WorkerContext:
     return _context
 
 
+def set_coords(coords: dict[str, int]) -> None:
+    """System call: a warm spare adopted by a mesh takes that mesh's coordinates."""
+    current_context().coords = dict(coords)
+
+
 def current_actors() -> dict[str, Actor]:
     """The actors hosted by this worker process, by name (empty outside a worker)."""
     return dict(_context.actors) if _context is not None else {}

@@ -54,7 +54,7 @@ class ProcFailedError(RuntimeError):
         self.failure = failure
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a record is one process, whatever its fields say
 class _Proc:
     ref: ProcRef
     host: HostAgentHandle
@@ -64,6 +64,7 @@ class _Proc:
     ready: cf.Future = field(default_factory=cf.Future)
     owner: tuple[Supervisor, str] | None = None
     pending: set[int] = field(default_factory=set)
+    spare: bool = False  # an idle warm spare, not yet adopted by any mesh
 
 
 class HostAgentHandle:
@@ -78,6 +79,10 @@ class HostAgentHandle:
         self.last_beat = time.monotonic()
         self.lost = False
         self._n = itertools.count()
+        self.spares_wanted = 0
+        self.spares: list[_Proc] = []  # connected, idle, ready to be adopted
+        self.spares_starting = 0
+        self.spare_log_dir: str | None = None
 
     @property
     def pid(self) -> int:
@@ -100,6 +105,19 @@ class HostAgentHandle:
         scheduler's restart would, instead of forking the agent's warm one.
         """
         return self.controller._spawn_procs(self, dict(dims), dict(fixed or {}), log_dir, cold)
+
+    def keep_spares(self, n: int, log_dir: str | None = None) -> None:
+        """Keep ``n`` idle workers forked and connected on this host. A later (warm)
+        ``spawn_procs`` adopts them instead of forking, and a used or dead spare is replaced
+        in the background. Returns once the first ``n`` are ready."""
+        if n < 0:
+            raise ValueError(f"spares must be >= 0, got {n}")
+        self.spares_wanted = n
+        self.spare_log_dir = log_dir
+        with self.controller._lock:
+            surplus, self.spares = self.spares[n:], self.spares[:n]
+        self.controller.stop_procs([r.ref.proc_id for r in surplus], grace_s=0.5)
+        self.controller._replenish_spares(self, wait=True)
 
     def kill(self) -> None:
         """SIGKILL the agent and every process under it at once (a host eviction)."""
@@ -302,6 +320,7 @@ class Controller:
         fixed: dict[str, int],
         log_dir: str | None,
         cold: bool,
+        spare: bool = False,
     ) -> tuple[dict[str, int], dict[tuple[int, ...], ProcRef], list[_Proc]]:
         if h.lost or h.conn is None:
             raise ProcFailedError(f"host {h.name} is lost")
@@ -312,10 +331,17 @@ class Controller:
         owner = getattr(self._owner, "value", None)
         items: dict[tuple[int, ...], ProcRef] = {}
         recs: list[_Proc] = []
+        adopted = False
         for point in itertools.product(*(range(n) for n in dims.values())):
             coords = {**fixed, **dict(zip(dims, point, strict=True))}
+            taken = self._take_spare(h, coords, owner) if not (cold or spare) else None
+            if taken is not None:
+                items[point] = taken.ref
+                recs.append(taken)
+                adopted = True
+                continue
             ref = ProcRef(f"{h.name}/p{next(h._n)}", h.name, coords)
-            rec = _Proc(ref, h, owner=owner)
+            rec = _Proc(ref, h, owner=None if spare else owner, spare=spare)
             with self._lock:
                 self.procs[ref.proc_id] = rec
             items[point] = ref
@@ -324,7 +350,61 @@ class Controller:
                 os.path.join(log_dir, ref.proc_id.replace("/", "_") + ".log") if log_dir else None
             )
             h.conn.send(("spawn", ref.proc_id, coords, log_path, cold))
+        if adopted:
+            self._spawner.submit(self._replenish_spares, h)
         return dims, items, recs
+
+    # -- warm spares ---------------------------------------------------------------------------
+    def _take_spare(self, h: HostAgentHandle, coords: dict[str, int], owner: Any) -> _Proc | None:
+        """Adopt an idle spare for ``coords``: it gets the new coordinates (in the worker too,
+        before any actor is built there) and its new owner."""
+        while True:
+            with self._lock:
+                if not h.spares:
+                    return None
+                rec = h.spares.pop(0)
+                if rec.state is not ProcState.RUNNING:
+                    continue
+                rec.ref = ProcRef(rec.ref.proc_id, h.name, coords)
+                rec.owner, rec.spare = owner, False
+            try:
+                self._send_call(
+                    rec.ref.proc_id, ("sys", "runtime.actor:set_coords", (coords,))
+                ).result(timeout=self.spec.connect_timeout_s)
+            except Exception:
+                continue  # it died while idle; its failure is handled as a spare's
+            self._emit(
+                PROC_START, proc=rec.ref.proc_id, host=h.name, pid=rec.pid, spare=True, **coords
+            )
+            return rec
+
+    def _replenish_spares(self, h: HostAgentHandle, wait: bool = False) -> None:
+        with self._lock:
+            missing = h.spares_wanted - len(h.spares) - h.spares_starting
+            if missing <= 0 or h.lost or self._closed:
+                return
+            h.spares_starting += missing
+        try:
+            _, _, recs = self._request_procs(
+                h, {"idle": missing}, {}, h.spare_log_dir, cold=False, spare=True
+            )
+        except Exception:
+            with self._lock:
+                h.spares_starting -= missing
+            raise
+
+        def ready(rec: _Proc, fut: cf.Future) -> None:
+            with self._lock:
+                h.spares_starting -= 1
+                if fut.exception() is None and rec.state is ProcState.RUNNING:
+                    h.spares.append(rec)
+
+        for rec in recs:
+            rec.ready.add_done_callback(lambda fut, rec=rec: ready(rec, fut))
+        if wait:
+            for rec in recs:
+                with contextlib.suppress(Exception):
+                    rec.ready.result(timeout=self.spec.spawn_timeout_s)
 
     def stop_proc(self, proc_id: str, grace_s: float | None = None) -> None:
         self.stop_procs([proc_id], grace_s, wait=False)
@@ -384,7 +464,12 @@ class Controller:
                 if rec.state is ProcState.SPAWNING:
                     rec.state = ProcState.RUNNING
             self._emit(
-                PROC_START, proc=rec.ref.proc_id, host=rec.host.name, pid=rec.pid, **rec.ref.coords
+                PROC_START,
+                proc=rec.ref.proc_id,
+                host=rec.host.name,
+                pid=rec.pid,
+                spare=rec.spare,
+                **rec.ref.coords,
             )
             rec.ready.set_result(rec.pid)
             while True:
@@ -532,6 +617,12 @@ class Controller:
                 return
             failure, rec = item
             self.failures.append(failure)
+            if rec is not None and rec.spare:
+                with self._lock:
+                    if rec in rec.host.spares:
+                        rec.host.spares.remove(rec)
+                self._spawner.submit(self._replenish_spares, rec.host)
+                continue
             try:
                 owner = rec.owner if rec is not None else None
                 if owner is not None:

@@ -17,7 +17,9 @@ Event names and their extra fields:
 ``job.end``               ``status`` (``"ok"`` | ``"failed"``), ``reason``, ``steps``
 ``job.restart``           ``reason``: the whole job restarted (full_restart policy); steps
                           committed after it may redo step numbers committed before it
-``proc.start``            ``replica``, ``rank``, ``host``, ``pid``, ``spare`` (bool)
+``proc.start``            ``replica``, ``rank``, ``host``, ``pid``, ``spare`` (bool: an idle warm
+                          spare started (coordinate ``idle``), or one adopted by a mesh (with
+                          that mesh's coordinates))
 ``failure``               ``cause``, ``detail``, ``exit_code``, ``signal``, ``traceback``,
                           ``coords`` (dict), ``replica``, ``rank``, ``host``, ``pid``
 ``supervisor``            ``supervisor``, ``decision`` (restart_one|restart_all|escalate|absorb),

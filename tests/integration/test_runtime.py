@@ -354,3 +354,46 @@ def test_unhandled_failure_at_root_exits_nonzero_with_report(tmp_path):
     )
     assert done.returncode == 1
     assert "Failure: signal, SIGSEGV at h0/p0 [ranks=0] on h0: killed by SIGSEGV" in done.stderr
+
+
+def test_warm_spare_is_adopted_then_replenished(tmp_path):
+    journal = Journal(tmp_path / "j.jsonl", job="t")
+    with Controller(FAST, journal=journal, on_failure=lambda f: True) as c:
+        host = c.spawn_host("h0")
+        host.keep_spares(2)
+        spare_pids = {c.procs[r.ref.proc_id].pid for r in host.spares}
+        assert len(spare_pids) == 2
+        actors = host.spawn_procs({"ranks": 1}, fixed={"replica": 4}).spawn("e", rt_actors.Echo)
+        got = actors.ping.call_one().get(timeout=20)
+        assert got["pid"] in spare_pids  # adopted, not forked
+        assert got["coords"] == {"replica": 4, "ranks": 0}  # with the mesh's coordinates
+        # the pool is refilled in the background with a new process
+        wait_for(lambda: len(host.spares) == 2, what="spares replenished")
+        now = {c.procs[r.ref.proc_id].pid for r in host.spares}
+        assert len(now - spare_pids) == 1
+        # a spare that dies while idle is replaced; it is nobody's failure
+        victim = c.procs[host.spares[0].ref.proc_id].pid
+        os.kill(victim, 9)
+        wait_for(
+            lambda: (
+                len(host.spares) == 2
+                and victim not in {c.procs[r.ref.proc_id].pid for r in host.spares}
+            ),
+            what="dead spare replaced",
+        )
+        assert c.fatal is None
+        # zero spares: plain forks still work
+        host.keep_spares(0)
+        assert (
+            host.spawn_procs({"ranks": 1})
+            .spawn("e", rt_actors.Echo)
+            .ping.call_one()
+            .get(timeout=20)["pid"]
+            not in now
+        )
+    adopted = [
+        r
+        for r in read_journal(tmp_path / "j.jsonl")
+        if r["event"] == "proc.start" and r.get("spare") and "replica" in r
+    ]
+    assert len(adopted) == 1 and adopted[0]["replica"] == 4
