@@ -13,7 +13,7 @@ import torch
 import harness.transport  # noqa: F401 - registers the "dataplane" checkpoint transport
 from harness.config import config_from_dict
 from harness.recovery import HEALED
-from harness.trainer import Trainer
+from harness.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint
 
 
@@ -58,9 +58,7 @@ class TrainerActor(Actor):
         self.rank = self.coords["rank"]
         store_addr = store_addrs[replica_id]
         job = config_from_dict(cfg)
-        # One intra-op thread per process unless cores are plentiful: several trainers share
-        # the host's cores, and oversubscribed OpenMP pools made a tiny step 15-50x slower here.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.replicas * job.ranks)))
+        torch.set_num_threads(threads_per_worker(job))
         self.trainer = _ReportingTrainer(
             job,
             replica_id=replica_id,
