@@ -17,6 +17,7 @@ import torch
 from runtime.dataplane import (
     Handle,
     SourceGone,
+    TornRead,
     TransferError,
     read_from_any,
     read_into,
@@ -58,6 +59,7 @@ def _source_main(mode: str, backend: str, seed: int, big: int) -> None:
             for t in state:
                 t.fill_(step % 100)
             reg.publish(step)
+            time.sleep(0.001)  # a (very fast) training step between publishes
     else:
         sys.stdin.read()
     reg.close()
@@ -68,7 +70,7 @@ class Source:
         self, mode: str = "static", backend: str = "auto", seed: int = 0, big: int = 1 << 20
     ) -> None:
         code = (
-            f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_dataplane import "
+            f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_dataplane_processes import "
             f"_source_main; _source_main({mode!r}, {backend!r}, {seed}, {big})"
         )
         self.proc = subprocess.Popen(
@@ -118,15 +120,22 @@ def test_a_writer_that_keeps_publishing_never_yields_a_torn_state(backend: str) 
     try:
         dest = [torch.zeros_like(t) for t in mixed_state(0, 2 << 20)]
         steps = set()
+        refused = 0
         for _ in range(15):
-            step = read_into(src.handle, dest, backend=backend, timeout=30)
+            try:
+                step = read_into(src.handle, dest, backend=backend, timeout=30)
+            except TornRead:
+                # The writer lapped the reader on every retry: the read is refused, never
+                # returned torn. Liveness under a writer this fast is not the property here.
+                refused += 1
+                continue
             steps.add(step)
             if step == 1:
                 assert _equal(mixed_state(0, 2 << 20), dest)
                 continue
             for t in dest:  # every element of every tensor belongs to the step returned
                 assert torch.equal(t, torch.full_like(t, step % 100)), (step, t.flatten()[:4])
-        assert len(steps) > 3  # the source really was publishing during the reads
+        assert len(steps) > 3, refused  # the source really was publishing during the reads
     finally:
         src.stop()
 

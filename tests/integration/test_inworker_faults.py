@@ -165,8 +165,12 @@ class WorkerContext:
         self.replicas = replicas
         self.ranks = 1
         self.workers = {r: python(WORKER, stdin=True) for r in range(replicas)}
-        for w in self.workers.values():
-            w.expect("ready")
+        try:
+            for w in self.workers.values():
+                w.expect("ready", timeout=90)  # a loaded 2-core machine starts Python slowly
+        except BaseException:
+            self.close()  # the fixture's teardown does not run when its setup raises
+            raise
         self.step = 0
 
     def hosts(self) -> list[str]:
