@@ -16,8 +16,18 @@ from harness.launch import run_job
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-def test_killed_group_restarts_in_place_and_heals(tmp_path):
-    cfg = tiny_cfg("steps=45", "checkpoint.every_steps=10")
+@pytest.mark.parametrize(
+    ("quorum", "spares"),
+    [("torchft", 0), ("tree", 1)],
+    ids=["torchft-lighthouse", "tree-quorum-with-a-spare"],
+)
+def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares):
+    cfg = tiny_cfg(
+        "steps=45",
+        "checkpoint.every_steps=10",
+        f"recovery.quorum={quorum}",
+        f"recovery.spares_per_host={spares}",
+    )
     killed = {}
 
     def started(job):
@@ -36,8 +46,12 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path):
     (failure,) = [r for r in records if r["event"] == "failure"]
     assert failure["signal"] == "SIGKILL" and failure["replica"] == 1
     # only group 1 was restarted: one new process, for replica 1
-    restarted = [r for r in records if r["event"] == "proc.start" and r["t"] > failure["t"]]
+    started = [r for r in records if r["event"] == "proc.start" and r["t"] > failure["t"]]
+    restarted = [r for r in started if "replica" in r]
     assert [r["replica"] for r in restarted] == [1]
+    if spares:  # the replacement was the warm spare, and the pool was refilled
+        assert restarted[0]["spare"] is True
+        assert [r["spare"] for r in started if "idle" in r] == [True]
     # the replacement healed from a peer, then committed steps with the peers' checksums
     healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > failure["t"]]
     assert healed and all(r["replica"] == 1 for r in healed)
@@ -174,8 +188,7 @@ def test_heal_through_the_dataplane_transport(tmp_path):
     cfg = tiny_cfg("steps=40", "checkpoint.every_steps=0", "transport=dataplane")
 
     def started(job):
-        after_step(job, 10, lambda: os.kill(job.pids(Target(replica=2, rank=0))[0],
-                                            signal.SIGKILL))
+        after_step(job, 10, lambda: os.kill(job.pids(Target(replica=2, rank=0))[0], signal.SIGKILL))
 
     out = run_job(cfg, tmp_path, quiet=True, on_started=started)
     assert out["status"] == "ok", out["reason"]
@@ -184,6 +197,9 @@ def test_heal_through_the_dataplane_transport(tmp_path):
     (failure,) = [r for r in records if r["event"] == "failure"]
     healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > failure["t"]]
     assert healed and healed[0]["replica"] == 2 and healed[0]["transport"] == "dataplane"
-    back = [r for r in records if r["event"] == "step.commit" and r["replica"] == 2
-            and r["t"] > failure["t"]]
+    back = [
+        r
+        for r in records
+        if r["event"] == "step.commit" and r["replica"] == 2 and r["t"] > failure["t"]
+    ]
     assert back
