@@ -28,6 +28,14 @@ _BENCHES = {
 }
 
 
+def _add_live_options(parser: argparse.ArgumentParser) -> None:
+    """What a running job shows while it runs (``run`` and ``chaos``)."""
+    parser.add_argument("--prometheus-port", type=int, default=None,
+                        help="serve live Prometheus metrics on 127.0.0.1:PORT (0 picks a free "
+                        "port; the address is printed)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ftharness",
@@ -50,18 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config value, e.g. --set steps=100 --set "
                      "recovery.policy=full_restart (repeatable)")
     run.add_argument("--out", default=None, help="run directory (journal, checkpoints, report)")
-    run.add_argument("--prometheus-port", type=int, default=None,
-                     help="serve live Prometheus metrics on 127.0.0.1:PORT (0 picks a free port)")
-    run.add_argument("--quiet", action="store_true", help="no progress display")
+    _add_live_options(run)
 
     chaos = sub.add_parser("chaos", help="run a chaos experiment and write its report",
                            description="Run an experiment file: hypothesis -> schedule -> faults "
                            "-> verify. Exits non-zero if a hypothesis fails.")
     chaos.add_argument("experiment", help="an experiment TOML file")
     chaos.add_argument("--out", default=None, help="experiment directory (default runs/NAME)")
-    chaos.add_argument("--prometheus-port", type=int, default=None,
-                       help="serve live Prometheus metrics on 127.0.0.1:PORT")
-    chaos.add_argument("--quiet", action="store_true", help="no progress display")
+    _add_live_options(chaos)
 
     report = sub.add_parser("report", help="recompute a report from a run's journal",
                             description="Compute the recovery report (Markdown, JSON, HTML) from "

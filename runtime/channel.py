@@ -112,16 +112,12 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
-    """Authenticate a freshly accepted client (blocking, bounded by ``timeout``)."""
+@contextlib.contextmanager
+def _handshake_bounds(sock: socket.socket, timeout: float) -> Iterator[None]:
+    """The whole handshake under one ``timeout``; socket errors become channel errors."""
     sock.settimeout(timeout)
     try:
-        nonce = os.urandom(NONCE_BYTES)
-        sock.sendall(nonce)
-        reply = _recv_exactly(sock, DIGEST_BYTES + NONCE_BYTES)
-        if not hmac.compare_digest(reply[:DIGEST_BYTES], client_proof(secret, nonce)):
-            raise AuthError("client failed authentication")
-        sock.sendall(server_proof(secret, reply[DIGEST_BYTES:]))
+        yield
     except TimeoutError as exc:
         raise AuthError(f"handshake timed out after {timeout} s") from exc
     except OSError as exc:
@@ -130,10 +126,20 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None
         sock.settimeout(None)
 
 
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
+    """Authenticate a freshly accepted client (blocking, bounded by ``timeout``)."""
+    with _handshake_bounds(sock, timeout):
+        nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(nonce)
+        reply = _recv_exactly(sock, DIGEST_BYTES + NONCE_BYTES)
+        if not hmac.compare_digest(reply[:DIGEST_BYTES], client_proof(secret, nonce)):
+            raise AuthError("client failed authentication")
+        sock.sendall(server_proof(secret, reply[DIGEST_BYTES:]))
+
+
 def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
     """Prove the secret to a server and check that it holds it too."""
-    sock.settimeout(timeout)
-    try:
+    with _handshake_bounds(sock, timeout):
         nonce_s = _recv_exactly(sock, NONCE_BYTES)
         nonce_c = os.urandom(NONCE_BYTES)
         sock.sendall(client_proof(secret, nonce_s) + nonce_c)
@@ -143,12 +149,6 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None
             raise AuthError("server closed the connection: our secret was rejected") from exc
         if not hmac.compare_digest(proof, server_proof(secret, nonce_c)):
             raise AuthError("server failed authentication")
-    except TimeoutError as exc:
-        raise AuthError(f"handshake timed out after {timeout} s") from exc
-    except OSError as exc:
-        raise ChannelError(f"handshake failed: {exc}") from exc
-    finally:
-        sock.settimeout(None)
 
 
 class Connection:
