@@ -123,17 +123,15 @@ class RecoveryTracker:
         for rec in recs:
             if t < rec.t_detected:
                 continue
+            service = rec.replica is None  # the quorum service: every group waited on it
+            if service and "replacement_started" not in rec.phases:
+                continue  # a commit in flight before the crash does not count
             if rec.replica != replica and "survivors_resumed" not in rec.phases:
                 self._write(rec, "survivors_resumed", t)
-            ours = rec.replica == replica or rec.replica is None
-            if ours and (
-                rec.replica is None
-                or "replacement_started" in rec.phases
-                or rec.cause == "step_abort"
-            ):
-                for p in ("replacement_started", "healed"):
-                    if rec.replica is None and p not in rec.phases:
-                        self._write(rec, p, t)
+            ours = rec.replica == replica or service
+            if ours and ("replacement_started" in rec.phases or rec.cause == "step_abort"):
+                if service:
+                    self._write(rec, "healed", t)  # nothing to heal: the groups kept their state
                 self._write(rec, "participating", t)
                 with self._lock:
                     self._open.pop(rec.replica, None)

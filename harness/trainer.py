@@ -38,6 +38,10 @@ from harness.data import TokenStream
 from harness.model import build_model, loss_fn
 from harness.quorum import host_store, make_manager
 
+#: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
+#: gives up and lets its supervisor restart the group.
+MAX_QUORUM_FAILURES = 60
+
 #: ``emit(event, fields)``: report a journal event (names and fields in ``runtime/journal.py``).
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -69,6 +73,7 @@ class Trainer:
         self._emit = emit
         self._stop = threading.Event()
         self._step_delay = 0.0
+        self._quorum_failures = 0
 
         # Same seed in every group and rank: identical initial weights everywhere.
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
@@ -133,7 +138,8 @@ class Trainer:
         t0 = time.perf_counter()
         # 1. Join this step's quorum. If we are behind (a replacement, or late), this loads a
         #    healthy peer's model, optimizer, data position and step before returning.
-        self.manager.start_quorum()
+        if not self._join_quorum():
+            return False, float("nan")
         step = self.manager.current_step()  # steps committed so far = the one we attempt
         inputs, targets = self.data.batch()
         pos = self.data.position
@@ -183,6 +189,39 @@ class Trainer:
         )
         self._maybe_checkpoint(committed)
         return True, loss.item()
+
+    def _join_quorum(self) -> bool:
+        """``start_quorum``, surviving a quorum service that went away mid-request (its restart
+        drops the request): the attempt counts as an aborted step and the next one asks again.
+
+        The retry boundary: consecutive failures past ``MAX_QUORUM_FAILURES`` raise, so a quorum
+        service that never comes back fails the group instead of spinning forever."""
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:
+            self._quorum_failures += 1
+            if self._quorum_failures > MAX_QUORUM_FAILURES:
+                raise
+            # torchft re-raises a failed quorum future on the next start_quorum: drop it. And a
+            # restarted quorum service numbers its quorums from 1 again, which can equal the id
+            # this Manager holds: forget it, so the next quorum always rebuilds the communicator
+            # (otherwise groups that skip the rebuild and groups that do not hang each other).
+            self.manager._quorum_future = None
+            self.manager._quorum_id = -1
+            step = self.manager.current_step() + 1
+            self._emit(
+                "step.abort",
+                {
+                    "replica": self.replica_id,
+                    "rank": self.rank,
+                    "step": step,
+                    "reason": f"quorum failed: {exc!r}"[:300],
+                },
+            )
+            time.sleep(min(1.0, 0.05 * self._quorum_failures))
+            return False
+        self._quorum_failures = 0
+        return True
 
     def _average_gradients(self) -> None:
         """One flat allreduce per step (fewer, larger messages than one per tensor)."""

@@ -1,0 +1,115 @@
+"""Every fault kind of the catalogue fires for real in a real job (``ftharness chaos``), and
+the job recovers: the fault is journaled before it fires, the failure (if it causes one) is
+detected with the right cause, and training commits steps again afterwards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runtime.journal import read_journal
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).parents[2]
+
+# kind -> (target kind, fault options, expected failure causes (empty: no process fails))
+KINDS = {
+    "segfault": ("replica", "", {"signal"}),
+    "kill": ("replica", "", {"signal"}),
+    "collective_abort": ("replica", "", set()),
+    "gil_deadlock": ("replica", "", {"missed_heartbeat"}),
+    "hang": ("replica", "hold_s = 8.0", {"missed_heartbeat"}),
+    "host_eviction": ("host", "cooldown_s = 3.0", {"lost_host", "signal"}),
+    "lighthouse_crash": ("default", "", {"signal"}),
+    "slow_rank": ("replica", "hold_s = 3.0\ndelay_s = 0.3", set()),
+}
+
+
+def experiment(kind: str) -> str:
+    target, options, _ = KINDS[kind]
+    targets = (
+        'kind = "host"\nhosts = ["host1"]'
+        if target == "host"
+        else 'kind = "default"'
+        if target == "default"
+        else 'kind = "replica"\nreplicas = [1]'
+    )
+    return textwrap.dedent(
+        f"""
+        name = "kind-{kind}"
+        seed = 3
+        duration_s = 22
+        policies = ["in_place"]
+
+        [job]
+        name = "kind-{kind}"
+        replicas = 3
+        ranks = 1
+        hosts = 2
+        steps = 100000
+        checkpoint = {{ every_steps = 0 }}
+        timeouts = {{ heartbeat_interval = 0.1, heartbeat_timeout = 1.0 }}
+
+        [schedule]
+        kind = "at_times"
+        at_times = [5]
+
+        [faults]
+        mix = {{ {kind} = 1 }}
+
+        [faults.options.{kind}]
+        {options}
+
+        [targets]
+        {targets}
+        keep_alive = {{ replicas = [0] }}
+
+        [hypotheses]
+        loss_finite = true
+        committed_steps_rise = true
+        replicas_equal_after_heal = true
+        """
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_fault_kind_fires_for_real_and_the_job_recovers(kind, tmp_path):
+    (tmp_path / "exp.toml").write_text(experiment(kind))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "chaos",
+            str(tmp_path / "exp.toml"),
+            "--out",
+            str(tmp_path / "run"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
+    )
+    records = read_journal(tmp_path / "run")
+    injected = [r for r in records if r["event"] == "fault.inject"]
+    assert [r["kind"] for r in injected] == [kind], done.stderr[-3000:]
+    t_fault = injected[0]["t"]
+    causes = {r["cause"] for r in records if r["event"] == "failure" and r["t"] >= t_fault}
+    expected = KINDS[kind][2]
+    assert causes <= expected and (causes or not expected), (causes, expected)
+    after = [r for r in records if r["event"] == "step.commit" and r["t"] > t_fault + 1.0]
+    assert {r["replica"] for r in after} == {0, 1, 2}, "not every group trains again"
+    # the hypotheses (loss finite, progress after the fault, replicas equal) held
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the journal tells the whole story of the recovery, in order
+    if expected:
+        phases = [
+            r["phase"] for r in records if r["event"] == "recovery.phase" and r["t"] >= t_fault
+        ]
+        assert phases[0] == "detected" and "participating" in phases, phases
