@@ -30,8 +30,14 @@ KINDS = {
 }
 
 
+# A Lighthouse crash drops the quorum requests in flight; they can hang until quorum_timeout
+# before the trainers ask the restarted one, so that run gets short quorum timeouts.
+QUICK_QUORUM = "quorum_timeout = 4.0, lighthouse_join_timeout = 3.0, process_group_timeout = 3.0, "
+
+
 def experiment(kind: str) -> str:
     target, options, _ = KINDS[kind]
+    quorum = QUICK_QUORUM if kind == "lighthouse_crash" else ""
     targets = (
         'kind = "host"\nhosts = ["host1"]'
         if target == "host"
@@ -53,7 +59,7 @@ def experiment(kind: str) -> str:
         hosts = 2
         steps = 100000
         checkpoint = {{ every_steps = 0 }}
-        timeouts = {{ heartbeat_interval = 0.1, heartbeat_timeout = 1.0 }}
+        timeouts = {{ {quorum}heartbeat_interval = 0.1, heartbeat_timeout = 1.0 }}
 
         [schedule]
         kind = "at_times"

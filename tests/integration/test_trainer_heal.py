@@ -56,7 +56,9 @@ def _run_kill_and_heal(tmp_path: Path, *, ranks: int, transport: str = "torchft_
         name="heal",
         replicas=3,
         ranks=ranks,
-        steps=60,
+        # Enough steps that the survivors are still training when the replacement (a fresh
+        # interpreter importing torch: seconds) comes up; a tiny step takes ~20-50 ms here.
+        steps=800,
         checkpoint=CheckpointConfig(every_steps=10),
         transport=transport,
     )
