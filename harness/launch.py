@@ -8,11 +8,15 @@ The tree of one job (``in_place`` policy)::
         └── replica<r>  one_for_all over the group's ranks, restart intensity from the config
             └── ranks   a mesh {"rank": ranks} of TrainerActors on the group's host
 
+With ``recovery.quorum = "tree"`` there is no Lighthouse process: the quorum service
+(harness.tree_quorum) runs in the controller and drops a group the moment its failure is known.
+
 Under ``full_restart`` (the baseline: what a SLURM or torchrun job gets) the job supervisor is
-one_for_all over the quorum and every group, so any failure stops every process and the whole
-job restarts from its last checkpoint, in fresh interpreters that import torch again (``cold``
-spawns), as a scheduler's restart would. The host agents themselves stay up: the baseline does
-not pay for node allocation or container start, so the comparison favours it.
+one_for_all over the quorum and one child holding every group, so any failure stops every
+process and the whole job restarts from its last checkpoint, all groups at once, in fresh
+interpreters that import torch again (``cold`` spawns), as a scheduler's restart would. The
+host agents themselves stay up: the baseline does not pay for node allocation or container
+start, so the comparison favours it.
 
 ``Job`` also implements the fault injector's ``FaultContext`` (faults.fault): faults reach the
 job only through it.
@@ -93,9 +97,7 @@ class Job:
             preload=("torch", "torch._dynamo", "harness.actors", *self._model_modules()),
         )
         self.controller = Controller(spec, journal=self.journal)
-        self.controller.add_failure_listener(
-            lambda f: self.tracker.on_failure(f, dict(self._group_host))
-        )
+        self.controller.add_failure_listener(self.tracker.on_failure)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.journal.emit(
             JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
@@ -460,10 +462,6 @@ def run_job(
     outcome["recoveries"] = job.tracker.completed
     outcome["run_dir"] = str(run_dir)
     return outcome
-
-
-def _failure_line(f: Failure) -> str:
-    return f.summary()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -57,7 +57,7 @@ class RecoveryTracker:
         journal.add_sink(self.on_record)
 
     # -- inputs -------------------------------------------------------------------------------
-    def on_failure(self, failure: Failure, replica_host: dict[int, str]) -> None:
+    def on_failure(self, failure: Failure) -> None:
         replica = failure.coords.get("replica")
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
