@@ -27,27 +27,30 @@ from runtime.journal import Journal, read_journal
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Every line is printed with one write (text and newline together): print's separate write of
+# the newline let a heartbeat thread's line and the main thread's line merge into one, and the
+# merged "beat 0ready" was never seen as "ready".
 WORKER = r"""
 import importlib, json, sys, threading, time
 import faults.inworker as inworker
 
 class Trainer:
     def set_step_delay(self, seconds):
-        print(f"delay {seconds}", flush=True)
+        print(f"delay {seconds}\n", end="", flush=True)
     def abort_collectives(self):
-        print("abort", flush=True)
+        print("abort\n", end="", flush=True)
 
 inworker.actors_provider = lambda: {"trainer": Trainer()}
 
 def heartbeat():
     i = 0
     while True:
-        print(f"beat {i}", flush=True)
+        print(f"beat {i}\n", end="", flush=True)
         i += 1
         time.sleep(0.05)
 
 threading.Thread(target=heartbeat, daemon=True).start()
-print("ready", flush=True)
+print("ready\n", end="", flush=True)
 for line in sys.stdin:  # the control thread: each request on its own thread
     req = json.loads(line)
     module, name = req["func"].split(":")
@@ -123,14 +126,14 @@ from faults.inworker import hold_gil
 def heartbeat():
     i = 0
     while True:
-        print(f"beat {i}", flush=True)
+        print(f"beat {i}\n", end="", flush=True)
         i += 1
         time.sleep(0.05)
 
 threading.Thread(target=heartbeat, daemon=True).start()
 time.sleep(0.3)
 hold_gil(float(sys.argv[1]), 0.1)
-print("armed", flush=True)
+print("armed\n", end="", flush=True)
 while True:  # the main thread stays alive; after the hold it carries on
     time.sleep(0.05)
 """
