@@ -26,10 +26,13 @@ def start_trainer(
     """``run_trainer`` in a fresh ``python -c`` process (its own session, so a SIGKILL of it is
     a real death of the whole trainer). Output goes to ``journal_path`` with ``.log``."""
     code = (
-        "import json, sys\n"
+        "import json, os, sys\n"
         "from harness.trainer import run_trainer\n"
         "a = json.loads(sys.argv[1])\n"
         "print(json.dumps(run_trainer(**a)), flush=True)\n"
+        # The journal is closed and the summary printed: skip interpreter teardown, where
+        # gloo's destructors can abort (SIGABRT) once the peer groups have already exited.
+        "os._exit(0)\n"
     )
     args = {
         "cfg_dict": cfg,
