@@ -1,19 +1,27 @@
 """``ftharness bench transfer``: weight-transfer bandwidth, in GB/s (median of reps).
 
 For each state size, a realistic mix of float32 shapes (a transformer's parameters plus Adam's
-two moments) is built by a *separate source process*, which serves it four ways at once: the
-data plane's shm and tcp backends, torchft's HTTPTransport (its default) and torchft's
-PGTransport over gloo. The reader (this process) receives into pre-built, pre-faulted tensors
-(PGTransport in place; HTTPTransport allocates its own, as it always does) and verifies every
-transfer: an xxh3-128 digest of every tensor's bytes must equal the source's. ``memcpy`` is
-torch ``copy_`` within this process: the limit.
+two moments) is built by a *separate source process*, which serves it five ways at once: the
+data plane's shm and tcp backends, torchft's HTTPTransport (its default), torchft's
+PGTransport over gloo, and ``tcp_raw``: one plain socket streaming the tensors' bytes with no
+framing, no checksum and no parallelism, the issue's reference for what one TCP stream into
+pre-faulted tensors does on this host. The reader (this process) receives into pre-built,
+pre-faulted tensors (PGTransport in place; HTTPTransport allocates its own, as it always does)
+and verifies every transfer: an xxh3-128 digest of every tensor's bytes must equal the
+source's. ``memcpy`` is torch ``copy_`` within this process: the limit.
+
+Reps are interleaved: each rep runs every method once, in turn, so a slow minute of a shared
+machine hits all of them alike. Besides each method's median GB/s, ``ratios`` gives the
+median of the per-rep ratios the targets are stated in (``shm/memcpy``, ``tcp/http``,
+``tcp/pg``, and ``tcp/tcp_raw``: what the framing, the parallel streams and the checksums
+cost or win against a bare socket).
 
 ``shm_first`` is the first shm read (it faults in the reader's mapping of the source's
 snapshot; later reads reuse the cached mapping); ``publish_s`` is the source's cost of one
 ``publish`` (copy + checksums), paid once per heal while training continues.
 
 The last line printed is ``{"sizes": [{"bytes", "memcpy", "shm", "tcp", "http", "pg",
-"verified", ...}, ...]}`` with the largest size last.
+"verified", "ratios", ...}, ...]}`` with the largest size last.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -39,8 +48,9 @@ TIMEOUT = timedelta(seconds=300)
 def transformer_shapes(total_bytes: int) -> list[tuple[int, ...]]:
     """float32 shapes summing to about ``total_bytes``: embeddings, per-layer attention and
     MLP matrices and norms (the parameters), then the same shapes twice (Adam's moments)."""
-    dim = 256 if total_bytes <= 64 * MiB else 1024
-    vocab = 2048 if total_bytes <= 64 * MiB else 8192
+    # small enough that the embeddings, the head and one layer fit inside the smallest size
+    dim = 1024 if total_bytes > 64 * MiB else 256 if total_bytes > 16 * MiB else 128
+    vocab = 8192 if total_bytes > 64 * MiB else 2048
     params: list[tuple[int, ...]] = [(vocab, dim)]
     layer = [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim), (4 * dim, dim), (dim,), (dim,)]
     per_layer = sum(torch.Size(s).numel() for s in layer)
@@ -69,6 +79,7 @@ def _source(total_bytes: int, store_addr: str) -> None:
     from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
 
     from runtime.dataplane import register
+    from runtime.dataplane.memory import tensor_view
 
     g = torch.Generator().manual_seed(0)
     state = [torch.randn(s, generator=g) for s in transformer_shapes(total_bytes)]
@@ -82,7 +93,9 @@ def _source(total_bytes: int, store_addr: str) -> None:
     pg = ProcessGroupGloo(timeout=TIMEOUT)
     reconfigure_with_store(pg, store_addr, 0, 2)
     pgt = PGTransport(pg, timeout=TIMEOUT, device=torch.device("cpu"))
+    raw = socket.create_server(("127.0.0.1", 0))
     line = {
+        "raw_port": raw.getsockname()[1],
         "handle": reg.handle.dumps(),
         "http": http.metadata(),
         "digest": _digest(state),
@@ -93,15 +106,48 @@ def _source(total_bytes: int, store_addr: str) -> None:
         if cmd.strip() == "pg":
             pgt.send_checkpoint([1], 1, sd, TIMEOUT)
             print("sent", flush=True)
+        elif cmd.strip() == "raw":
+            conn, _ = raw.accept()
+            with conn:
+                for t in state:
+                    conn.sendall(tensor_view(t))
+            print("sent", flush=True)
     http.shutdown(wait=False)
     reg.close()
 
 
-def _median_gbps(nbytes: int, times: list[float]) -> float:
-    return round(nbytes / statistics.median(times) / 1e9, 3)
+def _raw_read(proc: subprocess.Popen, port: int, dest: list[torch.Tensor]) -> float:
+    """One plain-socket read of every tensor straight into ``dest``; returns seconds."""
+    from runtime.dataplane.memory import tensor_view
+
+    for d in dest:
+        d.zero_()
+    proc.stdin.write("raw\n")
+    proc.stdin.flush()
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for d in dest:
+            view = tensor_view(d)
+            got = 0
+            while got < len(view):
+                k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                if k == 0:
+                    raise RuntimeError("source closed the raw stream early")
+                got += k
+    seconds = time.perf_counter() - t0
+    assert proc.stdout.readline().strip() == "sent"
+    return seconds
+
+
+METHODS = ("memcpy", "shm", "tcp", "tcp_raw", "http", "pg")
+# (numerator, denominator) of the ratios the targets are stated in; each is the median of the
+# per-rep ratios, which cancels the slow drifts of a shared machine's memory bandwidth.
+RATIOS = (("shm", "memcpy"), ("tcp", "http"), ("tcp", "pg"), ("tcp", "tcp_raw"))
 
 
 def _bench_size(total_bytes: int, reps: int, log) -> dict:
+    """All methods at one state size. The reps are interleaved (each rep runs every method
+    once, in turn), so every method sees the same machine conditions."""
     import torch.distributed as dist
     from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.checkpointing.pg_transport import PGTransport
@@ -112,19 +158,9 @@ def _bench_size(total_bytes: int, reps: int, log) -> dict:
 
     shapes = transformer_shapes(total_bytes)
     dest = [torch.zeros(s) for s in shapes]  # pre-built and pre-faulted
+    src = [torch.ones(s) for s in shapes]  # memcpy's source
     nbytes = sum(t.numel() * 4 for t in dest)
     out: dict = {"bytes": nbytes, "tensors": len(dest)}
-
-    src = [torch.ones(s) for s in shapes]
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for d, s in zip(dest, src, strict=True):
-            d.copy_(s)
-        times.append(time.perf_counter() - t0)
-    out["memcpy"] = _median_gbps(nbytes, times)
-    del src
-    gc.collect()
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store_addr = f"127.0.0.1:{store.port}/bench/{total_bytes}"
@@ -133,68 +169,89 @@ def _bench_size(total_bytes: int, reps: int, log) -> dict:
         [sys.executable, "-c", code], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     verified = True
+    receiver = HTTPTransport(timeout=TIMEOUT, num_chunks=0)
     try:
         pg = ProcessGroupGloo(timeout=TIMEOUT)
         reconfigure_with_store(pg, store_addr, 1, 2)
         info = json.loads(proc.stdout.readline())
         handle, want = Handle.loads(info["handle"]), info["digest"]
         out["publish_s"] = round(info["publish_s"], 3)
+        http_meta = info["http"].replace(
+            info["http"].split("/")[2].rsplit(":", 1)[0], "127.0.0.1", 1
+        )
+        inplace = {f"t{i}": t for i, t in enumerate(dest)}
+        pgt = PGTransport(
+            pg, timeout=TIMEOUT, device=torch.device("cpu"), state_dict=lambda: inplace
+        )
 
         def check(tensors: list[torch.Tensor]) -> None:
             nonlocal verified
             verified = verified and _digest(tensors) == want
 
-        for backend in ("shm", "tcp"):
-            times = []
-            for _ in range(reps):
-                for d in dest:
-                    d.zero_()  # a stale copy could not pass verification
-                t0 = time.perf_counter()
-                read_into(handle, dest, backend=backend, step=1, timeout=300)
-                times.append(time.perf_counter() - t0)
-                check(dest)
-            out[backend] = _median_gbps(nbytes, times)
-            if backend == "shm":
-                out["shm_first"] = round(nbytes / times[0] / 1e9, 3)
-                release_mappings()
-            log(f"  {backend}: {out[backend]} GB/s")
+        def zero() -> None:
+            for d in dest:
+                d.zero_()  # a stale copy could not pass verification
 
-        http_meta = info["http"].replace(
-            info["http"].split("/")[2].rsplit(":", 1)[0], "127.0.0.1", 1
-        )
-        receiver = HTTPTransport(timeout=TIMEOUT, num_chunks=0)
-        times = []
-        for _ in range(reps):
+        def memcpy() -> float:
+            t0 = time.perf_counter()
+            for d, s in zip(dest, src, strict=True):
+                d.copy_(s)
+            return time.perf_counter() - t0
+
+        def dataplane(backend: str) -> float:
+            zero()
+            t0 = time.perf_counter()
+            read_into(handle, dest, backend=backend, step=1, timeout=300)
+            seconds = time.perf_counter() - t0
+            check(dest)
+            return seconds
+
+        def raw() -> float:
+            seconds = _raw_read(proc, info["raw_port"], dest)
+            check(dest)
+            return seconds
+
+        def http() -> float:
             t0 = time.perf_counter()
             got = receiver.recv_checkpoint(0, http_meta, 1, TIMEOUT)
-            times.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
             check([got[f"t{i}"] for i in range(len(dest))])
             del got
             gc.collect()
-        receiver.shutdown(wait=False)
-        out["http"] = _median_gbps(nbytes, times)
-        log(f"  http: {out['http']} GB/s")
+            return seconds
 
-        inplace = {f"t{i}": t for i, t in enumerate(dest)}
-        pgt = PGTransport(
-            pg, timeout=TIMEOUT, device=torch.device("cpu"), state_dict=lambda: inplace
-        )
-        times = []
-        for _ in range(reps):
-            for d in dest:
-                d.zero_()
+        def pg_inplace() -> float:
+            nonlocal verified
+            zero()
             proc.stdin.write("pg\n")
             proc.stdin.flush()
             t0 = time.perf_counter()
             got = pgt.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)
-            times.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
             assert proc.stdout.readline().strip() == "sent"
             verified = verified and got["t0"].data_ptr() == dest[0].data_ptr()  # in place
             check(dest)
-        out["pg"] = _median_gbps(nbytes, times)
-        log(f"  pg: {out['pg']} GB/s")
+            return seconds
+
+        run = {
+            "memcpy": memcpy,
+            "shm": lambda: dataplane("shm"),
+            "tcp": lambda: dataplane("tcp"),
+            "tcp_raw": raw,
+            "http": http,
+            "pg": pg_inplace,
+        }
+        # the first shm read maps the source's snapshot (later reads reuse the mapping)
+        out["shm_first"] = round(nbytes / run["shm"]() / 1e9, 3)
+        gbps: dict[str, list[float]] = {m: [] for m in METHODS}
+        for rep in range(reps):
+            for m in METHODS:
+                gbps[m].append(nbytes / run[m]() / 1e9)
+            log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{m} {gbps[m][-1]:.2f}" for m in METHODS))
+        release_mappings()
         pg.shutdown()
     finally:
+        receiver.shutdown(wait=False)
         proc.stdin.close()
         try:
             proc.wait(timeout=60)
@@ -202,10 +259,15 @@ def _bench_size(total_bytes: int, reps: int, log) -> dict:
             proc.kill()
             proc.wait()
         del store
+    for m in METHODS:  # the contract's keys, in its order
+        out[m] = round(statistics.median(gbps[m]), 3)
     out["verified"] = verified
-    for k in ("memcpy", "shm", "tcp", "http", "pg"):  # the contract's keys first
-        out[k] = out.pop(k)
-    out["verified"] = out.pop("verified")
+    out["ratios"] = {
+        f"{a}/{b}": round(
+            statistics.median(x / y for x, y in zip(gbps[a], gbps[b], strict=True)), 3
+        )
+        for a, b in RATIOS
+    }
     return out
 
 
@@ -225,9 +287,6 @@ def main(args) -> int:
         results.append(_bench_size(size, reps, log))
         gc.collect()
     r = results[-1]
-    log(
-        f"at {r['bytes'] / 2**30:.2f} GiB: shm/memcpy {r['shm'] / r['memcpy']:.0%}, "
-        f"tcp/http {r['tcp'] / r['http']:.1f}x, tcp/pg {r['tcp'] / r['pg']:.2f}x"
-    )
+    log(f"at {r['bytes'] / 2**30:.2f} GiB, medians of paired ratios: {r['ratios']}")
     print(json.dumps({"sizes": results}))
     return 0 if all(x["verified"] for x in results) else 1

@@ -50,28 +50,33 @@ def check_dest(metas: Sequence[TensorMeta], dest: Sequence[torch.Tensor]) -> Non
             )
 
 
-def run_striped(chunks: Sequence[Chunk], work: Callable[[Chunk], None], threads: int) -> None:
-    """Run ``work`` over ``chunks`` striped across ``threads`` threads (chunk i goes to thread
-    i % threads); re-raise the first exception after all threads stop. Memory copies and
-    xxhash release the GIL, so two threads use both cores."""
+def run_parallel(chunks: Sequence[Chunk], work: Callable[[Chunk], None], threads: int) -> None:
+    """Run ``work`` over ``chunks`` on ``threads`` threads that each take the next unclaimed
+    chunk (so a thread the scheduler delays does not leave its share for last); re-raise the
+    first exception after all threads stop. Memory copies and xxhash release the GIL, so two
+    threads use both cores."""
     if threads <= 1 or len(chunks) < 2:
         for c in chunks:
             work(c)
         return
     errors: list[BaseException] = []
     stop = threading.Event()
+    claim = iter(chunks)
+    lock = threading.Lock()
 
-    def loop(k: int) -> None:
+    def loop() -> None:
         try:
-            for c in chunks[k::threads]:
-                if stop.is_set():
+            while not stop.is_set():
+                with lock:
+                    c = next(claim, None)
+                if c is None:
                     return
                 work(c)
         except BaseException as e:  # re-raised in the caller
             errors.append(e)
             stop.set()
 
-    ts = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(threads)]
+    ts = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
     for t in ts:
         t.start()
     for t in ts:

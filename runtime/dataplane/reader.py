@@ -31,7 +31,7 @@ def read_into(
     backend: str = "auto",
     timeout: float = 60.0,
     step: int | None = None,
-    streams: int = 4,
+    streams: int | None = None,
     threads: int = 2,
     verbs: Verbs | None = None,
     rdma_device: str | None = None,
@@ -41,7 +41,8 @@ def read_into(
 
     ``step``: wait (up to ``timeout``) until the source serves exactly this step. ``backend``:
     ``"auto"`` picks shared memory on the same host, RDMA where both ends have a device, TCP
-    otherwise. Raises ``TransferError`` (``SourceGone``, ``TransferTimeout``,
+    otherwise. ``streams``: parallel TCP connections (default 2-4, by core
+    count). Raises ``TransferError`` (``SourceGone``, ``TransferTimeout``,
     ``ChecksumMismatch``, ``LayoutMismatch``); on error ``dest`` holds partial data.
     """
     h = Handle.loads(handle) if isinstance(handle, str) else handle
@@ -65,9 +66,11 @@ def read_into(
 
             return read_shm(h, dest, deadline=deadline, step=step, threads=threads)
         if choice.backend == "tcp":
-            from runtime.dataplane.tcp import read_tcp
+            from runtime.dataplane.tcp import DEFAULT_STREAMS, read_tcp
 
-            return read_tcp(h, dest, deadline=deadline, step=step, streams=streams)
+            return read_tcp(
+                h, dest, deadline=deadline, step=step, streams=streams or DEFAULT_STREAMS
+            )
         from runtime.dataplane.ibverbs import read_ibverbs
 
         return read_ibverbs(h, dest, deadline=deadline, step=step, verbs=verbs, device=rdma_device)

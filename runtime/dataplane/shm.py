@@ -26,7 +26,7 @@ import torch
 
 from runtime.dataplane.errors import ChecksumMismatch, SourceGone, TornRead, TransferTimeout
 from runtime.dataplane.handle import Handle, plan_chunks
-from runtime.dataplane.memory import address_view, checksum, run_striped
+from runtime.dataplane.memory import address_view, checksum, run_parallel
 from runtime.dataplane.snapshot import SlotView, owner_alive, parse_header, slot_seq
 
 _MAX_MAPS = 8
@@ -105,7 +105,7 @@ def read_shm(
         if checksum(address_view(dst, c.length)) != view.checksums[c.index]:
             bad.append(c.index)
 
-    run_striped(chunks, copy, threads)
+    run_parallel(chunks, copy, threads)
     if slot_seq(mm, view.slot) != view.seq:
         raise TornRead("source republished over the slot during the read")
     if bad:

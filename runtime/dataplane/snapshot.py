@@ -40,7 +40,7 @@ import torch
 
 from runtime.dataplane.errors import TornRead
 from runtime.dataplane.handle import Chunk, TensorMeta, plan_chunks, round_up, to_dtype
-from runtime.dataplane.memory import address_view, checksum, run_striped
+from runtime.dataplane.memory import address_view, checksum, run_parallel
 
 MAGIC = int.from_bytes(b"FTDPSNP1", "little")
 PAGE = 4096
@@ -172,7 +172,7 @@ class Snapshot:
             def hash_chunk(c: Chunk) -> None:
                 sums[c.index] = checksum(address_view(self.address + base + c.flat, c.length))
 
-            run_striped(self.chunks, hash_chunk, threads)
+            run_parallel(self.chunks, hash_chunk, threads)
             struct.pack_into(f"<{n}Q", self.mm, _TABLE_AT + slot * 8 * n, *sums)
             _SLOT.pack_into(self.mm, _SLOT_AT[slot], seq + 2, step)  # even: complete
             _TOP.pack_into(self.mm, 0, MAGIC, slot, gen + 1, n)
