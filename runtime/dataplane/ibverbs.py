@@ -60,7 +60,7 @@ from runtime.dataplane.errors import (
 )
 from runtime.dataplane.handle import Handle, VerbsInfo, plan_chunks
 from runtime.dataplane.memory import address_view, checksum
-from runtime.dataplane.snapshot import Snapshot, parse_header, slot_seq
+from runtime.dataplane.snapshot import SlotView, Snapshot, parse_header, slot_seq, wait_for_step
 from runtime.dataplane.verbs_api import (
     ACCESS_LOCAL_WRITE,
     ACCESS_REMOTE_READ,
@@ -279,25 +279,14 @@ def read_ibverbs(
         v.qp_to_rts(qp, psn)
         hdr = memoryview(address_view(header.data_ptr(), header.numel()))
 
-        def read_header() -> None:
+        def read_header() -> SlotView | None:
             v.post_read(
                 qp, HEADER_WR, header.data_ptr(), header.numel(), hdr_mr.lkey, info.addr, info.rkey
             )
             _drain(v, cq, 1, deadline)
+            return parse_header(hdr, len(chunks))
 
-        view = None
-        while view is None:
-            read_header()
-            try:
-                view = parse_header(hdr, len(chunks))
-            except TornRead:
-                view = None
-            if view is not None and step is not None and view.step != step:
-                view = None
-            if view is None:
-                if time.monotonic() >= deadline:
-                    raise TransferTimeout(f"timed out waiting for step {step} over RDMA")
-                time.sleep(0.002)
+        view = wait_for_step(read_header, step, deadline, f"RDMA peer {remote.qpn:#x}")
         data = info.addr + handle.header_bytes + view.slot * handle.slot_bytes
         bad: list[int] = []
         pending = 0

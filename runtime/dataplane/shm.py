@@ -17,17 +17,16 @@ import ctypes
 import mmap
 import os
 import threading
-import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
-from runtime.dataplane.errors import ChecksumMismatch, SourceGone, TornRead, TransferTimeout
+from runtime.dataplane.errors import ChecksumMismatch, SourceGone, TornRead
 from runtime.dataplane.handle import Handle, plan_chunks
 from runtime.dataplane.memory import address_view, checksum, run_parallel
-from runtime.dataplane.snapshot import SlotView, owner_alive, parse_header, slot_seq
+from runtime.dataplane.snapshot import owner_alive, parse_header, slot_seq, wait_for_step
 
 _MAX_MAPS = 8
 _maps: OrderedDict[str, tuple[mmap.mmap, int, torch.Tensor]] = OrderedDict()
@@ -94,7 +93,18 @@ def read_shm(
     size = handle.header_bytes + 2 * handle.slot_bytes
     mm, base = _attach(handle.shm_path, size)
     chunks = plan_chunks(handle.tensors, handle.chunk_bytes)
-    view = _wait_for_step(mm, len(chunks), step, deadline, handle)
+
+    def check_alive() -> None:
+        if not owner_alive(handle.pid, handle.start_time):
+            raise SourceGone(f"source process {handle.pid} is gone")
+
+    view = wait_for_step(
+        lambda: parse_header(mm, len(chunks)),
+        step,
+        deadline,
+        handle.shm_path,
+        check_alive=check_alive,
+    )
     data = base + handle.header_bytes + view.slot * handle.slot_bytes
     ptrs = [t.data_ptr() for t in dest]
     bad: list[int] = []
@@ -113,24 +123,3 @@ def read_shm(
     if not owner_alive(handle.pid, handle.start_time):
         raise SourceGone(f"source process {handle.pid} died during the read")
     return view.step
-
-
-def _wait_for_step(
-    mm: mmap.mmap, n_chunks: int, step: int | None, deadline: float, handle: Handle
-) -> SlotView:
-    """Poll the header until a complete slot (with ``step``, if given) is served."""
-    last = "nothing published"
-    while True:
-        try:
-            view = parse_header(mm, n_chunks)
-        except TornRead as e:
-            view, last = None, str(e)
-        if view is not None:
-            if step is None or view.step == step:
-                return view
-            last = f"source serves step {view.step}"
-        if time.monotonic() >= deadline:
-            raise TransferTimeout(f"timed out waiting for step {step} at {handle.shm_path}: {last}")
-        if not owner_alive(handle.pid, handle.start_time):
-            raise SourceGone(f"source process {handle.pid} is gone ({last})")
-        time.sleep(0.002)

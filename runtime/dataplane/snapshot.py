@@ -33,12 +33,13 @@ import secrets
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-from runtime.dataplane.errors import TornRead
+from runtime.dataplane.errors import TornRead, TransferTimeout
 from runtime.dataplane.handle import Chunk, TensorMeta, plan_chunks, round_up, to_dtype
 from runtime.dataplane.memory import address_view, checksum, run_parallel
 
@@ -89,6 +90,36 @@ def parse_header(buf, n_chunks: int) -> SlotView | None:
     if slot_seq(buf, active) != seq:
         raise TornRead("the slot changed while its checksums were read")
     return SlotView(slot=active, seq=seq, step=step, checksums=table)
+
+
+def wait_for_step(
+    read_header: Callable[[], SlotView | None],
+    step: int | None,
+    deadline: float,
+    where: str,
+    *,
+    interval: float = 0.002,
+    check_alive: Callable[[], None] | None = None,
+) -> SlotView:
+    """Poll ``read_header`` (each backend's way of reading the source's header: a mapping, a
+    HELLO, an RDMA READ) until it shows a complete slot, with ``step`` if one is given.
+    ``check_alive`` raises if the source is known dead, so a reader need not wait out the
+    deadline; ``TransferTimeout`` says what the source served last."""
+    last = "nothing published"
+    while True:
+        try:
+            view = read_header()
+        except TornRead as e:
+            view, last = None, str(e)
+        if view is not None:
+            if step is None or view.step == step:
+                return view
+            last = f"source serves step {view.step}"
+        if time.monotonic() + interval >= deadline:
+            raise TransferTimeout(f"timed out waiting for step {step} from {where}: {last}")
+        if check_alive is not None:
+            check_alive()
+        time.sleep(interval)
 
 
 def slot_seq(buf, slot: int) -> int:

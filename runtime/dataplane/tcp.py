@@ -41,7 +41,13 @@ from runtime.dataplane.errors import (
 )
 from runtime.dataplane.handle import Chunk, Handle, plan_chunks
 from runtime.dataplane.memory import checksum, tensor_view
-from runtime.dataplane.snapshot import SlotView, Snapshot, parse_header, slot_seq
+from runtime.dataplane.snapshot import (
+    SlotView,
+    Snapshot,
+    parse_header,
+    slot_seq,
+    wait_for_step,
+)
 
 REQ = struct.Struct("<16sB7xqQQQ")
 HELLO_REP = struct.Struct("<qqQq")
@@ -255,25 +261,6 @@ def hello(conn: _Conn, n_chunks: int, header_bytes: int) -> SlotView | None:
     return parse_header(header, n_chunks)
 
 
-def wait_for_step(
-    conn: _Conn, handle: Handle, n_chunks: int, step: int | None, deadline: float
-) -> SlotView:
-    """HELLO until the source serves a complete slot (with ``step``, if given)."""
-    last = "nothing published"
-    while True:
-        try:
-            view = hello(conn, n_chunks, handle.header_bytes)
-        except TornRead as e:
-            view, last = None, str(e)
-        if view is not None:
-            if step is None or view.step == step:
-                return view
-            last = f"source serves step {view.step}"
-        if time.monotonic() + 0.005 >= deadline:
-            raise TransferTimeout(f"timed out waiting for step {step} from {conn.where}: {last}")
-        time.sleep(0.005)
-
-
 def read_tcp(
     handle: Handle,
     dest: Sequence[torch.Tensor],
@@ -289,7 +276,13 @@ def read_tcp(
     first = _Conn(handle, deadline)
     conns = [first]
     try:
-        view = wait_for_step(first, handle, len(chunks), step, deadline)
+        view = wait_for_step(
+            lambda: hello(first, len(chunks), handle.header_bytes),
+            step,
+            deadline,
+            first.where,
+            interval=0.005,
+        )
         runs = _runs(chunks, max(1, RUN_BYTES // handle.chunk_bytes))
         n = max(1, min(streams, len(runs)))
         conns += [_Conn(handle, deadline) for _ in range(n - 1)]

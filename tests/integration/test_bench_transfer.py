@@ -28,7 +28,8 @@ def test_quick_transfer_bench_prints_the_contract_json_last():
     for s in sizes:
         assert s["verified"] is True
         assert all(s[m] > 0 for m in METHODS)
-        assert set(s["ratios"]) == {f"{a}/{b}" for a, b in RATIOS}
+        assert set(s["ratios"]) == {f"{a}/{b}" for a, b in RATIOS} | {"tcp/http_reuse"}
+        assert s["http_reuse"] > 0
         # the contract's keys come in the order
         keys = [k for k in s if k in ("memcpy", "shm", "tcp", "http", "pg", "verified")]
         assert keys == ["memcpy", "shm", "tcp", "http", "pg", "verified"]
