@@ -18,21 +18,33 @@ _HANDLERS = {
     "report": "experiments.report:main",
 }
 _BENCHES = {
-    "runtime": ("harness.bench.runtime:main", "spawn, call latency and failure detection of the "
-                "supervision tree (and Monarch's, where installed)"),
-    "recovery": ("harness.bench.recovery:main", "survivor stall and time-to-participate after a "
-                 "killed replica group, in-place vs full_restart"),
-    "transfer": ("harness.bench.transfer:main", "weight-transfer bandwidth: memcpy, shm, tcp, "
-                 "torchft http and pg"),
+    "runtime": (
+        "harness.bench.runtime:main",
+        "spawn, call latency and failure detection of the "
+        "supervision tree (and Monarch's, where installed)",
+    ),
+    "recovery": (
+        "harness.bench.recovery:main",
+        "survivor stall and time-to-participate after a "
+        "killed replica group, in-place vs full_restart",
+    ),
+    "transfer": (
+        "harness.bench.transfer:main",
+        "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
+    ),
     "telemetry": ("harness.bench.telemetry:main", "training-step overhead of the telemetry"),
 }
 
 
 def _add_live_options(parser: argparse.ArgumentParser) -> None:
     """What a running job shows while it runs (``run`` and ``chaos``)."""
-    parser.add_argument("--prometheus-port", type=int, default=None,
-                        help="serve live Prometheus metrics on 127.0.0.1:PORT (0 picks a free "
-                        "port; the address is printed)")
+    parser.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        help="serve live Prometheus metrics on 127.0.0.1:PORT (0 picks a free "
+        "port; the address is printed)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -50,26 +62,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    run = sub.add_parser("run", help="launch a resilient pretraining job from a config",
-                         description="Launch a pretraining job that keeps training while failed "
-                         "replica groups are restarted in place.")
+    run = sub.add_parser(
+        "run",
+        help="launch a resilient pretraining job from a config",
+        description="Launch a pretraining job that keeps training while failed "
+        "replica groups are restarted in place.",
+    )
     run.add_argument("config", help="a TOML job config, or module:function returning a JobConfig")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set steps=100 --set "
-                     "recovery.policy=full_restart (repeatable)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set steps=100 --set "
+        "recovery.policy=full_restart (repeatable)",
+    )
     run.add_argument("--out", default=None, help="run directory (journal, checkpoints, report)")
     _add_live_options(run)
 
-    chaos = sub.add_parser("chaos", help="run a chaos experiment and write its report",
-                           description="Run an experiment file: hypothesis -> schedule -> faults "
-                           "-> verify. Exits non-zero if a hypothesis fails.")
+    chaos = sub.add_parser(
+        "chaos",
+        help="run a chaos experiment and write its report",
+        description="Run an experiment file: hypothesis -> schedule -> faults "
+        "-> verify. Exits non-zero if a hypothesis fails.",
+    )
     chaos.add_argument("experiment", help="an experiment TOML file")
     chaos.add_argument("--out", default=None, help="experiment directory (default runs/NAME)")
     _add_live_options(chaos)
 
-    report = sub.add_parser("report", help="recompute a report from a run's journal",
-                            description="Compute the recovery report (Markdown, JSON, HTML) from "
-                            "a run or experiment directory's journal.")
+    report = sub.add_parser(
+        "report",
+        help="recompute a report from a run's journal",
+        description="Compute the recovery report (Markdown, JSON, HTML) from "
+        "a run or experiment directory's journal.",
+    )
     report.add_argument("run_dir", help="a run or experiment directory, or a journal file")
     report.add_argument("--html", action="store_true", help="also write dashboard.html")
     report.add_argument("--json", action="store_true", help="print the report as JSON")
