@@ -40,6 +40,15 @@ def wait_for(pred, timeout: float = 15.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie. A process reaped between two looks at
+    /proc is gone, not an error (psutil raises NoSuchProcess then)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture
 def ctl():
     c = Controller(FAST, on_failure=lambda f: True)  # tests look at c.failures themselves
@@ -134,7 +143,7 @@ def test_held_gil_is_detected_by_missed_heartbeats(ctl):
     # detection happened after the configured timeout, and the frozen process was killed
     assert failure.t_detected - failure.t_event >= FAST.heartbeat.timeout_s
     wait_for(
-        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        lambda: not _running(pid),
         what="hung worker killed",
     )
 
@@ -313,11 +322,7 @@ def test_sigkill_of_controller_leaves_no_orphans(tmp_path):
     deadline = time.monotonic() + 5.0
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [
-            p
-            for p in alive
-            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
+        alive = [p for p in alive if _running(p)]
         time.sleep(0.05)
     assert alive == [], f"orphans left behind: {alive}"
 
