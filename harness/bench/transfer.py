@@ -145,8 +145,6 @@ def _raw_read(proc: subprocess.Popen, port: int, dest: list[torch.Tensor]) -> fl
     """One plain-socket read of every tensor straight into ``dest``; returns seconds."""
     from runtime.dataplane.memory import tensor_view
 
-    for d in dest:
-        d.zero_()
     proc.stdin.write("raw\n")
     proc.stdin.flush()
     t0 = time.perf_counter()
@@ -232,6 +230,7 @@ def _bench_size(total_bytes: int, reps: int, log) -> dict:
             return seconds
 
         def raw() -> float:
+            zero()
             seconds = _raw_read(proc, info["raw_port"], dest)
             check(dest)
             return seconds

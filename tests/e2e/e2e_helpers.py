@@ -4,6 +4,9 @@ would shadow the root one under pytest's default import mode)."""
 from __future__ import annotations
 
 import math
+import os
+import signal
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -16,6 +19,19 @@ from runtime.journal import JOB_RESTART, STEP_COMMIT, read_journal
 def tiny_cfg(*overrides: str):
     """The tiny job config with ``a.b=value`` overrides."""
     return load_config("experiments/tiny.toml", list(overrides))
+
+
+def chaos_argv(tmp_path, *options: str) -> list[str]:
+    """``ftharness chaos`` on ``tmp_path/exp.toml``, writing ``tmp_path/run``."""
+    exp, out = str(tmp_path / "exp.toml"), str(tmp_path / "run")
+    return [sys.executable, "-m", "harness", "chaos", exp, "--out", out, *options]
+
+
+def kill_group(job: Any, replica: int) -> None:
+    """SIGKILL rank 0 of replica group ``replica`` of a running job."""
+    from faults.fault import Target
+
+    os.kill(job.pids(Target(replica=replica, rank=0))[0], signal.SIGKILL)
 
 
 def after_step(job: Any, step: int, action: Callable[[], None], timeout: float = 120) -> None:

@@ -5,11 +5,11 @@ detected with the right cause, and training commits steps again afterwards."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from e2e_helpers import chaos_argv
 
 from runtime.journal import read_journal
 
@@ -87,16 +87,7 @@ def experiment(kind: str) -> str:
 def test_fault_kind_fires_for_real_and_the_job_recovers(kind, tmp_path):
     (tmp_path / "exp.toml").write_text(experiment(kind))
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "chaos",
-            str(tmp_path / "exp.toml"),
-            "--out",
-            str(tmp_path / "run"),
-            "--quiet",
-        ],
+        chaos_argv(tmp_path, "--quiet"),
         capture_output=True,
         text=True,
         timeout=280,

@@ -13,6 +13,7 @@ import pytest
 from dashboards import names as N
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from e2e_helpers import chaos_argv
 from h3_fixtures import Prometheus, free_port, stop_process, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -52,17 +53,7 @@ def test_prometheus_scrapes_a_real_run_through_a_kill(tmp_path):
     port = free_port()
     log = open(tmp_path / "chaos.log", "w")  # noqa: SIM115 - closed below
     job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "chaos",
-            str(tmp_path / "exp.toml"),
-            "--out",
-            str(tmp_path / "run"),
-            "--prometheus-port",
-            str(port),
-        ],
+        chaos_argv(tmp_path, "--prometheus-port", str(port)),
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=Path(__file__).parents[2],

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from e2e_helpers import after_step, check_invariants, events, tiny_cfg
+from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
 
 from faults.fault import Target
 from harness.launch import run_job
@@ -130,7 +130,7 @@ def test_full_restart_resumes_from_checkpoint_losing_at_most_k_steps(tmp_path):
     cfg = tiny_cfg("steps=30", f"checkpoint.every_steps={k}", "recovery.policy=full_restart")
 
     def started(job):
-        after_step(job, 13, lambda: os.kill(job.pids(Target(replica=1, rank=0))[0], signal.SIGKILL))
+        after_step(job, 13, lambda: kill_group(job, 1))
 
     out = run_job(cfg, tmp_path, quiet=True, on_started=started)
     assert out["status"] == "ok", out["reason"]
@@ -188,7 +188,7 @@ def test_heal_through_the_dataplane_transport(tmp_path):
     cfg = tiny_cfg("steps=40", "checkpoint.every_steps=0", "transport=dataplane")
 
     def started(job):
-        after_step(job, 10, lambda: os.kill(job.pids(Target(replica=2, rank=0))[0], signal.SIGKILL))
+        after_step(job, 10, lambda: kill_group(job, 2))
 
     out = run_job(cfg, tmp_path, quiet=True, on_started=started)
     assert out["status"] == "ok", out["reason"]
