@@ -233,12 +233,6 @@ class Trainer:
         # torchft averages over participants; on a peer failure it records the error (so
         # should_commit says no) instead of raising.
         self.manager.allreduce(flat).wait()
-        if self.manager.errored() is not None:
-            # Our side of the collective failed (a peer died). Close our communicator now: a
-            # live peer still blocked in this collective on us then fails at once instead of
-            # waiting out the process-group timeout (seen: a survivor stuck 5 s on the other
-            # survivor). The next quorum reconfigures a fresh one, as after a collective abort.
-            self._pg.abort()
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
