@@ -22,6 +22,7 @@ store honour ``bind_host``.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -156,3 +157,24 @@ def make_manager(
         init_sync=False,
     )
     return manager, pg
+
+
+def close_communicator(pg: ProcessGroupGloo, failure: BaseException | None = None) -> None:
+    """Destroy this rank's cross-group gloo communicator now that a collective on it failed, so
+    every connection it holds closes at once. The next quorum reconfigures a fresh one.
+
+    Why: when a group dies mid-allreduce, only the ranks that were exchanging with it fail at
+    once. A survivor that was waiting on *this* rank (gloo's ring passes data survivor to
+    survivor) stays blocked in its receive until ``process_group_timeout``, and the quorum waits
+    for it. gloo has no call that closes a context's connections: ``abort()`` and ``shutdown()``
+    leave them open (measured, three processes: the blocked peer still timed out), and only
+    destroying the context closes them. The context lives as long as the process group *or any
+    work object from it* is referenced, and ``failure``'s traceback reaches the failed work
+    through the frames it passed (torchft records the exception in its Manager). So: drop that
+    traceback, drop the process group, and collect the reference cycles that remain.
+    """
+    if failure is not None:
+        failure.__traceback__ = None
+        failure.__context__ = None
+    pg.abort(errored=False)  # torchft's wrapper forgets its gloo process group
+    gc.collect()

@@ -36,7 +36,7 @@ from harness import checkpoint
 from harness.config import JobConfig, config_from_dict
 from harness.data import TokenStream
 from harness.model import build_model, loss_fn
-from harness.quorum import host_store, make_manager
+from harness.quorum import close_communicator, host_store, make_manager
 
 #: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
 #: gives up and lets its supervisor restart the group.
@@ -231,8 +231,12 @@ class Trainer:
             self._intra.allreduce([flat]).wait()  # a dead group peer raises: the group restarts
             flat /= self.cfg.ranks
         # torchft averages over participants; on a peer failure it records the error (so
-        # should_commit says no) instead of raising.
+        # should_commit says no) instead of raising. Then close the communicator at once: a
+        # survivor blocked on this rank would otherwise wait out the process-group timeout.
         self.manager.allreduce(flat).wait()
+        failed = self.manager.errored()
+        if failed is not None:
+            close_communicator(self._pg, failed.original_exception)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
