@@ -28,7 +28,9 @@ snapshot; later reads reuse the cached mapping); ``publish_s`` is the source's c
 ``publish`` (copy + checksums), paid once per heal while training continues.
 
 The last line printed is ``{"sizes": [{"bytes", "memcpy", "shm", "tcp", "http", "pg",
-"verified", "ratios", ...}, ...]}`` with the largest size last.
+"verified", "ratios", ...}, ...], "fastpath": bool}`` with the largest size last;
+``fastpath`` says whether the readers used the C fused copy/receive-and-hash
+(``runtime/dataplane/_fastpath.c``) or the pure-Python fallback.
 """
 
 from __future__ import annotations
@@ -333,5 +335,7 @@ def main(args) -> int:
         gc.collect()
     r = results[-1]
     log(f"at {r['bytes'] / 2**30:.2f} GiB, medians of paired ratios: {r['ratios']}")
-    print(json.dumps({"sizes": results}))
+    from runtime.dataplane.memory import FASTPATH
+
+    print(json.dumps({"sizes": results, "fastpath": FASTPATH}))
     return 0 if all(x["verified"] for x in results) else 1

@@ -59,7 +59,7 @@ from runtime.dataplane.errors import (
     TransferTimeout,
 )
 from runtime.dataplane.handle import Handle, VerbsInfo, plan_chunks
-from runtime.dataplane.memory import address_view, checksum
+from runtime.dataplane.memory import address_view, hash_at
 from runtime.dataplane.snapshot import SlotView, Snapshot, parse_header, slot_seq, wait_for_step
 from runtime.dataplane.verbs_api import (
     ACCESS_LOCAL_WRITE,
@@ -329,10 +329,7 @@ def _complete(v, cq, chunks, dest, view, bad, deadline) -> int:
     wcs = _drain(v, cq, 1, deadline)
     for wc in wcs:
         c = chunks[wc.wr_id]
-        if (
-            checksum(address_view(dest[c.tensor].data_ptr() + c.offset, c.length))
-            != view.checksums[c.index]
-        ):
+        if hash_at(dest[c.tensor].data_ptr() + c.offset, c.length) != view.checksums[c.index]:
             bad.append(c.index)
     return len(wcs)
 

@@ -13,7 +13,6 @@ authoritative. The check runs before and after the copy.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
 import threading
@@ -25,7 +24,7 @@ import torch
 
 from runtime.dataplane.errors import ChecksumMismatch, SourceGone, TornRead
 from runtime.dataplane.handle import Handle, plan_chunks
-from runtime.dataplane.memory import address_view, checksum, run_parallel
+from runtime.dataplane.memory import copy_and_hash, run_parallel
 from runtime.dataplane.snapshot import owner_alive, parse_header, slot_seq, wait_for_step
 
 _MAX_MAPS = 8
@@ -110,9 +109,8 @@ def read_shm(
     bad: list[int] = []
 
     def copy(c) -> None:
-        dst = ptrs[c.tensor] + c.offset
-        ctypes.memmove(dst, data + c.flat, c.length)
-        if checksum(address_view(dst, c.length)) != view.checksums[c.index]:
+        digest = copy_and_hash(ptrs[c.tensor] + c.offset, data + c.flat, c.length)
+        if digest != view.checksums[c.index]:
             bad.append(c.index)
 
     run_parallel(chunks, copy, threads)

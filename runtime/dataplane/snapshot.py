@@ -41,7 +41,7 @@ import torch
 
 from runtime.dataplane.errors import TornRead, TransferTimeout
 from runtime.dataplane.handle import Chunk, TensorMeta, plan_chunks, round_up, to_dtype
-from runtime.dataplane.memory import address_view, checksum, run_parallel
+from runtime.dataplane.memory import copy_and_hash, run_parallel
 
 MAGIC = int.from_bytes(b"FTDPSNP1", "little")
 PAGE = 4096
@@ -186,24 +186,25 @@ class Snapshot:
         return self.header_bytes + slot * self.slot_bytes
 
     def publish(self, tensors: list[torch.Tensor], step: int, *, threads: int = 2) -> None:
-        """Copy ``tensors`` into the idle slot, hash it, and make it the served one. Returns
-        once the snapshot is complete; the caller may then mutate ``tensors`` freely."""
+        """Copy ``tensors`` into the idle slot, hashing each chunk as it is copied, and make it
+        the served one. Returns once the snapshot is complete; the caller may then mutate
+        ``tensors`` freely."""
+        # Contiguous CPU tensors of the registered dtype are copied from in place; anything
+        # else (a GPU tensor, a strided view) is first staged into one that is.
+        srcs = [_as_source(m, t) for m, t in zip(self.metas, tensors, strict=True)]
+        ptrs = [t.data_ptr() for t in srcs]
         with self._lock:
             _magic, active, gen, n = _TOP.unpack_from(self.mm, 0)
             slot = 0 if active < 0 else 1 - active
             seq, _ = _SLOT.unpack_from(self.mm, _SLOT_AT[slot])
             _SLOT.pack_into(self.mm, _SLOT_AT[slot], seq + 1, -1)  # odd: being written
-            base = self.data_offset(slot)
-            for m, t in zip(self.metas, tensors, strict=True):
-                if m.nbytes:
-                    dst = self._base[base + m.offset : base + m.offset + m.nbytes]
-                    dst.view(to_dtype(m.dtype)).view(m.shape).copy_(t.detach())
+            base = self.address + self.data_offset(slot)
             sums = [0] * n
 
-            def hash_chunk(c: Chunk) -> None:
-                sums[c.index] = checksum(address_view(self.address + base + c.flat, c.length))
+            def copy_chunk(c: Chunk) -> None:
+                sums[c.index] = copy_and_hash(base + c.flat, ptrs[c.tensor] + c.offset, c.length)
 
-            run_parallel(self.chunks, hash_chunk, threads)
+            run_parallel(self.chunks, copy_chunk, threads)
             struct.pack_into(f"<{n}Q", self.mm, _TABLE_AT + slot * 8 * n, *sums)
             _SLOT.pack_into(self.mm, _SLOT_AT[slot], seq + 2, step)  # even: complete
             _TOP.pack_into(self.mm, 0, MAGIC, slot, gen + 1, n)
@@ -225,6 +226,17 @@ class Snapshot:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             self.path = None
+
+
+def _as_source(meta: TensorMeta, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor of ``meta``'s dtype and shape, to copy bytes from."""
+    t = t.detach()
+    if tuple(t.shape) != meta.shape:
+        raise ValueError(f"tensor of shape {list(t.shape)} published as {list(meta.shape)}")
+    dtype = to_dtype(meta.dtype)
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        t = t.to(device="cpu", dtype=dtype).contiguous()
+    return t
 
 
 def _free_bytes(directory: str) -> int:

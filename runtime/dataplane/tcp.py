@@ -40,7 +40,7 @@ from runtime.dataplane.errors import (
     TransferTimeout,
 )
 from runtime.dataplane.handle import Chunk, Handle, plan_chunks
-from runtime.dataplane.memory import checksum, tensor_view
+from runtime.dataplane.memory import recv_and_hash
 from runtime.dataplane.snapshot import (
     SlotView,
     Snapshot,
@@ -232,6 +232,13 @@ class _Conn:
                 raise SourceGone(f"{self.where} closed the connection mid-transfer")
             got += k
 
+    def recv_hash(self, addr: int, n: int) -> int:
+        """Receive ``n`` bytes into ``addr``; return their xxh3-64, hashed as they land."""
+        got, digest = self._io(recv_and_hash, self.sock, addr, n)
+        if got < n:
+            raise SourceGone(f"{self.where} closed the connection mid-transfer")
+        return digest
+
     def recv_bytes(self, n: int) -> bytes:
         buf = bytearray(n)
         self.recv_into(memoryview(buf))
@@ -286,7 +293,7 @@ def read_tcp(
         runs = _runs(chunks, max(1, RUN_BYTES // handle.chunk_bytes))
         n = max(1, min(streams, len(runs)))
         conns += [_Conn(handle, deadline) for _ in range(n - 1)]
-        views = [tensor_view(t) for t in dest]
+        ptrs = [t.data_ptr() for t in dest]
         next_run = iter(runs)
         lock = threading.Lock()
         errors: list[TransferError] = []
@@ -307,7 +314,7 @@ def read_tcp(
                         pending.append(run)
                     if not pending:
                         return
-                    _receive_run(conn, view, pending.popleft(), views, bad)
+                    _receive_run(conn, view, pending.popleft(), ptrs, bad)
             except TransferError as e:
                 errors.append(e)
             except Exception as e:  # a bug, not a transfer failure: surface it as one
@@ -337,7 +344,7 @@ def _receive_run(
     conn: _Conn,
     view: SlotView,
     run: tuple[Chunk, ...],
-    views: list[memoryview],
+    ptrs: list[int],
     bad: list[int],
 ) -> None:
     """Receive the reply to a READ of ``run``: status, chunks (each hashed the moment it
@@ -348,9 +355,7 @@ def _receive_run(
     if status != OK:
         raise TransferError(f"{conn.where} refused a read (status {status})")
     for c in run:
-        dst = views[c.tensor][c.offset : c.offset + c.length]
-        conn.recv_into(dst)
-        if checksum(dst) != view.checksums[c.index]:
+        if conn.recv_hash(ptrs[c.tensor] + c.offset, c.length) != view.checksums[c.index]:
             bad.append(c.index)
     (after,) = U64.unpack(conn.recv_bytes(8))
     if after != view.seq:
