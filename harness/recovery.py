@@ -130,6 +130,10 @@ class RecoveryTracker:
                 self._write(rec, "survivors_resumed", t)
             ours = rec.replica == replica or service
             if ours and ("replacement_started" in rec.phases or rec.cause == "step_abort"):
+                if int(r.get("participants", 1)) > 1:
+                    # a joint commit: the survivors committed this step too, even if the
+                    # replacement's record of it reached the journal before theirs
+                    self._write(rec, "survivors_resumed", t)
                 if service:
                     self._write(rec, "healed", t)  # nothing to heal: the groups kept their state
                 self._write(rec, "participating", t)

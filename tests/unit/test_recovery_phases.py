@@ -1,0 +1,67 @@
+"""Recovery phases derived from the journal (harness/recovery.py), fed records in the orders a
+real job can write them."""
+
+from __future__ import annotations
+
+from harness.recovery import HEALED, RecoveryTracker
+from runtime.failure import Cause, Failure
+from runtime.journal import RECOVERY_PHASE, STEP_COMMIT, Journal
+
+
+def _tracker() -> tuple[Journal, RecoveryTracker, list[dict]]:
+    journal = Journal(None, job="unit")
+    phases: list[dict] = []
+    journal.add_sink(lambda r: phases.append(r) if r["event"] == RECOVERY_PHASE else None)
+    return journal, RecoveryTracker(journal), phases
+
+
+def _kill_group_1(journal: Journal, tracker: RecoveryTracker) -> None:
+    tracker.on_failure(
+        Failure(
+            cause=Cause.SIGNAL,
+            detail="SIGKILL",
+            coords={"replica": 1, "rank": 0},
+            t_event=100.0,
+            t_detected=100.0,
+        )
+    )
+    tracker.replacement_started(1)
+    journal.emit(HEALED, t=100.4, replica=1, rank=0)
+
+
+def _commit(journal: Journal, replica: int, step: int, t: float, participants: int) -> None:
+    journal.emit(STEP_COMMIT, t=t, replica=replica, rank=0, step=step, participants=participants)
+
+
+def test_survivors_commit_first_then_the_replacement() -> None:
+    journal, tracker, phases = _tracker()
+    _kill_group_1(journal, tracker)
+    _commit(journal, 0, 13, 100.2, 2)
+    _commit(journal, 1, 14, 100.5, 3)
+    got = {p["phase"]: p["t"] for p in phases}
+    assert got["survivors_resumed"] == 100.2 and got["participating"] == 100.5
+    assert tracker.open_count == 0
+
+
+def test_a_joint_commit_logged_by_the_replacement_first_still_shows_the_survivors() -> None:
+    # A warm spare can rejoin before the survivors commit anything alone: the first commit
+    # after the failure is a joint one, and the replacement's record may come first.
+    journal, tracker, phases = _tracker()
+    _kill_group_1(journal, tracker)
+    _commit(journal, 1, 13, 100.5, 3)
+    _commit(journal, 0, 13, 100.5, 3)
+    assert [p["phase"] for p in phases] == [
+        "detected",
+        "replacement_started",
+        "healed",
+        "survivors_resumed",
+        "participating",
+    ]
+    assert {p["phase"]: p["t"] for p in phases}["survivors_resumed"] == 100.5
+
+
+def test_a_replacement_committing_alone_does_not_count_as_the_survivors() -> None:
+    journal, tracker, phases = _tracker()
+    _kill_group_1(journal, tracker)
+    _commit(journal, 1, 13, 100.5, 1)
+    assert "survivors_resumed" not in [p["phase"] for p in phases]
