@@ -83,6 +83,11 @@ class RegisteredState:
     def published_step(self) -> int | None:
         return self._published
 
+    def wait_prefaulted(self, timeout: float | None = None) -> bool:
+        """Wait until the snapshot's memory is faulted in (a background thread started at
+        registration does it, so that a first publish does not pay the page faults)."""
+        return self._snap.prefaulted.wait(timeout)
+
     def publish(self, step: int, tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Snapshot the registered tensors (or ``tensors``, same layout) as ``step``."""
         with self._lock:

@@ -26,6 +26,7 @@ source that publishes once pays for one copy of its state.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import re
@@ -153,8 +154,26 @@ def reap_orphans(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+#: madvise(2) advice that faults a range in, writable, without changing its bytes (Linux 5.14+).
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _populate(addr: int, size: int) -> bool:
+    """Fault in ``size`` bytes at the page-aligned ``addr``; False where the kernel cannot.
+    A ctypes call releases the GIL, so the caller's other threads run meanwhile."""
+    return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), _MADV_POPULATE_WRITE) == 0
+
+
 class Snapshot:
-    """The owner's side: creates the mapping, publishes into it, unlinks it on close."""
+    """The owner's side: creates the mapping, publishes into it, unlinks it on close.
+
+    A fresh mapping's pages are allocated on first write, which made the first publish into each
+    slot cost about 0.9 s per GiB here, against 0.12 s once faulted in, and a publish runs while
+    a healing peer waits. So a background thread faults the whole mapping in at creation
+    (``prefaulted`` is set when it is done); it never changes a byte, so publishes may run
+    meanwhile.
+    """
 
     def __init__(self, metas: tuple[TensorMeta, ...], chunk_bytes: int, *, shared: bool) -> None:
         self.metas = metas
@@ -181,6 +200,14 @@ class Snapshot:
         _TOP.pack_into(self.mm, 0, MAGIC, -1, 0, len(self.chunks))
         for at in _SLOT_AT:
             _SLOT.pack_into(self.mm, at, 0, -1)
+        self.prefaulted = threading.Event()
+        threading.Thread(target=self._prefault, name="snapshot-prefault", daemon=True).start()
+
+    def _prefault(self) -> None:
+        try:
+            _populate(self.address, self.size)
+        finally:
+            self.prefaulted.set()
 
     def data_offset(self, slot: int) -> int:
         return self.header_bytes + slot * self.slot_bytes
@@ -219,6 +246,7 @@ class Snapshot:
         raise TornRead("snapshot header stayed inconsistent")
 
     def close(self) -> None:
+        self.prefaulted.wait(timeout=5)  # do not unmap under the prefault
         del self._base
         with contextlib.suppress(BufferError):
             self.mm.close()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 import torch
 
-from runtime.dataplane import Handle, LayoutMismatch, choose_backend, register
+from runtime.dataplane import Handle, LayoutMismatch, choose_backend, read_into, register
 from runtime.dataplane.errors import TornRead
 from runtime.dataplane.handle import ALIGN, layout, plan_chunks
 from runtime.dataplane.memory import check_dest
@@ -89,3 +90,18 @@ def test_seqlock_header_flips_slots_and_detects_a_write_in_progress() -> None:
             parse_header(snap.mm, n)
     finally:
         snap.close()
+
+
+def test_registration_faults_the_snapshot_in_without_changing_a_byte() -> None:
+    state = [torch.randn(1 << 20), torch.arange(1 << 18)]  # 4 MiB + 2 MiB
+    with register(state, backend="shm") as reg:
+        reg.publish(1)  # may run while the prefault is still going: it must not lose bytes
+        assert reg.wait_prefaulted(timeout=60)
+        path = reg.handle.shm_path
+        assert path is not None
+        # tmpfs allocates a page when it is first touched: every page of both slots is there
+        allocated = os.stat(path).st_blocks * 512
+        assert allocated >= 2 * 6 * 2**20, allocated
+        dest = [torch.zeros_like(t) for t in state]
+        read_into(reg.handle, dest, backend="shm", step=1, timeout=30)
+        assert all(torch.equal(d, t) for d, t in zip(dest, state, strict=True))
