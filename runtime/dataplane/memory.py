@@ -54,13 +54,23 @@ def recv_and_hash(sock: socket.socket, dst: int, nbytes: int) -> tuple[int, int]
     errors raise ``OSError`` (an expired ``SO_RCVTIMEO`` raises ``BlockingIOError``)."""
     if _fastpath is not None:
         return _fastpath.recv_hash(sock.fileno(), dst, nbytes)
-    view, got = address_view(dst, nbytes), 0
-    while got < nbytes:
+    got = recv_fully(sock, address_view(dst, nbytes))
+    return got, hash_at(dst, got)
+
+
+def recv_fully(sock: socket.socket, view: memoryview) -> int:
+    """Receive into all of ``view``; return the bytes received, fewer only if the peer closed.
+
+    ``MSG_WAITALL``: on a blocking socket one syscall (one GIL release) fills the view, not one
+    per socket-buffer's worth; the loop covers a signal or an ``SO_RCVTIMEO`` cutting it short.
+    """
+    got, n = 0, len(view)
+    while got < n:
         k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if k == 0:
             break
         got += k
-    return got, hash_at(dst, got)
+    return got
 
 
 def address_view(addr: int, nbytes: int) -> memoryview:

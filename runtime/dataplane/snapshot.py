@@ -246,7 +246,9 @@ class Snapshot:
         raise TornRead("snapshot header stayed inconsistent")
 
     def close(self) -> None:
-        self.prefaulted.wait(timeout=5)  # do not unmap under the prefault
+        # let a running prefault finish first; past the bound, madvise on the unmapped range
+        # only fails
+        self.prefaulted.wait(timeout=5)
         del self._base
         with contextlib.suppress(BufferError):
             self.mm.close()

@@ -40,7 +40,7 @@ from runtime.dataplane.errors import (
     TransferTimeout,
 )
 from runtime.dataplane.handle import Chunk, Handle, plan_chunks
-from runtime.dataplane.memory import recv_and_hash
+from runtime.dataplane.memory import recv_and_hash, recv_fully
 from runtime.dataplane.snapshot import (
     SlotView,
     Snapshot,
@@ -173,14 +173,7 @@ class TcpServer:
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
-    got = 0
-    view = memoryview(buf)
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
+    return bytes(buf) if recv_fully(conn, memoryview(buf)) == n else None
 
 
 class _Conn:
@@ -222,22 +215,19 @@ class _Conn:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeo)
         self._io(self.sock.sendall, data)
 
+    # Receives: SO_RCVTIMEO (armed by the last send) bounds each wait.
     def recv_into(self, view: memoryview) -> None:
-        # MSG_WAITALL on a blocking socket: one syscall (one GIL release) per chunk, not one
-        # per socket-buffer's worth; SO_RCVTIMEO (armed by the last send) bounds each wait.
-        got, n = 0, len(view)
-        while got < n:
-            k = self._io(self.sock.recv_into, view[got:], 0, socket.MSG_WAITALL)
-            if k == 0:
-                raise SourceGone(f"{self.where} closed the connection mid-transfer")
-            got += k
+        self._all(self._io(recv_fully, self.sock, view), len(view))
 
     def recv_hash(self, addr: int, n: int) -> int:
         """Receive ``n`` bytes into ``addr``; return their xxh3-64, hashed as they land."""
         got, digest = self._io(recv_and_hash, self.sock, addr, n)
+        self._all(got, n)
+        return digest
+
+    def _all(self, got: int, n: int) -> None:
         if got < n:
             raise SourceGone(f"{self.where} closed the connection mid-transfer")
-        return digest
 
     def recv_bytes(self, n: int) -> bytes:
         buf = bytearray(n)
