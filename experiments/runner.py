@@ -50,14 +50,14 @@ def run_policy(
     injectors: list[Any] = []
 
     def on_started(job: Any) -> Any:
-        plan = spec.plan(Topology.from_context(job))
+        plan = spec.plan(Topology.from_context(job.faults))
         injector = Injector(
             plan,
-            job,
+            job.faults,
             seed=spec.seed,
             options=spec.faults.options,
             keep_alive=spec.targets.keep_alive,
-            healthy=job.healthy_replicas,
+            healthy=job.faults.healthy_replicas,
         )
         injectors.append(injector)
         job.progress.say(

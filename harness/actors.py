@@ -69,7 +69,7 @@ class TrainerActor(Actor):
             run_dir=run_dir,
         )
 
-    @endpoint
+    @endpoint(supervised=True)  # an exception escaping training is a failure of the group
     def train(self) -> dict[str, Any]:
         self.trainer.training = True
         try:

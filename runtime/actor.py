@@ -7,31 +7,55 @@
 An actor handles one message at a time on its worker's main thread, in arrival order. Only
 methods marked ``@endpoint`` can be called remotely. An exception in an endpoint goes back to
 the caller as a ``RemoteError`` carrying the remote traceback and the actor's coordinates; the
-process keeps serving. Process death, hangs and lost hosts are not exceptions: they are failures
-delivered to the supervisor that owns the process.
+process keeps serving. An endpoint marked ``@endpoint(supervised=True)`` (a long-running one such
+as a training loop, whose caller only waits for it) is different: an exception escaping it also
+ends its process, so that the supervisor owning the process gets a failure value (cause
+``exception``, with the traceback) and its restart policy decides, as in Erlang or Monarch.
+Process death, hangs and lost hosts are not exceptions: they are failures delivered to the
+supervisor that owns the process.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
+
+from runtime.messages import Event
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ENDPOINT_ATTR = "__ftharness_endpoint__"
+_SUPERVISED = "supervised"
 
 
-def endpoint(fn: F) -> F:
-    """Mark an actor method as callable from the controller."""
-    setattr(fn, _ENDPOINT_ATTR, True)
-    return fn
+@overload
+def endpoint(fn: F, /) -> F: ...
+
+
+@overload
+def endpoint(*, supervised: bool = False) -> Callable[[F], F]: ...
+
+
+def endpoint(fn: F | None = None, /, *, supervised: bool = False) -> Any:
+    """Mark an actor method as callable from the controller (``@endpoint``), or as one whose
+    uncaught exception is a failure of its process (``@endpoint(supervised=True)``)."""
+
+    def mark(f: F) -> F:
+        setattr(f, _ENDPOINT_ATTR, _SUPERVISED if supervised else True)
+        return f
+
+    return mark(fn) if fn is not None else mark
 
 
 def endpoints_of(cls: type) -> frozenset[str]:
     return frozenset(
         name for name in dir(cls) if getattr(getattr(cls, name, None), _ENDPOINT_ATTR, False)
     )
+
+
+def is_supervised(cls: type, name: str) -> bool:
+    return getattr(getattr(cls, name, None), _ENDPOINT_ATTR, None) == _SUPERVISED
 
 
 class WorkerContext:
@@ -45,7 +69,7 @@ class WorkerContext:
         self.lock = threading.Lock()
 
     def emit(self, event: str, fields: dict[str, Any]) -> None:
-        self._send(("event", event, fields))
+        self._send(Event(event, fields))
 
 
 _context: WorkerContext | None = None

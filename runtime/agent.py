@@ -18,7 +18,6 @@ the controller connection closes. It is a child subreaper, so nothing below it e
 from __future__ import annotations
 
 import contextlib
-import hmac
 import importlib
 import json
 import logging
@@ -36,19 +35,33 @@ import psutil
 
 from runtime import channel, process
 from runtime.channel import FrameDecoder, FrameError
+from runtime.messages import (
+    AgentBeat,
+    AgentReady,
+    Exited,
+    HelloController,
+    Hung,
+    Shutdown,
+    Spawn,
+    Spawned,
+    StopProc,
+)
 
 log = logging.getLogger("ftharness.agent")
+
+#: Bytes queued for a peer that does not read before it is dropped (a beat is ~60 bytes every
+#: 0.2 s: this is minutes of a stopped controller, far past its heartbeat timeout).
+MAX_BACKLOG = 4 << 20
 
 
 @dataclass
 class _Peer:
     sock: socket.socket
-    nonce: bytes
+    handshake: channel.ServerHandshake
     deadline: float
     authed: bool = False
-    buf: bytearray = field(default_factory=bytearray)
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
-    is_controller: bool = False
+    out: bytearray = field(default_factory=bytearray)  # not yet accepted by the kernel
 
 
 @dataclass
@@ -95,7 +108,7 @@ class Agent:
     # -- main loop ------------------------------------------------------------------------
     def serve(self) -> None:
         while self.running:
-            for key, _ in self.sel.select(timeout=self._tick()):
+            for key, mask in self.sel.select(timeout=self._tick()):
                 kind, obj = key.data
                 try:
                     if kind == "listener":
@@ -103,7 +116,10 @@ class Agent:
                     elif kind == "wake":
                         self._drain_wake()
                     elif kind == "peer":
-                        self._on_peer(obj)
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(obj)
+                        if mask & selectors.EVENT_READ and obj.sock.fileno() >= 0:
+                            self._on_peer(obj)
                     elif kind == "hb":
                         self._on_heartbeat(obj)
                 except Exception:
@@ -121,9 +137,10 @@ class Agent:
         except BlockingIOError:
             return
         sock.setblocking(False)
-        peer = _Peer(sock, os.urandom(channel.NONCE_BYTES), time.monotonic() + self.connect_timeout)
+        hs = channel.ServerHandshake(self.secret)
+        peer = _Peer(sock, hs, time.monotonic() + self.connect_timeout)
         try:
-            sock.send(peer.nonce)
+            sock.send(hs.challenge)
         except OSError:
             sock.close()
             return
@@ -153,21 +170,16 @@ class Agent:
             return
         if not peer.authed:
             # Nothing the peer sends is decoded until it has proved the secret.
-            peer.buf += data
-            need = channel.DIGEST_BYTES + channel.NONCE_BYTES
-            if len(peer.buf) < need:
-                return
-            proof, nonce_c = bytes(peer.buf[:32]), bytes(peer.buf[32:need])
-            if not hmac.compare_digest(proof, channel.client_proof(self.secret, peer.nonce)):
+            try:
+                proof = peer.handshake.feed(data)
+            except channel.AuthError:
                 self._drop(peer, "failed authentication")
                 return
+            if proof is None:
+                return
             peer.authed = True
-            rest = bytes(peer.buf[need:])
-            peer.buf.clear()
-            peer.sock.setblocking(True)
-            peer.sock.sendall(channel.server_proof(self.secret, nonce_c))
-            peer.sock.setblocking(False)
-            data = rest
+            self._send_raw(peer, proof)
+            data = peer.handshake.leftover
         peer.decoder.feed(data)
         try:
             for msg in peer.decoder.messages():
@@ -176,38 +188,52 @@ class Agent:
             self._drop(peer, f"bad frame: {exc}")
 
     def _send(self, peer: _Peer | None, msg: Any) -> None:
-        if peer is None:
+        if peer is not None:
+            self._send_raw(peer, channel.encode(msg))
+
+    def _send_raw(self, peer: _Peer, data: bytes) -> None:
+        """Queue ``data`` and send what the socket takes now, never blocking: a stopped
+        (SIGSTOPped) controller must not stop this loop from reaping and watching workers.
+        A peer that lets more than MAX_BACKLOG pile up is dropped."""
+        if peer.sock.fileno() < 0:
             return
+        peer.out += data
+        if len(peer.out) > MAX_BACKLOG:
+            self._drop(peer, f"peer not reading: over {MAX_BACKLOG} bytes queued")
+            return
+        self._flush(peer)
+
+    def _flush(self, peer: _Peer) -> None:
         try:
-            peer.sock.setblocking(True)
-            peer.sock.sendall(channel.encode(msg))
-            peer.sock.setblocking(False)
+            while peer.out:
+                n = peer.sock.send(peer.out)
+                del peer.out[:n]
+        except BlockingIOError:
+            pass
         except OSError as exc:
             self._drop(peer, f"send failed: {exc}")
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.out else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.modify(peer.sock, events, ("peer", peer))
 
     # -- commands -------------------------------------------------------------------------
     def _handle(self, peer: _Peer, msg: Any) -> None:
-        if not isinstance(msg, tuple) or not msg:
-            raise FrameError(f"malformed message {msg!r:.80}")
-        kind = msg[0]
-        if kind == "hello_controller":
-            self.controller = peer
-            self._send(peer, ("agent_ready", self.host, os.getpid()))
-        elif kind == "spawn":
-            _, proc_id, coords, log_path, cold = msg
-            pid = self._fork_worker(proc_id, coords, log_path, cold)
-            self._send(peer, ("spawned", proc_id, pid))
-        elif kind == "stop":
-            _, proc_id, grace_s = msg
-            for w in self.workers.values():
-                if w.proc_id == proc_id:
-                    self._stop_worker(w, float(grace_s))
-        elif kind == "shutdown":
-            self._stop_all_and_exit(0, float(msg[1]))
-        elif kind == "ping":
-            self._send(peer, ("pong", time.time()))
-        else:
-            raise FrameError(f"unknown command {kind!r}")
+        match msg:
+            case HelloController():
+                self.controller = peer
+                self._send(peer, AgentReady(self.host, os.getpid()))
+            case Spawn(proc_id, coords, log_path, cold):
+                pid = self._fork_worker(proc_id, coords, log_path, cold)
+                self._send(peer, Spawned(proc_id, pid))
+            case StopProc(proc_id, grace_s):
+                for w in self.workers.values():
+                    if w.proc_id == proc_id:
+                        self._stop_worker(w, float(grace_s))
+            case Shutdown(grace_s):
+                self._stop_all_and_exit(0, float(grace_s))
+            case _:
+                raise FrameError(f"unknown message {msg!r:.80}")
 
     def _fork_worker(
         self, proc_id: str, coords: dict[str, int], log_path: str | None, cold: bool = False
@@ -340,7 +366,7 @@ class Agent:
             # that is not a worker is such an orphan, and must not outlive its worker.
             orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
             process.signal_all(orphans, signal.SIGKILL)
-            self._send(self.controller, ("exit", w.proc_id, pid, status, time.time()))
+            self._send(self.controller, Exited(w.proc_id, pid, status, time.time()))
 
     def _timers(self) -> None:
         now = time.monotonic()
@@ -354,13 +380,13 @@ class Agent:
             if not w.hung_reported and w.kill_at is None and silent > self.hb_timeout:
                 w.hung_reported = True
                 t_last = time.time() - silent
-                self._send(self.controller, ("hung", w.proc_id, w.pid, silent, t_last))
+                self._send(self.controller, Hung(w.proc_id, w.pid, silent, t_last))
         for peer in list(self.peers.values()):
             if not peer.authed and now > peer.deadline:
                 self._drop(peer, "handshake timed out")
         if self.controller is not None and now >= self.next_agent_beat:
             self.next_agent_beat = now + self.agent_hb_interval
-            self._send(self.controller, ("hb", time.time()))
+            self._send(self.controller, AgentBeat(time.time()))
 
 
 def main() -> None:

@@ -49,7 +49,12 @@ class AuthError(ChannelError):
 
 
 class FrameError(ChannelError):
-    """A frame was oversized or did not decode."""
+    """A received frame was oversized or did not decode: the peer misbehaved; drop it."""
+
+
+class OversizeMessage(ValueError):
+    """A message to send pickles to more than ``MAX_FRAME`` bytes. Nothing was sent and the
+    connection is still good: the sender's problem, not the link's (so not a ChannelError)."""
 
 
 def new_secret() -> bytes:
@@ -71,7 +76,7 @@ def server_proof(secret: bytes, client_nonce: bytes) -> bytes:
 def encode(message: Any) -> bytes:
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(payload) > MAX_FRAME:
-        raise FrameError(f"message of {len(payload)} bytes exceeds MAX_FRAME={MAX_FRAME}")
+        raise OversizeMessage(f"message of {len(payload)} bytes exceeds MAX_FRAME={MAX_FRAME}")
     return _LEN.pack(len(payload)) + payload
 
 
@@ -126,15 +131,46 @@ def _handshake_bounds(sock: socket.socket, timeout: float) -> Iterator[None]:
         sock.settimeout(None)
 
 
+class ServerHandshake:
+    """The server's side of the handshake, without I/O, so that a blocking server (a thread per
+    connection) and a non-blocking one (the host agent's single loop) run the same code.
+
+    Send ``challenge`` first; ``feed`` what the client sends until it returns the proof to send
+    back. Raises AuthError on a wrong digest; nothing the client sent is decoded before that.
+    """
+
+    REPLY_BYTES = DIGEST_BYTES + NONCE_BYTES
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self.challenge = os.urandom(NONCE_BYTES)
+        self._buf = bytearray()
+        self.leftover = b""  # bytes after the client's reply: the first frames, already sent
+
+    def feed(self, data: bytes) -> bytes | None:
+        """The server proof once the client's reply is complete and correct, else None."""
+        self._buf += data
+        if len(self._buf) < self.REPLY_BYTES:
+            return None
+        reply, self.leftover = (
+            bytes(self._buf[: self.REPLY_BYTES]),
+            bytes(self._buf[self.REPLY_BYTES :]),
+        )
+        self._buf.clear()
+        expected = client_proof(self._secret, self.challenge)
+        if not hmac.compare_digest(reply[:DIGEST_BYTES], expected):
+            raise AuthError("client failed authentication")
+        return server_proof(self._secret, reply[DIGEST_BYTES:])
+
+
 def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
     """Authenticate a freshly accepted client (blocking, bounded by ``timeout``)."""
     with _handshake_bounds(sock, timeout):
-        nonce = os.urandom(NONCE_BYTES)
-        sock.sendall(nonce)
-        reply = _recv_exactly(sock, DIGEST_BYTES + NONCE_BYTES)
-        if not hmac.compare_digest(reply[:DIGEST_BYTES], client_proof(secret, nonce)):
-            raise AuthError("client failed authentication")
-        sock.sendall(server_proof(secret, reply[DIGEST_BYTES:]))
+        hs = ServerHandshake(secret)
+        sock.sendall(hs.challenge)
+        proof = hs.feed(_recv_exactly(sock, ServerHandshake.REPLY_BYTES))
+        assert proof is not None
+        sock.sendall(proof)
 
 
 def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
@@ -164,7 +200,11 @@ class Connection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, message: Any) -> None:
-        data = encode(message)
+        self.send_encoded(encode(message))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Send a frame made by :func:`encode` (so that a caller can encode on its own thread
+        and hand the bytes to a sender thread)."""
         with self._send_lock:
             if self.closed:
                 raise ChannelError(f"send on closed connection to {self.peer}")

@@ -21,15 +21,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import itertools
-import json
 import logging
 import os
 import queue
-import select
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,13 +36,35 @@ from typing import Any
 from runtime import channel, process
 from runtime.actor import RemoteError
 from runtime.failure import Cause, Failure, SupervisionError, decode_wait_status
+from runtime.host import HostAgentHandle, start_local_agent
 from runtime.journal import FAILURE, PROC_START, Journal
 from runtime.mesh import ProcMesh, ProcRef
+from runtime.messages import (
+    AgentBeat,
+    AgentReady,
+    Event,
+    Exited,
+    HelloController,
+    HelloWorker,
+    Hung,
+    Request,
+    Result,
+    Shutdown,
+    Spawn,
+    Spawned,
+    StopProc,
+    SysCall,
+)
+from runtime.plane import Owner
+from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
 from runtime.states import ProcState, check_transition
 from runtime.supervisor import Handler, Supervisor
+from runtime.worker import EXIT_ACTOR_CRASHED
 
 log = logging.getLogger("ftharness.controller")
+
+__all__ = ["Controller", "HostAgentHandle", "ProcFailedError", "ProcRecord"]
 
 
 class ProcFailedError(RuntimeError):
@@ -55,75 +76,17 @@ class ProcFailedError(RuntimeError):
 
 
 @dataclass(eq=False)  # identity: a record is one process, whatever its fields say
-class _Proc:
+class ProcRecord:
     ref: ProcRef
     host: HostAgentHandle
     state: ProcState = ProcState.SPAWNING
     pid: int | None = None
     conn: channel.Connection | None = None
     ready: cf.Future = field(default_factory=cf.Future)
-    owner: tuple[Supervisor, str] | None = None
+    owner: Owner | None = None
     pending: set[int] = field(default_factory=set)
     spare: bool = False  # an idle warm spare, not yet adopted by any mesh
-
-
-class HostAgentHandle:
-    """A running host agent: spawn worker meshes on it, or kill it (host eviction)."""
-
-    def __init__(self, controller: Controller, name: str) -> None:
-        self.controller = controller
-        self.name = name
-        self.popen: subprocess.Popen | None = None
-        self.conn: channel.Connection | None = None
-        self.address: tuple[str, int] | None = None
-        self.last_beat = time.monotonic()
-        self.lost = False
-        self._n = itertools.count()
-        self.spares_wanted = 0
-        self.spares: list[_Proc] = []  # connected, idle, ready to be adopted
-        self.spares_starting = 0
-        self.spare_log_dir: str | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def spawn_procs(
-        self,
-        dims: Mapping[str, int],
-        *,
-        fixed: Mapping[str, int] | None = None,
-        log_dir: str | None = None,
-        cold: bool = False,
-    ) -> ProcMesh:
-        """Fork one worker per point of ``dims``; return when all are connected.
-
-        ``fixed`` adds coordinates shared by all of them (e.g. ``{"replicas": 2}`` when one
-        host holds one replica group); each process's ``coords`` are ``fixed`` plus its point.
-        ``cold`` execs a fresh interpreter that imports the preload modules itself, as a
-        scheduler's restart would, instead of forking the agent's warm one.
-        """
-        return self.controller._spawn_procs(self, dict(dims), dict(fixed or {}), log_dir, cold)
-
-    def keep_spares(self, n: int, log_dir: str | None = None) -> None:
-        """Keep ``n`` idle workers forked and connected on this host. A later (warm)
-        ``spawn_procs`` adopts them instead of forking, and a used or dead spare is replaced
-        in the background. Returns once the first ``n`` are ready."""
-        if n < 0:
-            raise ValueError(f"spares must be >= 0, got {n}")
-        self.spares_wanted = n
-        self.spare_log_dir = log_dir
-        with self.controller._lock:
-            surplus, self.spares = self.spares[n:], self.spares[:n]
-        self.controller.stop_procs([r.ref.proc_id for r in surplus], grace_s=0.5)
-        self.controller._replenish_spares(self, wait=True)
-
-    def kill(self) -> None:
-        """SIGKILL the agent and every process under it at once (a host eviction)."""
-        if self.popen is not None:
-            procs = process.tree(self.popen.pid)
-            process.signal_all(procs, 9)
+    last_error: tuple[str, str, str] | None = None  # the last error reply: a crash's cause
 
 
 class Controller:
@@ -140,7 +103,7 @@ class Controller:
         self.on_failure = on_failure
         self.secret = secret or channel.new_secret()
         self.hosts: dict[str, HostAgentHandle] = {}
-        self.procs: dict[str, _Proc] = {}
+        self.procs: dict[str, ProcRecord] = {}
         self.failures: list[Failure] = []
         self.fatal: Failure | None = None
         self.fatal_event = threading.Event()
@@ -148,7 +111,10 @@ class Controller:
         self._calls: dict[int, tuple[cf.Future, str]] = {}
         self._call_ids = itertools.count(1)
         self._lock = threading.RLock()
-        self._queue: queue.Queue[tuple[Failure, _Proc | None] | None] = queue.Queue()
+        # (failure, its owner or None for the root, the failed process if any)
+        self._queue: queue.Queue[tuple[Failure, Owner | None, ProcRecord | None] | None] = (
+            queue.Queue()
+        )
         self._owner = threading.local()
         self._closed = False
         self._listener = channel.listen(self.spec.bind_host, 0)
@@ -161,7 +127,29 @@ class Controller:
             (self._supervision_loop, "supervision"),
             (self._monitor_loop, "monitor"),
         ):
-            threading.Thread(target=target, daemon=True, name=f"ftharness-{name}").start()
+            self._thread(target, name)
+
+    def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        """A long-lived control-plane thread. None may die silently: an uncaught exception in
+        one is a failure value at the root (the job stops with its traceback), since the
+        thread's duty (reaping, heartbeats, supervision) would otherwise stop unnoticed."""
+
+        def run() -> None:
+            try:
+                target(*args)
+            except BaseException as exc:
+                if self._closed:
+                    return
+                log.exception("controller thread %s died", name)
+                self._stop_job(
+                    Failure(
+                        cause=Cause.EXCEPTION,
+                        detail=f"controller thread {name} died: {exc!r}",
+                        traceback=traceback.format_exc(),
+                    )
+                )
+
+        threading.Thread(target=run, daemon=True, name=f"ftharness-{name}").start()
 
     def __enter__(self) -> Controller:
         return self
@@ -170,7 +158,8 @@ class Controller:
         self.shutdown()
 
     # -- journal ------------------------------------------------------------------------------
-    def _emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, **fields: Any) -> None:
+        """Write a journal record (if the controller has a journal)."""
         if self.journal is not None:
             self.journal.emit(event, **fields)
 
@@ -183,9 +172,8 @@ class Controller:
         return self._spawner.submit(self._start_agent, name).result()
 
     def _start_agent(self, name: str) -> HostAgentHandle:
-        h = HostAgentHandle(self, name)
+        h = HostAgentHandle(self, name, self._spare_pool(lambda: h))
         cfg = {
-            "host": name,
             "secret": self.secret.hex(),
             "controller_host": self.address[0],
             "controller_port": self.address[1],
@@ -198,41 +186,37 @@ class Controller:
             "agent_heartbeat_interval_s": self.spec.agent_heartbeat.interval_s,
             "connect_timeout_s": self.spec.connect_timeout_s,
         }
-        h.popen = subprocess.Popen(
-            [sys.executable, "-m", "runtime.agent"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=os.getcwd(),
-        )
-        assert h.popen.stdin is not None and h.popen.stdout is not None
-        h.popen.stdin.write((json.dumps(cfg) + "\n").encode())
-        h.popen.stdin.close()
-        port = self._read_port(h, timeout=self.spec.connect_timeout_s + 30.0)
+        h.popen, port = start_local_agent(name, cfg, self.spec.connect_timeout_s + 30.0)
         h.address = (self.spec.bind_host, port)
         h.conn = channel.connect(h.address, self.secret, self.spec.connect_timeout_s)
-        h.conn.send(("hello_controller",))
-        msg = h.conn.recv()
-        if msg[0] != "agent_ready":
-            raise channel.ChannelError(f"agent {name} answered {msg!r}")
+        h.conn.send(HelloController())
+        h.conn.sock.settimeout(self.spec.connect_timeout_s)  # a stopped agent must not hang us
+        try:
+            msg = h.conn.recv()
+        finally:
+            h.conn.sock.settimeout(None)
+        if not isinstance(msg, AgentReady):
+            h.kill()
+            raise channel.ChannelError(f"agent {name} answered {msg!r:.80}")
         h.last_beat = time.monotonic()
         with self._lock:
             self.hosts[name] = h
-        threading.Thread(
-            target=self._agent_loop, args=(h,), daemon=True, name=f"ftharness-agent-{name}"
-        ).start()
+        self._thread(self._agent_loop, f"agent-{name}", h)
         return h
 
-    @staticmethod
-    def _read_port(h: HostAgentHandle, timeout: float) -> int:
-        assert h.popen is not None and h.popen.stdout is not None
-        ready, _, _ = select.select([h.popen.stdout], [], [], timeout)
-        line = h.popen.stdout.readline().decode() if ready else ""
-        if not line.startswith("PORT "):
-            h.popen.kill()
-            raise channel.ChannelError(
-                f"host agent {h.name} did not start within {timeout} s (said {line!r})"
-            )
-        return int(line.split()[1])
+    def _spare_pool(self, host: Callable[[], HostAgentHandle]) -> SparePool:
+        def fork(n: int, log_dir: str | None) -> list[ProcRecord]:
+            h = host()
+            if h.lost or self._closed:
+                return []
+            return self._request_procs(h, {"idle": n}, {}, log_dir, cold=False, spare=True)[2]
+
+        return SparePool(
+            fork,
+            self._adopt_spare,
+            lambda recs: self.stop_procs([r.ref.proc_id for r in recs], grace_s=0.5),
+            spawn_timeout_s=self.spec.spawn_timeout_s,
+        )
 
     def _agent_loop(self, h: HostAgentHandle) -> None:
         assert h.conn is not None
@@ -242,21 +226,21 @@ class Controller:
             except channel.ChannelError as exc:
                 self._host_lost(h, f"agent connection closed ({exc})")
                 return
-            kind = msg[0]
-            if kind == "hb":
-                h.last_beat = time.monotonic()
-            elif kind == "spawned":
-                _, proc_id, pid = msg
-                with self._lock:
-                    rec = self.procs.get(proc_id)
-                if rec is not None:
-                    rec.pid = pid
-            elif kind == "exit":
-                _, proc_id, pid, status, t = msg
-                self._on_exit(proc_id, pid, status, t)
-            elif kind == "hung":
-                _, proc_id, pid, silent, t_last = msg
-                self._on_hung(proc_id, pid, silent, t_last)
+            match msg:
+                case AgentBeat():
+                    h.last_beat = time.monotonic()
+                case Spawned(proc_id, pid):
+                    with self._lock:
+                        rec = self.procs.get(proc_id)
+                    if rec is not None:
+                        rec.pid = pid
+                case Exited(proc_id, _pid, status, t):
+                    self._on_exit(proc_id, status, t)
+                case Hung(proc_id, _pid, silent_s, t_last):
+                    self._on_hung(proc_id, silent_s, t_last)
+                case _:
+                    self._host_lost(h, f"agent sent a malformed message {msg!r:.80}")
+                    return
 
     def _host_lost(self, h: HostAgentHandle, why: str) -> None:
         with self._lock:
@@ -264,6 +248,7 @@ class Controller:
                 return
             h.lost = True
             victims = [p for p in self.procs.values() if p.host is h]
+        h.pool.closed = True
         h.kill()  # a frozen agent must not keep half its tree alive
         now = time.time()
         for rec in victims:
@@ -274,23 +259,14 @@ class Controller:
 
     # -- processes ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _owning(self, sup: Supervisor, child: str) -> Iterator[None]:
+    def owning(self, owner: Owner) -> Iterator[None]:
+        """Processes spawned by this thread inside the block are owned by ``owner``."""
         prev = getattr(self._owner, "value", None)
-        self._owner.value = (sup, child)
+        self._owner.value = owner
         try:
             yield
         finally:
             self._owner.value = prev
-
-    def _spawn_procs(
-        self,
-        h: HostAgentHandle,
-        dims: dict[str, int],
-        fixed: dict[str, int],
-        log_dir: str | None,
-        cold: bool = False,
-    ) -> ProcMesh:
-        return self.spawn_many([(h, dims, fixed)], log_dir=log_dir, cold=cold)[0]
 
     def spawn_many(
         self,
@@ -321,7 +297,7 @@ class Controller:
         log_dir: str | None,
         cold: bool,
         spare: bool = False,
-    ) -> tuple[dict[str, int], dict[tuple[int, ...], ProcRef], list[_Proc]]:
+    ) -> tuple[dict[str, int], dict[tuple[int, ...], ProcRef], list[ProcRecord]]:
         if h.lost or h.conn is None:
             raise ProcFailedError(f"host {h.name} is lost")
         if not dims or any(n < 1 for n in dims.values()):
@@ -330,18 +306,18 @@ class Controller:
             raise ValueError(f"dims {list(dims)} and fixed {list(fixed)} overlap")
         owner = getattr(self._owner, "value", None)
         items: dict[tuple[int, ...], ProcRef] = {}
-        recs: list[_Proc] = []
+        recs: list[ProcRecord] = []
         adopted = False
         for point in itertools.product(*(range(n) for n in dims.values())):
             coords = {**fixed, **dict(zip(dims, point, strict=True))}
-            taken = self._take_spare(h, coords, owner) if not (cold or spare) else None
+            taken = h.pool.take(coords, owner) if not (cold or spare) else None
             if taken is not None:
                 items[point] = taken.ref
                 recs.append(taken)
                 adopted = True
                 continue
-            ref = ProcRef(f"{h.name}/p{next(h._n)}", h.name, coords)
-            rec = _Proc(ref, h, owner=None if spare else owner, spare=spare)
+            ref = ProcRef(h.next_proc_id(), h.name, coords)
+            rec = ProcRecord(ref, h, owner=None if spare else owner, spare=spare)
             with self._lock:
                 self.procs[ref.proc_id] = rec
             items[point] = ref
@@ -349,62 +325,28 @@ class Controller:
             log_path = (
                 os.path.join(log_dir, ref.proc_id.replace("/", "_") + ".log") if log_dir else None
             )
-            h.conn.send(("spawn", ref.proc_id, coords, log_path, cold))
+            h.conn.send(Spawn(ref.proc_id, coords, log_path, cold))
         if adopted:
-            self._spawner.submit(self._replenish_spares, h)
+            self._spawner.submit(h.pool.replenish)
         return dims, items, recs
 
     # -- warm spares ---------------------------------------------------------------------------
-    def _take_spare(self, h: HostAgentHandle, coords: dict[str, int], owner: Any) -> _Proc | None:
-        """Adopt an idle spare for ``coords``: it gets the new coordinates (in the worker too,
-        before any actor is built there) and its new owner."""
-        while True:
-            with self._lock:
-                if not h.spares:
-                    return None
-                rec = h.spares.pop(0)
-                if rec.state is not ProcState.RUNNING:
-                    continue
-                rec.ref = ProcRef(rec.ref.proc_id, h.name, coords)
-                rec.owner, rec.spare = owner, False
-            try:
-                self._send_call(
-                    rec.ref.proc_id, ("sys", "runtime.actor:set_coords", (coords,))
-                ).result(timeout=self.spec.connect_timeout_s)
-            except Exception:
-                continue  # it died while idle; its failure is handled as a spare's
-            self._emit(
-                PROC_START, proc=rec.ref.proc_id, host=h.name, pid=rec.pid, spare=True, **coords
-            )
-            return rec
-
-    def _replenish_spares(self, h: HostAgentHandle, wait: bool = False) -> None:
+    def _adopt_spare(self, rec: ProcRecord, coords: dict[str, int], owner: Owner | None) -> bool:
+        """An idle spare takes a mesh's coordinates (in the worker too, before any actor is
+        built there) and its new owner; False if it died while idle."""
         with self._lock:
-            missing = h.spares_wanted - len(h.spares) - h.spares_starting
-            if missing <= 0 or h.lost or self._closed:
-                return
-            h.spares_starting += missing
+            rec.ref = ProcRef(rec.ref.proc_id, rec.host.name, coords)
+            rec.owner, rec.spare = owner, False
         try:
-            _, _, recs = self._request_procs(
-                h, {"idle": missing}, {}, h.spare_log_dir, cold=False, spare=True
-            )
+            self.request(
+                rec.ref.proc_id, SysCall, func="runtime.actor:set_coords", args=(coords,)
+            ).result(timeout=self.spec.connect_timeout_s)
         except Exception:
-            with self._lock:
-                h.spares_starting -= missing
-            raise
-
-        def ready(rec: _Proc, fut: cf.Future) -> None:
-            with self._lock:
-                h.spares_starting -= 1
-                if fut.exception() is None and rec.state is ProcState.RUNNING:
-                    h.spares.append(rec)
-
-        for rec in recs:
-            rec.ready.add_done_callback(lambda fut, rec=rec: ready(rec, fut))
-        if wait:
-            for rec in recs:
-                with contextlib.suppress(Exception):
-                    rec.ready.result(timeout=self.spec.spawn_timeout_s)
+            return False  # it died while idle; its failure is handled as a spare's
+        self.emit(
+            PROC_START, proc=rec.ref.proc_id, host=rec.host.name, pid=rec.pid, spare=True, **coords
+        )
+        return True
 
     def stop_proc(self, proc_id: str, grace_s: float | None = None) -> None:
         self.stop_procs([proc_id], grace_s, wait=False)
@@ -414,7 +356,7 @@ class Controller:
     ) -> None:
         """SIGTERM -> grace -> SIGKILL each process tree; their exits are not failures."""
         grace = 2.0 if grace_s is None else grace_s
-        waiting: list[_Proc] = []
+        waiting: list[ProcRecord] = []
         for proc_id in proc_ids:
             with self._lock:
                 rec = self.procs.get(proc_id)
@@ -425,7 +367,7 @@ class Controller:
             if exited or rec.host.lost or rec.host.conn is None:
                 continue
             with contextlib.suppress(channel.ChannelError):
-                rec.host.conn.send(("stop", proc_id, grace))
+                rec.host.conn.send(StopProc(proc_id, grace))
             waiting.append(rec)
         if wait:
             deadline = time.monotonic() + grace + 5.0
@@ -450,20 +392,20 @@ class Controller:
             sock.close()
             return
         conn = channel.Connection(sock, peer="worker")
-        rec: _Proc | None = None
+        rec: ProcRecord | None = None
         try:
             hello = conn.recv()
-            if not (isinstance(hello, tuple) and hello[0] == "hello_worker"):
-                raise channel.FrameError(f"expected hello_worker, got {hello!r:.80}")
+            if not isinstance(hello, HelloWorker):
+                raise channel.FrameError(f"expected HelloWorker, got {hello!r:.80}")
             with self._lock:
-                rec = self.procs.get(hello[1])
+                rec = self.procs.get(hello.proc_id)
             if rec is None:
-                raise channel.FrameError(f"unknown worker {hello[1]!r}")
-            rec.pid, rec.conn = hello[2], conn
+                raise channel.FrameError(f"unknown worker {hello.proc_id!r}")
+            rec.pid, rec.conn = hello.pid, conn
             with self._lock:
                 if rec.state is ProcState.SPAWNING:
                     rec.state = ProcState.RUNNING
-            self._emit(
+            self.emit(
                 PROC_START,
                 proc=rec.ref.proc_id,
                 host=rec.host.name,
@@ -473,7 +415,13 @@ class Controller:
             )
             rec.ready.set_result(rec.pid)
             while True:
-                self._on_worker_message(rec, conn.recv())
+                msg = conn.recv()
+                try:
+                    self._on_worker_message(rec, msg)
+                except channel.FrameError:
+                    raise
+                except Exception:  # a bug here must not silently cut the worker off
+                    log.exception("controller: handling %r from %s", msg, rec.ref.proc_id)
         except channel.ChannelError as exc:
             if isinstance(exc, channel.FrameError):
                 log.warning("controller: dropping worker connection: %s", exc)
@@ -490,26 +438,30 @@ class Controller:
                 else:
                     self._fail_calls(rec, lost)
 
-    def _on_worker_message(self, rec: _Proc, msg: Any) -> None:
-        kind = msg[0]
-        if kind == "result":
-            _, call_id, ok, value = msg
-            with self._lock:
-                entry = self._calls.pop(call_id, None)
-                rec.pending.discard(call_id)
-            if entry is None:
-                return
-            fut = entry[0]
-            if ok:
-                fut.set_result(value)
-            else:
-                exc_type, message, tb = value
-                fut.set_exception(RemoteError(exc_type, message, tb, dict(rec.ref.coords)))
-        elif kind == "event":
-            _, event, fields = msg
-            self._emit(event, host=rec.host.name, **fields)
+    def _on_worker_message(self, rec: ProcRecord, msg: Any) -> None:
+        match msg:
+            case Result(call_id, ok, value):
+                with self._lock:
+                    entry = self._calls.pop(call_id, None)
+                    rec.pending.discard(call_id)
+                    if not ok:
+                        rec.last_error = value
+                if entry is None:
+                    return
+                fut = entry[0]
+                if ok:
+                    fut.set_result(value)
+                else:
+                    exc_type, message, tb = value
+                    fut.set_exception(RemoteError(exc_type, message, tb, dict(rec.ref.coords)))
+            case Event(event, fields):
+                self.emit(event, **{**fields, "host": rec.host.name})
+            case _:
+                raise channel.FrameError(f"malformed message {msg!r:.80}")
 
-    def _send_call(self, proc_id: str, body: tuple) -> cf.Future:
+    def request(self, proc_id: str, kind: type[Request], **fields: Any) -> cf.Future:
+        """Send ``kind(call_id=..., **fields)`` to a worker; the future gets its result (or a
+        RemoteError, or ProcFailedError if the process fails first)."""
         fut: cf.Future = cf.Future()
         with self._lock:
             rec = self.procs.get(proc_id)
@@ -525,17 +477,22 @@ class Controller:
             rec.pending.add(call_id)
             conn = rec.conn
         try:
-            conn.send((body[0], call_id, *body[1:]))
+            conn.send(kind(call_id=call_id, **fields))
         except channel.ChannelError as exc:
             self._fail_calls(rec, ProcFailedError(f"{proc_id}: {exc}"))
+        except Exception as exc:  # did not pickle, or over the frame limit: the caller's error
+            with self._lock:
+                self._calls.pop(call_id, None)
+                rec.pending.discard(call_id)
+            fut.set_exception(exc)
         return fut
 
     def run_in_worker(self, proc_id: str, func: str, *args: Any) -> cf.Future:
         """Run ``"module:function"(*args)`` inside a worker on a fresh thread (not queued
         behind the actor's running endpoint). Used by the fault injector."""
-        return self._send_call(proc_id, ("sys", func, args))
+        return self.request(proc_id, SysCall, func=func, args=args)
 
-    def _fail_calls(self, rec: _Proc, exc: BaseException) -> None:
+    def _fail_calls(self, rec: ProcRecord, exc: BaseException) -> None:
         with self._lock:
             ids, rec.pending = rec.pending, set()
             futs = [self._calls.pop(i)[0] for i in ids if i in self._calls]
@@ -544,7 +501,7 @@ class Controller:
                 f.set_exception(exc)
 
     # -- failures -----------------------------------------------------------------------------
-    def _on_exit(self, proc_id: str, pid: int, status: int, t: float) -> None:
+    def _on_exit(self, proc_id: str, status: int, t: float) -> None:
         with self._lock:
             rec = self.procs.get(proc_id)
         if rec is None:
@@ -555,31 +512,41 @@ class Controller:
                 rec.state = ProcState.STOPPED
                 rec.conn = None
                 return
+        tb = None
+        if code == EXIT_ACTOR_CRASHED and rec.last_error is not None:
+            exc_type, message, tb = rec.last_error
+            cause, detail = Cause.EXCEPTION, f"an actor raised {exc_type}: {message}"
         self._fail(
             rec,
             Failure(
-                cause=cause, detail=detail, exit_code=code, signal=sig, t_event=t, t_detected=t
+                cause=cause,
+                detail=detail,
+                exit_code=code,
+                signal=sig,
+                traceback=tb,
+                t_event=t,
+                t_detected=t,
             ),
         )
         rec.conn = None
 
-    def _on_hung(self, proc_id: str, pid: int, silent: float, t_last: float) -> None:
+    def _on_hung(self, proc_id: str, silent_s: float, t_last: float) -> None:
         with self._lock:
             rec = self.procs.get(proc_id)
         if rec is None:
             return
         failure = Failure(
             cause=Cause.MISSED_HEARTBEAT,
-            detail=f"no heartbeat for {silent:.2f} s (hung, or a C call holds the GIL)",
+            detail=f"no heartbeat for {silent_s:.2f} s (hung, or a C call holds the GIL)",
             t_event=t_last,
         )
         if self._fail(rec, failure) and rec.host.conn is not None:
             # A hung process cannot recover: kill it now; its exit is then not a new failure.
             with contextlib.suppress(channel.ChannelError):
-                rec.host.conn.send(("stop", proc_id, 0.0))
+                rec.host.conn.send(StopProc(proc_id, 0.0))
 
-    def _fail(self, rec: _Proc, failure: Failure) -> bool:
-        """Move ``rec`` to FAILED and queue the failure for its supervisor (once)."""
+    def _fail(self, rec: ProcRecord, failure: Failure) -> bool:
+        """Move ``rec`` to FAILED and queue the failure for its owner (once)."""
         with self._lock:
             if not check_transition(rec.state, ProcState.FAILED):
                 return False
@@ -595,13 +562,13 @@ class Controller:
         if not rec.ready.done():
             rec.ready.set_exception(ProcFailedError(failure.summary(), failure))
         self._fail_calls(rec, ProcFailedError(failure.summary(), failure))
-        self._emit(FAILURE, **failure.journal_fields(), t_detected=failure.t_detected)
+        self.emit(FAILURE, **failure.journal_fields(), t_detected=failure.t_detected)
         for fn in list(self._failure_listeners):
             try:
                 fn(failure)
             except Exception:
                 log.exception("failure listener raised")
-        self._queue.put((failure, rec))
+        self._queue.put((failure, rec.owner, rec))
         return True
 
     def add_failure_listener(self, fn: Callable[[Failure], None]) -> None:
@@ -610,23 +577,25 @@ class Controller:
         (e.g. tell the quorum service to drop a dead group)."""
         self._failure_listeners.append(fn)
 
+    def deliver(self, failure: Failure, owner: Owner | None) -> None:
+        """Queue ``failure`` for ``owner`` (None: the root) on the supervision thread."""
+        self._queue.put((failure, owner, None))
+
     def _supervision_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            failure, rec = item
-            self.failures.append(failure)
+            failure, owner, rec = item
+            if rec is not None:
+                self.failures.append(failure)
             if rec is not None and rec.spare:
-                with self._lock:
-                    if rec in rec.host.spares:
-                        rec.host.spares.remove(rec)
-                self._spawner.submit(self._replenish_spares, rec.host)
+                rec.host.pool.forget(rec)
+                self._spawner.submit(rec.host.pool.replenish)
                 continue
             try:
-                owner = rec.owner if rec is not None else None
                 if owner is not None:
-                    owner[0].handle_failure(failure, owner[1])
+                    owner.supervisor.handle_failure(failure, owner.child, owner.generation)
                 else:
                     self._unhandled(failure)
             except Exception:
@@ -636,13 +605,17 @@ class Controller:
         """A failure reached the root: the root handler may absorb it, else the job stops."""
         if self.on_failure is not None and self.on_failure(failure):
             return
+        self._stop_job(failure)
+
+    def _stop_job(self, failure: Failure) -> None:
+        """The job cannot go on: record ``failure`` as fatal, fail every call, wake waiters."""
         with self._lock:
             if self.fatal is not None:
                 return
             self.fatal = failure
             calls = [f for f, _ in self._calls.values()]
             self._calls.clear()
-        self._emit(FAILURE, fatal=True, **failure.journal_fields())
+        self.emit(FAILURE, fatal=True, **failure.journal_fields())
         for f in calls:
             if not f.done():
                 f.set_exception(SupervisionError(failure))
@@ -691,7 +664,7 @@ class Controller:
         for h in list(self.hosts.values()):
             if h.conn is not None and not h.lost:
                 with contextlib.suppress(channel.ChannelError):
-                    h.conn.send(("shutdown", grace_s))
+                    h.conn.send(Shutdown(grace_s))
         for h in list(self.hosts.values()):
             if h.popen is None:
                 continue

@@ -19,12 +19,11 @@ import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from runtime.actor import endpoints_of
-
-if TYPE_CHECKING:
-    from runtime.controller import Controller
+from runtime.messages import CallEndpoint, SpawnActor
+from runtime.plane import ControlPlane
 
 T = TypeVar("T")
 Coord = tuple[int, ...]
@@ -131,14 +130,14 @@ class ProcMesh(Mesh[ProcRef]):
     """Worker processes on named dimensions. ``spawn`` puts an actor on each of them."""
 
     def __init__(
-        self, controller: Controller, dims: Mapping[str, int], items: Mapping[Coord, ProcRef]
+        self, plane: ControlPlane, dims: Mapping[str, int], items: Mapping[Coord, ProcRef]
     ) -> None:
         super().__init__(dims, items)
-        self.controller = controller
+        self.plane = plane
 
     def slice(self, **sel: int | slice) -> ProcMesh:
         dims, items = self._select(**sel)
-        return ProcMesh(self.controller, dims, items)
+        return ProcMesh(self.plane, dims, items)
 
     @property
     def proc_ids(self) -> list[str]:
@@ -147,17 +146,19 @@ class ProcMesh(Mesh[ProcRef]):
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """Construct ``cls(*args, **kwargs)`` as actor ``name`` in every process; wait for it."""
         futures = {
-            c: self.controller._send_call(p.proc_id, ("spawn_actor", name, cls, args, kwargs))
+            c: self.plane.request(
+                p.proc_id, SpawnActor, name=name, cls=cls, args=args, kwargs=kwargs
+            )
             for c, p in self._items.items()
         }
-        MeshFuture(self.dims, futures, self._items).get(self.controller.spec.spawn_timeout_s)
+        MeshFuture(self.dims, futures, self._items).get(self.plane.spec.spawn_timeout_s)
         refs = {c: ActorRef(p, name) for c, p in self._items.items()}
-        return ActorMesh(self.controller, cls, self.dims, refs)
+        return ActorMesh(self.plane, cls, self.dims, refs)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop these processes (SIGTERM, grace, SIGKILL); their exits are not failures."""
         for pid in self.proc_ids:
-            self.controller.stop_proc(pid, grace_s)
+            self.plane.stop_proc(pid, grace_s)
 
     @staticmethod
     def stack(meshes: list[ProcMesh], dim: str) -> ProcMesh:
@@ -168,7 +169,7 @@ class ProcMesh(Mesh[ProcRef]):
         if any(m.dims != dims0 for m in meshes):
             raise MeshError("meshes to stack must have the same dims")
         items = {(i, *c): p for i, m in enumerate(meshes) for c, p in m._items.items()}
-        return ProcMesh(meshes[0].controller, {dim: len(meshes), **dims0}, items)
+        return ProcMesh(meshes[0].plane, {dim: len(meshes), **dims0}, items)
 
 
 class ActorMesh(Mesh[ActorRef]):
@@ -176,22 +177,22 @@ class ActorMesh(Mesh[ActorRef]):
 
     def __init__(
         self,
-        controller: Controller,
+        plane: ControlPlane,
         cls: type,
         dims: Mapping[str, int],
         items: Mapping[Coord, ActorRef],
     ) -> None:
         super().__init__(dims, items)
-        self.controller = controller
+        self.plane = plane
         self.actor_class = cls
 
     def slice(self, **sel: int | slice) -> ActorMesh:
         dims, items = self._select(**sel)
-        return ActorMesh(self.controller, self.actor_class, dims, items)
+        return ActorMesh(self.plane, self.actor_class, dims, items)
 
     @property
     def procs(self) -> ProcMesh:
-        return ProcMesh(self.controller, self.dims, {c: a.proc for c, a in self._items.items()})
+        return ProcMesh(self.plane, self.dims, {c: a.proc for c, a in self._items.items()})
 
     @property
     def proc_ids(self) -> list[str]:
@@ -216,9 +217,16 @@ class Endpoint:
         self.name = name
 
     def _call(self, items: Mapping[Coord, ActorRef], args: Any, kwargs: Any) -> dict:
-        c = self.mesh.controller
+        c = self.mesh.plane
         return {
-            coord: c._send_call(a.proc.proc_id, ("call", a.name, self.name, args, kwargs))
+            coord: c.request(
+                a.proc.proc_id,
+                CallEndpoint,
+                actor=a.name,
+                method=self.name,
+                args=args,
+                kwargs=kwargs,
+            )
             for coord, a in items.items()
         }
 

@@ -13,24 +13,30 @@ child's supervisor, on the controller's single supervision thread, in this order
 3. escalation stops every child of this supervisor and hands an ESCALATED failure, chaining the
    original, to the parent; unhandled at the root, the controller stops the job.
 
+Decisions are taken on the supervision thread, one failure at a time; a restart (stop, start)
+then runs on the supervisor's own restart thread, so one group's slow or delayed restart never
+delays another group's. Every restart bumps the child's ``generation``: reports about processes
+of an older generation are ignored, and failures that arrive while a restart is in flight are
+decided on when it has ended.
+
 Restarting a child supervisor restarts its whole subtree with a fresh restart history.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runtime.failure import Cause, Failure
 from runtime.journal import SUPERVISOR
+from runtime.plane import ControlPlane, Owner
 from runtime.policy import Action, Decision, decide
 from runtime.spec import Restart, SupervisorSpec
-
-if TYPE_CHECKING:
-    from runtime.controller import Controller
 
 Handler = Callable[[Failure], bool | None]
 
@@ -43,24 +49,39 @@ class _Child:
     sup: Supervisor | None = None  # supervisor children
     instance: Any = None  # the running mesh
     restarts: int = 0
+    generation: int = 0  # bumped by every restart decision; processes carry theirs (Owner)
+    restarting: bool = False  # a restart is queued or running on the restart thread
+    pending: list[Failure] = field(default_factory=list)  # arrived while restarting
 
 
-@dataclass
-class _History:
-    times: list[float] = field(default_factory=list)
+class _RestartThread:
+    """One daemon thread per supervisor that runs its restarts in order. Restarts are slow
+    (stop with grace, a restart delay, waiting for a host, building actors) and must not hold
+    up the controller's single supervision thread, where every decision is taken."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name=f"ftharness-restart-{name}").start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._jobs.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
 
 
 class Supervisor:
     def __init__(
         self,
-        controller: Controller,
+        plane: ControlPlane,
         name: str,
         spec: SupervisorSpec,
         parent: Supervisor | None = None,
         on_failure: Handler | None = None,
         on_restart: Callable[[str, Any], None] | None = None,
     ) -> None:
-        self.controller = controller
+        self.plane = plane
         self.name = name
         self.spec = spec
         self.parent = parent
@@ -69,6 +90,7 @@ class Supervisor:
         self.children: dict[str, _Child] = {}
         self.history: list[float] = []
         self.stopped = False
+        self._restarter: _RestartThread | None = None
 
     @property
     def path(self) -> str:
@@ -97,7 +119,7 @@ class Supervisor:
     ) -> Supervisor:
         if name in self.children:
             raise ValueError(f"supervisor {self.path} already has a child {name!r}")
-        sup = Supervisor(self.controller, name, spec, self, on_failure, on_restart)
+        sup = Supervisor(self.plane, name, spec, self, on_failure, on_restart)
         self.children[name] = _Child(name, restart, sup=sup)
         return sup
 
@@ -123,7 +145,7 @@ class Supervisor:
                 child.sup._start(c)
             return
         assert child.start is not None
-        with self.controller._owning(self, child.name):
+        with self.plane.owning(Owner(self, child.name, child.generation)):
             child.instance = child.start()
 
     def _stop(self, child: _Child) -> None:
@@ -132,7 +154,7 @@ class Supervisor:
             child.sup.stopped = False
             return
         if child.instance is not None:
-            self.controller.stop_procs(child.instance.proc_ids, self.spec.grace_s)
+            self.plane.stop_procs(child.instance.proc_ids, self.spec.grace_s)
 
     def stop(self) -> None:
         """Stop every child, last started first."""
@@ -141,7 +163,7 @@ class Supervisor:
             self._stop(child)
 
     def _journal(self, decision: Decision, failure: Failure) -> None:
-        self.controller._emit(
+        self.plane.emit(
             SUPERVISOR,
             supervisor=self.path,
             child=failure.child,
@@ -151,50 +173,73 @@ class Supervisor:
             **{k: v for k, v in failure.coords.items() if k in ("replica", "rank")},
         )
 
-    def handle_failure(self, failure: Failure, child_name: str) -> None:
-        """Apply the restart policy to one child's failure (called on the supervision thread)."""
+    def handle_failure(
+        self, failure: Failure, child_name: str, generation: int | None = None
+    ) -> None:
+        """Apply the restart policy to one child's failure. Called on the controller's
+        supervision thread, so decisions never race; the restart itself runs on this
+        supervisor's restart thread. ``generation`` is the child's incarnation the failed
+        process belonged to (None: a failure about the child as a whole)."""
         child = self.children.get(child_name)
         if self.stopped or child is None:
             return
-        if failure.proc is not None and child.sup is None:
-            current = child.instance.proc_ids if child.instance is not None else []
-            if failure.proc not in current:
-                return  # a late report about a process this child already replaced
+        if generation is not None and generation != child.generation:
+            return  # a late report about a process this child already replaced
+        if child.restarting:
+            child.pending.append(failure)  # decided on once the restart in flight has ended
+            return
         failure = failure.with_child(f"{self.path}/{child_name}")
         if self.on_failure is not None and self.on_failure(failure):
             self._journal(Decision(Action.ABSORB, "absorbed by handler"), failure)
             return
-        while True:
-            decision = decide(self.spec, child.restart, failure, self.history, time.monotonic())
-            self._journal(decision, failure)
-            if decision.action is Action.ESCALATE:
-                self.stop()
-                self._escalate(failure, decision.reason)
-                return
-            if decision.action is Action.DROP:
-                self._stop(child)
-                return
-            self.history.append(time.monotonic())
-            targets = (
-                list(self.children.values()) if decision.action is Action.RESTART_ALL else [child]
-            )
+        decision = decide(self.spec, child.restart, failure, self.history, time.monotonic())
+        self._journal(decision, failure)
+        if decision.action is Action.ESCALATE:
+            self.stop()
+            self._escalate(failure, decision.reason)
+            return
+        if decision.action is Action.DROP:
+            self._stop(child)
+            return
+        self.history.append(time.monotonic())
+        targets = list(self.children.values()) if decision.action is Action.RESTART_ALL else [child]
+        for c in targets:
+            c.generation += 1  # from now on, reports about the old processes are stale
+            c.restarting = True
+        if self._restarter is None:
+            self._restarter = _RestartThread(self.path.replace("/", "."))
+        self._restarter.submit(lambda: self._restart(targets, child, failure))
+
+    def _restart(self, targets: list[_Child], failed: _Child, failure: Failure) -> None:
+        """On the restart thread: stop the targets, start them again, then hand back what
+        arrived meanwhile. A restart that raises is a failure of the failed child."""
+        try:
             for c in reversed(targets):
                 self._stop(c)
-            try:
-                for c in targets:
-                    self._start(c)
-                    c.restarts += 1
-                    if self.on_restart is not None:
-                        self.on_restart(c.name, c.instance)
-                return
-            except Exception as exc:  # the restart itself failed: that is a failure too
-                failure = Failure(
+            for c in targets:
+                if self.stopped:
+                    return
+                self._start(c)
+                c.restarts += 1
+                if self.on_restart is not None:
+                    self.on_restart(c.name, c.instance)
+        except Exception as exc:
+            for c in targets:
+                c.restarting, c.pending = False, []  # the restart's failure stands for them
+            self.plane.deliver(
+                Failure(
                     cause=Cause.EXCEPTION,
-                    detail=f"restart of {self.path}/{child.name} failed: {exc!r}",
+                    detail=f"restart of {self.path}/{failed.name} failed: {exc!r}",
                     traceback=traceback.format_exc(),
-                    child=f"{self.path}/{child.name}",
                     chained=failure,
-                )
+                ),
+                Owner(self, failed.name, failed.generation),
+            )
+            return
+        for c in targets:
+            c.restarting, pending, c.pending = False, c.pending, []
+            for f in pending:
+                self.plane.deliver(f, Owner(self, c.name, c.generation))
 
     def _escalate(self, failure: Failure, reason: str) -> None:
         up = Failure(
@@ -206,6 +251,6 @@ class Supervisor:
             t_event=failure.t_event,
         )
         if self.parent is None:
-            self.controller._unhandled(up)
+            self.plane.deliver(up, None)
         else:
             self.parent.handle_failure(up, self.name)

@@ -20,17 +20,20 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
 from typing import Any
 
 from runtime import actor as actor_mod
-from runtime.channel import ChannelError, connect
+from runtime.channel import ChannelError, Connection, FrameError, connect, encode
+from runtime.messages import CallEndpoint, HelloWorker, Result, SpawnActor, SysCall
 
 log = logging.getLogger(__name__)
 
 EXIT_ORPHANED = 70  # the controller or agent went away
+EXIT_ACTOR_CRASHED = 71  # a supervised endpoint raised (see runtime.actor.endpoint)
 
 
 def _resolve(path: str) -> Any:
@@ -75,78 +78,125 @@ def worker_main(
         ).start()
 
     conn = connect(controller_addr, secret, connect_timeout_s)
-    ctx = actor_mod.WorkerContext(proc_id, coords, conn.send)
+    outbox = _Outbox(conn)
+    ctx = actor_mod.WorkerContext(proc_id, coords, outbox.put)
     actor_mod._set_context(ctx)
-    inbox: queue.Queue[Any] = queue.Queue()
+    inbox: queue.Queue[SpawnActor | CallEndpoint] = queue.Queue()
 
     def reply(call_id: int, ok: bool, value: Any) -> None:
         try:
-            conn.send(("result", call_id, ok, value))
-        except ChannelError:
-            os._exit(EXIT_ORPHANED)
-        except Exception as exc:  # the value did not pickle
-            conn.send(("result", call_id, False, ("PicklingError", repr(exc), "")))
+            outbox.put(Result(call_id, ok, value))
+        except Exception as exc:  # the value did not pickle, or is over the frame limit
+            outbox.put(Result(call_id, False, ("UnsendableResult", repr(exc)[:2000], "")))
 
-    def run_sys(call_id: int, func: str, args: tuple[Any, ...]) -> None:
+    def run_sys(call: SysCall) -> None:
         try:
-            reply(call_id, True, _resolve(func)(*args))
+            reply(call.call_id, True, _resolve(call.func)(*call.args))
         except Exception as exc:
-            reply(call_id, False, _error_payload(exc))
+            reply(call.call_id, False, _error_payload(exc))
 
     def receive() -> None:
         while True:
             try:
                 msg = conn.recv()
-            except ChannelError:
+            except ChannelError as exc:
+                if isinstance(exc, FrameError):
+                    log.error("worker %s: bad frame from the controller: %s", proc_id, exc)
                 os._exit(EXIT_ORPHANED)  # the controller is gone: do not outlive it
-            kind = msg[0]
-            if kind == "sys":
-                _, call_id, func, args = msg
-                threading.Thread(target=run_sys, args=(call_id, func, args), daemon=True).start()
-            elif kind == "stop":
-                os._exit(0)
-            else:
-                inbox.put(msg)
+            match msg:
+                case SysCall():
+                    threading.Thread(target=run_sys, args=(msg,), daemon=True).start()
+                case SpawnActor() | CallEndpoint():
+                    inbox.put(msg)
+                case _:
+                    # A bug on the controller's side, never silent: say so, and refuse it.
+                    log.error("worker %s: malformed message %r", proc_id, msg)
+                    call_id = getattr(msg, "call_id", None)
+                    if isinstance(call_id, int):
+                        reply(call_id, False, ("ValueError", f"malformed message {msg!r:.80}", ""))
 
     threading.Thread(target=receive, daemon=True, name="ftharness-receiver").start()
-    conn.send(("hello_worker", proc_id, os.getpid()))
+    outbox.put(HelloWorker(proc_id, os.getpid()))
 
     while True:
         msg = inbox.get()
-        kind, call_id = msg[0], msg[1]
         try:
-            if kind == "spawn_actor":
-                _, _, name, cls, args, kwargs = msg
-                if not (isinstance(cls, type) and issubclass(cls, actor_mod.Actor)):
-                    raise TypeError(f"{cls!r} is not an Actor subclass")
-                instance = cls.__new__(cls)
-                instance.actor_name = name
-                ctx.actors[name] = instance
-                try:
-                    instance.__init__(*args, **kwargs)
-                except BaseException:
-                    del ctx.actors[name]
-                    raise
-                reply(call_id, True, None)
-            elif kind == "call":
-                _, _, name, method, args, kwargs = msg
-                target = ctx.actors.get(name)
-                if target is None:
-                    raise LookupError(f"no actor named {name!r} in {proc_id}")
-                if method not in actor_mod.endpoints_of(type(target)):
-                    raise AttributeError(f"{type(target).__name__}.{method} is not an endpoint")
-                reply(call_id, True, getattr(target, method)(*args, **kwargs))
-            else:
-                raise ValueError(f"unknown message kind {kind!r}")
+            reply(msg.call_id, True, _serve(ctx, proc_id, msg))
         except Exception as exc:
-            reply(call_id, False, _error_payload(exc))
+            reply(msg.call_id, False, _error_payload(exc))
+            if isinstance(msg, CallEndpoint) and _supervised(ctx, msg):
+                # Let it crash: the error went to the caller, and the process exits so that its
+                # supervisor gets a failure value (cause "exception") with this traceback.
+                sys.stderr.write(traceback.format_exc())
+                sys.stderr.flush()
+                outbox.flush(connect_timeout_s)
+                os._exit(EXIT_ACTOR_CRASHED)
+
+
+class _Outbox:
+    """Everything the worker sends, in order, through one sender thread. ``put`` encodes on the
+    caller's thread (so an unpicklable or oversized message is the caller's error) and never
+    blocks on the socket: a stopped (SIGSTOPped) controller must not stop training, which
+    emits a journal event every step. If the controller is gone, the worker exits."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._frames: queue.SimpleQueue[bytes | threading.Event] = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="ftharness-sender").start()
+
+    def put(self, message: Any) -> None:
+        self._frames.put(encode(message))
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until everything put so far has been handed to the kernel."""
+        sent = threading.Event()
+        self._frames.put(sent)
+        sent.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            data = self._frames.get()
+            if isinstance(data, threading.Event):
+                data.set()
+                continue
+            try:
+                self._conn.send_encoded(data)
+            except ChannelError:
+                os._exit(EXIT_ORPHANED)  # the controller is gone: do not outlive it
+
+
+def _serve(ctx: actor_mod.WorkerContext, proc_id: str, msg: SpawnActor | CallEndpoint) -> Any:
+    """Run one request on the main thread; its return value is the reply."""
+    if isinstance(msg, SpawnActor):
+        cls = msg.cls
+        if not (isinstance(cls, type) and issubclass(cls, actor_mod.Actor)):
+            raise TypeError(f"{cls!r} is not an Actor subclass")
+        instance = cls.__new__(cls)
+        instance.actor_name = msg.name
+        ctx.actors[msg.name] = instance
+        try:
+            instance.__init__(*msg.args, **msg.kwargs)
+        except BaseException:
+            del ctx.actors[msg.name]
+            raise
+        return None
+    target = ctx.actors.get(msg.actor)
+    if target is None:
+        raise LookupError(f"no actor named {msg.actor!r} in {proc_id}")
+    if msg.method not in actor_mod.endpoints_of(type(target)):
+        raise AttributeError(f"{type(target).__name__}.{msg.method} is not an endpoint")
+    return getattr(target, msg.method)(*msg.args, **msg.kwargs)
+
+
+def _supervised(ctx: actor_mod.WorkerContext, msg: CallEndpoint) -> bool:
+    target = ctx.actors.get(msg.actor)
+    return target is not None and actor_mod.is_supervised(type(target), msg.method)
 
 
 def main() -> None:
     """A cold worker (``python -m runtime.worker``): exec'd by the agent with its config on
     stdin; imports its preload modules itself, then serves like a forked worker."""
     import json
-    import sys
 
     cfg = json.loads(sys.stdin.readline())
     for path in reversed(cfg["sys_path"]):

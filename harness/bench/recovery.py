@@ -70,14 +70,15 @@ def _killer(job: Any, reps: int, seed: int, done: threading.Event, log: Any) -> 
     """Kill a group ``reps`` times, each after the last recovery finished plus 5-15 steps."""
     from faults.fault import Target
 
+    ctx = job.faults
     rng = random.Random(seed)
     last = None
     for i in range(reps):
         gap = rng.randint(5, 15)
-        target_step = job.committed_step() + gap
+        target_step = ctx.committed_step() + gap
         deadline = time.monotonic() + 180
         while (
-            (job.committed_step() < target_step or job.tracker.open_count)
+            (ctx.committed_step() < target_step or job.tracker.open_count)
             and time.monotonic() < deadline
             and not done.is_set()
         ):
@@ -86,24 +87,24 @@ def _killer(job: Any, reps: int, seed: int, done: threading.Event, log: Any) -> 
             return
         replica = rng.choice([r for r in range(job.replicas) if r != last])
         last = replica
-        pids = job.pids(Target(replica=replica, rank=0))
+        pids = ctx.pids(Target(replica=replica, rank=0))
         if not pids:
             continue
         job.journal.emit(
             FAULT_INJECT,
             fault_id=f"k{i}",
             kind="kill",
-            target={"replica": replica, "rank": 0, "host": job.replica_host(replica)},
+            target={"replica": replica, "rank": 0, "host": ctx.replica_host(replica)},
             seed=seed,
-            step=job.committed_step(),
+            step=ctx.committed_step(),
         )
         os.kill(pids[0], signal.SIGKILL)
-        log(f"kill {i + 1}/{reps}: replica {replica} at step {job.committed_step()}")
+        log(f"kill {i + 1}/{reps}: replica {replica} at step {ctx.committed_step()}")
     # let the last recovery finish and a few steps commit
-    target_step = job.committed_step() + 5
+    target_step = ctx.committed_step() + 5
     deadline = time.monotonic() + 120
     while (
-        job.committed_step() < target_step or job.tracker.open_count
+        ctx.committed_step() < target_step or job.tracker.open_count
     ) and time.monotonic() < deadline:
         time.sleep(0.02)
     done.set()

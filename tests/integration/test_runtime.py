@@ -276,12 +276,15 @@ def test_unauthenticated_and_garbage_peers_are_dropped(ctl, caplog):
         conn = channel.connect(host.address, ctl.secret, timeout=5)
         conn.sock.sendall(bad)
         assert_dropped(conn.sock)
-    # everybody keeps serving
-    assert actors.ping.call_one(9).get(timeout=20)["x"] == 9
+    # 4. an authenticated peer sending a well-formed message the agent does not know
     conn = channel.connect(host.address, ctl.secret, timeout=5)
     conn.send(("ping",))
-    assert conn.recv()[0] == "pong"
-    conn.close()
+    assert_dropped(conn.sock)
+    # everybody keeps serving: the workers, the agent's handshake, and the agent's forks
+    assert actors.ping.call_one(9).get(timeout=20)["x"] == 9
+    channel.connect(host.address, ctl.secret, timeout=5).close()
+    more = host.spawn_procs({"ranks": 1}).spawn("echo2", rt_actors.Echo)
+    assert more.ping.call_one(7).get(timeout=20)["x"] == 7
     assert ctl.failures == []
 
 

@@ -1,0 +1,100 @@
+"""The fault injector's view of a running job (``faults.fault.FaultContext``), and nothing more.
+
+Faults reach a job only through this adapter: which processes a target names, running a hook in
+a worker, killing a host, keeping a host out for a cooldown, crashing the quorum service. It
+reads the job's records and calls the job's own operations; it keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from typing import Any, Protocol
+
+from faults.fault import Target
+from harness.config import JobConfig
+from harness.recovery import RecoveryTracker
+from runtime.controller import Controller
+from runtime.journal import Journal
+from runtime.mesh import ActorMesh
+
+
+class RunningJob(Protocol):
+    """What the adapter reads of a job (``harness.job.Job`` is one)."""
+
+    cfg: JobConfig
+    journal: Journal
+    tracker: RecoveryTracker
+    recovery_quorum: str
+
+    @property
+    def controller(self) -> Controller: ...
+
+    def host_names(self) -> list[str]: ...
+
+    def group_host(self, replica: int) -> str: ...
+
+    def mesh_of(self, replica: int | None) -> ActorMesh | None: ...
+
+    def set_host_cooldown(self, host: str, seconds: float) -> None: ...
+
+    def restart_tree_quorum(self) -> None: ...
+
+
+class JobFaultContext:
+    def __init__(self, job: RunningJob) -> None:
+        self._job = job
+        self.journal: Journal = job.journal
+        self.replicas: int = job.cfg.replicas
+        self.ranks: int = job.cfg.ranks
+
+    def hosts(self) -> list[str]:
+        return self._job.host_names()
+
+    def replica_host(self, replica: int) -> str:
+        """Where the group runs now (its home host before it first started)."""
+        return self._job.group_host(replica)
+
+    def _proc_ids(self, target: Target) -> list[str]:
+        mesh = self._job.mesh_of(target.replica)
+        if mesh is not None and target.replica is not None and target.rank is not None:
+            mesh = mesh.slice(rank=target.rank)
+        return mesh.proc_ids if mesh is not None else []
+
+    def pids(self, target: Target) -> list[int]:
+        procs = self._job.controller.procs
+        out = []
+        for proc_id in self._proc_ids(target):
+            rec = procs.get(proc_id)
+            if rec is not None and rec.pid is not None:
+                out.append(rec.pid)
+        return out
+
+    def run_in_worker(self, target: Target, func: str, *args: Any) -> None:
+        for proc_id in self._proc_ids(target):
+            self._job.controller.run_in_worker(proc_id, func, *args)
+
+    def kill_host(self, host: str) -> None:
+        h = self._job.controller.hosts.get(host)
+        if h is not None:
+            h.kill()
+
+    def set_host_cooldown(self, host: str, seconds: float) -> None:
+        self._job.set_host_cooldown(host, seconds)
+
+    def kill_quorum_service(self) -> None:
+        if self._job.recovery_quorum == "tree":
+            self._job.restart_tree_quorum()
+            return
+        for pid in self.pids(Target()):  # torchft's Lighthouse: SIGKILL its process
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def committed_step(self) -> int:
+        return self._job.tracker.committed_step
+
+    def healthy_replicas(self) -> list[int]:
+        """Replica groups not in the middle of a recovery."""
+        busy = self._job.tracker.open_replicas()
+        return [r for r in range(self.replicas) if r not in busy]

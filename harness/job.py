@@ -1,0 +1,444 @@
+"""The job-level recovery protocol, in one place (as torchft keeps the rank-level one in
+``manager.py``; the per-step protocol of one rank is ``harness/trainer.py``).
+
+A job is replica groups of trainer ranks, each group a :class:`ReplicaGroup` record (replica,
+host, mesh, store, training future, incarnation), supervised as a tree built per recovery policy.
+What happens after a group dies, step by step, and where:
+
+1. **Detect.** The group's host agent reaps the dead worker (an exit, a signal: milliseconds) or
+   misses its heartbeats (a hang, a held GIL: the heartbeat timeout), or the controller loses the
+   whole agent (a host eviction). ``runtime.controller`` turns it into a ``Failure`` value, writes
+   ``failure`` to the journal and calls the failure listeners wired in :meth:`Job._wire_failures`.
+   A supervised endpoint (``train``) that raises ends its process too, so an exception is
+   detected the same way.
+2. **Fence.** In that listener, before any supervisor acts: the recovery tracker opens a
+   recovery (phase ``detected``), and with the tree quorum the dead group is dropped from
+   membership at once (``TreeQuorum.replica_failed``), so the survivors' next quorum excludes it
+   instead of waiting out a heartbeat timeout. torchft's Lighthouse fences by heartbeat timeout.
+3. **Stop.** The group's supervisor (``replica<r>``, one_for_all over its ranks) decides on the
+   controller's supervision thread (``runtime.policy``: restart, or escalate past the restart
+   intensity), and stops the group's remaining ranks (SIGTERM, grace, SIGKILL) on its own
+   restart thread.
+4. **Place.** :meth:`Job._place` picks a host with the pure rule in ``harness.placement``: the
+   group's home host if ready, else the next ready one; lost hosts are respawned in the
+   background, never on this path.
+5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
+   spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
+   trainers; the tracker records ``replacement_started``.
+6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
+   load a healthy peer's state over the configured transport (``healed``).
+7. **Participate.** The group commits a step with the others (``participating``); the survivors
+   never stopped committing (``survivors_resumed`` marks their first commit after detection).
+
+Under ``full_restart`` (the baseline: what a SLURM or torchrun job gets) the job supervisor is
+one_for_all over the quorum and one child holding every group, so any failure stops every
+process and the whole job restarts from its last checkpoint, all groups at once, in fresh
+interpreters that import torch again (``cold`` spawns). The host agents themselves stay up: the
+baseline does not pay for node allocation, so the comparison favours it.
+
+The tree (``in_place``)::
+
+    controller (root: an escalation here stops the job)
+    └── job             one_for_one, gives up at the first escalation from below
+        ├── quorum      one_for_one: torchft's Lighthouse in a worker, restarted on its port
+        └── replica<r>  one_for_all over the group's ranks, restart intensity from the config
+            └── ranks   a mesh {"rank": ranks} of TrainerActors on the group's host
+
+Faults reach the job only through :attr:`Job.faults` (``harness.fault_context``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.config import JobConfig, config_to_dict
+from harness.fault_context import JobFaultContext
+from harness.placement import HostState, place
+from harness.progress import Progress
+from harness.recovery import RecoveryTracker
+from runtime.controller import Controller, HostAgentHandle
+from runtime.failure import Cause, Failure
+from runtime.journal import JOB_RESTART, JOB_START, Journal
+from runtime.mesh import ActorMesh, ProcMesh
+from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
+
+
+@dataclass
+class ReplicaGroup:
+    """One replica group's current incarnation. Replaced whole by every restart."""
+
+    replica: int
+    incarnation: int
+    host: str
+    mesh: ActorMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
+    store: Any  # the group's TCPStore, served from this process while the group runs
+    training: cf.Future  # rank 0's ``train`` call: done when the group stops training
+
+
+class Job:
+    """One run of a job config under one recovery policy. ``start``, then ``wait``, then
+    ``stop``."""
+
+    def __init__(
+        self, cfg: JobConfig, run_dir: str | Path, journal: Journal, *, quiet: bool = False
+    ) -> None:
+        if cfg.recovery.policy == "full_restart":
+            # The baseline is a classic synchronous job: it trains only with every group, as
+            # torchrun's rendezvous would (a lone group must not run ahead after a restart).
+            cfg = dataclasses.replace(cfg, min_replica_size=cfg.replicas)
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.journal = journal
+        self.replicas = cfg.replicas
+        self.ranks = cfg.ranks
+        self.policy = cfg.recovery.policy
+        self.recovery_quorum = cfg.recovery.quorum
+        self.groups: dict[int, ReplicaGroup] = {}
+        self._cfg_dict = config_to_dict(cfg)
+        self._controller: Controller | None = None
+        self._lock = threading.RLock()
+        self._done = threading.Event()
+        self._started = False
+        self._stopping = False
+        # hosts: cooldowns (monotonic end) and agents being restarted in the background
+        self._cooldown: dict[str, float] = {}
+        self._respawning: set[str] = set()
+        self._host_change = threading.Condition(self._lock)
+        # the quorum service: the tree's (in this process) or torchft's Lighthouse (a worker)
+        self._tree: Any = None
+        self._lighthouse: ActorMesh | None = None
+        self._lighthouse_port = 0
+        self.quorum_addr = ""
+        self.tracker = RecoveryTracker(journal)
+        self.progress = Progress(cfg, self.tracker, quiet=quiet)
+        journal.add_sink(self.progress.on_record)
+        self.faults = JobFaultContext(self)
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            raise RuntimeError("the job has not started")
+        return self._controller
+
+    # -- start: the tree per policy -------------------------------------------------------------
+    def start(self) -> None:
+        t = self.cfg.timeouts
+        spec = ControllerSpec(
+            bind_host=self.cfg.bind_host,
+            heartbeat=HeartbeatSpec(interval_s=t.heartbeat_interval, timeout_s=t.heartbeat_timeout),
+            connect_timeout_s=t.connect_timeout,
+            # Imported once per agent, before it forks: a replacement then starts without
+            # paying for torch, torchft, the model code, or the dynamo import that the first
+            # optimizer construction triggers (~1-3 s each on this machine).
+            preload=("torch", "torch._dynamo", "harness.actors", *self._model_modules()),
+        )
+        self._controller = Controller(spec, journal=self.journal)
+        self._wire_failures()
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.journal.emit(
+            JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
+        )
+        self.progress.say(f"starting {self.cfg.hosts} host agent(s) (each imports torch once)")
+        for name in self.host_names():
+            self._spawn_host(name)
+        if self.recovery_quorum == "tree":
+            self._start_tree_quorum()
+        self.job_supervisor = self._build_tree()
+        self._started = True
+        self.progress.say(
+            f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
+        )
+
+    def _build_tree(self) -> Any:
+        r = self.cfg.recovery
+        lighthouse = self.recovery_quorum != "tree"
+        group_spec = SupervisorSpec(
+            strategy=Strategy.ONE_FOR_ALL,
+            max_restarts=r.max_restarts,
+            within_s=r.within_s,
+            grace_s=0.5,
+        )
+        if self.policy == "full_restart":
+            job = self.controller.supervisor("job", group_spec)
+            if lighthouse:
+                job.add_child("quorum", self._start_lighthouse)
+            # One child for all groups: a full restart brings them back together, in parallel.
+            job.add_child("groups", lambda: self._start_groups(list(range(self.replicas))))
+            return job
+        job = self.controller.supervisor("job", SupervisorSpec(max_restarts=0))
+        if lighthouse:
+            quorum = job.add_supervisor(
+                "quorum", SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
+            )
+            quorum.add_child("lighthouse", self._start_lighthouse)
+        for rep in range(self.replicas):
+            group = job.add_supervisor(f"replica{rep}", group_spec)
+            group.add_child("ranks", lambda rep=rep: self._start_groups([rep]))
+        return job
+
+    def _wire_failures(self) -> None:
+        """Everything that reacts to a failure the moment it is known (detect and fence),
+        before any supervisor acts. Listeners run on the thread that learnt of the failure."""
+        self.controller.add_failure_listener(self.tracker.on_failure)
+        if self.recovery_quorum == "tree":
+            self.controller.add_failure_listener(self._fence_in_tree_quorum)
+        self.controller.add_failure_listener(self._on_host_lost)
+
+    def _fence_in_tree_quorum(self, failure: Failure) -> None:
+        replica = failure.coords.get("replica")
+        if replica is not None and self._tree is not None:
+            self._tree.replica_failed(replica)
+
+    def _model_modules(self) -> tuple[str, ...]:
+        """The model code to preload: torchtitan (~2 s to import) only for its model."""
+        if self.cfg.model.kind == "llama3_debug":
+            return ("torchtitan.models.llama3", "torchtitan.models.common.attention")
+        return ()
+
+    # -- the quorum service ---------------------------------------------------------------------
+    def _start_tree_quorum(self, port: int = 0) -> None:
+        """Membership driven by the tree: a Lighthouse-protocol service in this process that
+        drops a failed group the moment its failure value arrives (harness.tree_quorum)."""
+        from harness.tree_quorum import TreeQuorum
+
+        t = self.cfg.timeouts
+        self._tree = TreeQuorum(
+            bind_host=self.cfg.bind_host,
+            port=port,
+            min_replicas=self.cfg.min_replica_size,
+            join_timeout_s=t.lighthouse_join_timeout,
+            heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+        )
+        self.quorum_addr = self._tree.address
+
+    def restart_tree_quorum(self) -> None:
+        """The in-controller service "crashes": it loses all its state and comes back on the
+        same port, as a restarted Lighthouse would."""
+        port = int(self._tree.address.rsplit(":", 1)[1])
+        self._tree.shutdown()
+        self._start_tree_quorum(port)
+        self.tracker.replacement_started(None)
+
+    def _start_lighthouse(self) -> ActorMesh:
+        from harness.actors import LighthouseActor
+
+        host = self._place(0)
+        mesh = host.spawn_procs({"service": 1}, log_dir=str(self.run_dir / "logs"))
+        self._lighthouse = mesh.spawn(
+            "lighthouse", LighthouseActor, self._cfg_dict, self._lighthouse_port
+        )
+        self.quorum_addr = self._lighthouse.address.call_one().get(timeout=30)
+        self._lighthouse_port = int(self.quorum_addr.rsplit(":", 1)[1])
+        if self._started:
+            self.tracker.replacement_started(None)  # a restarted Lighthouse is serving again
+        return self._lighthouse
+
+    # -- spawn: groups --------------------------------------------------------------------------
+    def _start_groups(self, replicas: list[int]) -> ActorMesh:
+        """Start replica groups (processes, trainers, then training) and return them stacked
+        on a "replica" dimension. Several groups start together: their processes are all
+        requested before any is awaited and their trainers are constructed in parallel.
+        Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
+        host to become ready) hold up only these groups."""
+        from harness.actors import TrainerActor
+        from harness.quorum import host_store
+
+        cold = self.policy == "full_restart" and self._started
+        if cold:
+            # Every process after the first start is a fresh interpreter: the baseline pays
+            # the imports a scheduler's restart pays (in_place forks warm ones).
+            self.journal.emit(
+                JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
+            )
+        if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
+            time.sleep(self.cfg.recovery.restart_delay_s)
+        hosts = {r: self._place(r) for r in replicas}
+        # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
+        stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
+        meshes = self.controller.spawn_many(
+            [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
+            log_dir=str(self.run_dir / "logs"),
+            cold=cold,
+        )
+        actors = ProcMesh.stack(meshes, "replica").spawn(
+            "trainer",
+            TrainerActor,
+            self._cfg_dict,
+            {r: addr for r, (_, addr) in stores.items()},
+            self.quorum_addr,
+            str(self.run_dir),
+        )
+        training = actors.train.call()
+        for i, r in enumerate(replicas):
+            with self._lock:
+                old = self.groups.get(r)
+                self.groups[r] = ReplicaGroup(
+                    replica=r,
+                    incarnation=old.incarnation + 1 if old else 0,
+                    host=hosts[r].name,
+                    mesh=actors.slice(replica=slice(i, i + 1)),
+                    store=stores[r][0],
+                    training=training.futures[(i, 0)],
+                )
+            self.tracker.replacement_started(r)
+            training.futures[(i, 0)].add_done_callback(lambda _: self._check_done())
+        return actors
+
+    # -- place: hosts ---------------------------------------------------------------------------
+    def host_names(self) -> list[str]:
+        return [f"host{i}" for i in range(self.cfg.hosts)]
+
+    def group_host(self, replica: int) -> str:
+        with self._lock:
+            group = self.groups.get(replica)
+        return group.host if group else self.host_names()[replica % self.cfg.hosts]
+
+    def mesh_of(self, replica: int | None) -> ActorMesh | None:
+        """The meshes faults target: a group's ranks, or (None) torchft's Lighthouse."""
+        with self._lock:
+            if replica is None:
+                return self._lighthouse
+            group = self.groups.get(replica)
+            return group.mesh if group else None
+
+    def _host_states(self) -> list[HostState]:
+        hosts = self.controller.hosts
+        return [
+            HostState(
+                name=n,
+                up=n in hosts and not hosts[n].lost,
+                cooling_until=self._cooldown.get(n, 0.0),
+                respawning=n in self._respawning,
+            )
+            for n in self.host_names()
+        ]
+
+    def _place(self, replica: int) -> HostAgentHandle:
+        """The host for a group now (harness.placement's rule); waits if none is ready."""
+        with self._host_change:
+            while True:
+                decision = place(replica, self._host_states(), time.monotonic())
+                for name in decision.respawn:
+                    self._respawn_host(name)
+                if decision.host is not None:
+                    return self.controller.hosts[decision.host]
+                self._host_change.wait(decision.wait_s)
+
+    def set_host_cooldown(self, host: str, seconds: float) -> None:
+        """Keep ``host`` out for ``seconds``; its agent is restarted when the cooldown ends."""
+        with self._lock:
+            self._cooldown[host] = time.monotonic() + seconds
+        timer = threading.Timer(seconds, self._respawn_if_lost, (host,))
+        timer.daemon = True
+        timer.start()
+
+    def _on_host_lost(self, failure: Failure) -> None:
+        """A lost host gets a fresh agent in the background once any cooldown is over, so the
+        groups that come back to it later find it ready (and its warm spares forked)."""
+        if failure.cause is Cause.LOST_HOST and failure.host is not None:
+            with self._lock:
+                left = self._cooldown.get(failure.host, 0.0) - time.monotonic()
+            if left <= 0:
+                self._respawn_if_lost(failure.host)
+
+    def _respawn_if_lost(self, host: str) -> None:
+        with self._lock:
+            h = self.controller.hosts.get(host)
+            if self._stopping or (h is not None and not h.lost):
+                return
+            if self._cooldown.get(host, 0.0) > time.monotonic():
+                return
+            self._respawn_host(host)
+
+    def _respawn_host(self, name: str) -> None:
+        """Start a fresh agent on ``name`` on a background thread (caller holds the lock)."""
+        if name in self._respawning:
+            return
+        self._respawning.add(name)
+
+        def run() -> None:
+            try:
+                self._spawn_host(name)
+            except Exception as exc:
+                self.progress.say(f"could not restart the agent of {name}: {exc}")
+            finally:
+                with self._host_change:
+                    self._respawning.discard(name)
+                    self._host_change.notify_all()
+
+        threading.Thread(target=run, daemon=True, name=f"ftharness-respawn-{name}").start()
+
+    def _spawn_host(self, name: str) -> HostAgentHandle:
+        """A host agent, with its warm spares (in-place recovery only: a full restart starts
+        cold on purpose)."""
+        host = self.controller.spawn_host(name)
+        n = self.cfg.recovery.spares_per_host
+        if n and self.policy == "in_place":
+            host.keep_spares(n, log_dir=str(self.run_dir / "logs"))
+        return host
+
+    # -- completion -----------------------------------------------------------------------------
+    def _check_done(self) -> None:
+        with self._lock:
+            futs = [g.training for g in self.groups.values()]
+        if any(f.done() and f.exception() is None for f in futs):
+            # One group reached the last step: the others are at most a step behind. Ask all
+            # to stop after their current step rather than train on alone.
+            self._done.set()
+
+    def wait(
+        self,
+        timeout: float | None = None,
+        duration_s: float | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> dict[str, Any]:
+        """Block until the job trains to its last step, runs for ``duration_s`` or sees
+        ``stop_event`` set (normal ends), fails, or exceeds ``timeout`` (a failure); return the
+        outcome."""
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        end = None if duration_s is None else now + duration_s
+        status, reason = "ok", "trained to the last step"
+        while not self._done.is_set():
+            if self.controller.fatal_event.is_set():
+                status, reason = "failed", self.controller.fatal.report()  # type: ignore[union-attr]
+                break
+            if end is not None and time.monotonic() > end:
+                reason = f"ran for its duration of {duration_s:g} s"
+                break
+            if stop_event is not None and stop_event.is_set():
+                reason = "stopped by its caller"
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                status, reason = "failed", f"timed out after {timeout} s"
+                break
+            self._done.wait(0.1)
+        return {"status": status, "reason": reason, "steps": self.tracker.committed_step}
+
+    def stop(self) -> None:
+        """Let trainers finish their step, then stop every process and agent."""
+        if self._controller is None:
+            return
+        with self._lock:
+            self._stopping = True
+            groups = list(self.groups.values())
+        for g in groups:
+            for pid in g.mesh.proc_ids:
+                with contextlib.suppress(Exception):
+                    self.controller.run_in_worker(pid, "harness.actors:stop_training")
+        for g in groups:
+            with contextlib.suppress(Exception):
+                g.training.result(timeout=10)
+        with contextlib.suppress(Exception):
+            self.job_supervisor.stop()
+        self.controller.shutdown(grace_s=1.0)
+        if self._tree is not None:
+            self._tree.shutdown()
+        self.progress.close()

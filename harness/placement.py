@@ -1,0 +1,55 @@
+"""Where a replica group runs: a pure decision over the hosts' states (no I/O, no clock).
+
+The rule, for replica ``r`` on hosts ``h0 .. h(n-1)``:
+
+1. Its home host ``h(r % n)`` if that host is *ready* (its agent is up, it is not lost and not
+   cooling down after an eviction).
+2. Otherwise the first ready host after home, in ring order: groups of an evicted host spread
+   over the others instead of piling onto one.
+3. No ready host: wait, at most until the earliest cooldown ends (or ``poll_s`` when a host is
+   only being restarted).
+
+Separately, every host that is lost and past its cooldown (or has none) is to be *respawned*:
+the caller starts a fresh agent there in the background, never on a group's restart path, so a
+restart is never held up by an agent importing torch (seen as an 8.8 s restart that waited for a
+respawn on a group's old home host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostState:
+    name: str
+    up: bool  # an agent is connected and not lost
+    cooling_until: float = 0.0  # monotonic time before which no group may be placed there
+    respawning: bool = False  # a fresh agent is being started there
+
+
+@dataclass(frozen=True)
+class Placement:
+    host: str | None  # where to place the group now, or None: wait
+    respawn: tuple[str, ...]  # hosts whose agent should be restarted (in the background)
+    wait_s: float  # with host None: how long to wait before deciding again
+    reason: str
+
+
+def place(replica: int, hosts: Sequence[HostState], now: float, poll_s: float = 0.05) -> Placement:
+    if not hosts:
+        raise ValueError("no hosts to place a replica group on")
+    respawn = tuple(
+        h.name for h in hosts if not h.up and not h.respawning and h.cooling_until <= now
+    )
+    n = len(hosts)
+    home = replica % n
+    for i in range(n):
+        h = hosts[(home + i) % n]
+        if h.up and h.cooling_until <= now:
+            why = "home host" if i == 0 else f"home host {hosts[home].name} not ready"
+            return Placement(h.name, respawn, 0.0, why)
+    cooling = [h.cooling_until for h in hosts if h.cooling_until > now]
+    wait = min(cooling) - now if cooling and not respawn else poll_s
+    return Placement(None, respawn, max(poll_s, wait), "no host ready")
