@@ -31,7 +31,7 @@ def kill_group(job: Any, replica: int) -> None:
     """SIGKILL rank 0 of replica group ``replica`` of a running job."""
     from faults.fault import Target
 
-    os.kill(job.pids(Target(replica=replica, rank=0))[0], signal.SIGKILL)
+    os.kill(job.faults.pids(Target(replica=replica, rank=0))[0], signal.SIGKILL)
 
 
 def after_step(job: Any, step: int, action: Callable[[], None], timeout: float = 120) -> None:
@@ -40,7 +40,7 @@ def after_step(job: Any, step: int, action: Callable[[], None], timeout: float =
 
     def run() -> None:
         deadline = time.monotonic() + timeout
-        while job.committed_step() < step and time.monotonic() < deadline:
+        while job.faults.committed_step() < step and time.monotonic() < deadline:
             time.sleep(0.05)
         action()
 
