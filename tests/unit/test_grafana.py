@@ -157,7 +157,7 @@ def test_every_metric_and_label_referenced_is_exported(scrape):
         assert _label_names(expr) <= exported_labels, expr
     # the dashboard covers the recovery metrics, not just a couple of them
     for m in (
-        N.RECOVERY_DURATION,
+        N.PARTICIPATE,
         N.SURVIVOR_STALL,
         N.DETECTION,
         N.GOODPUT,
@@ -175,4 +175,4 @@ def test_names_module_derives_what_the_exporter_emits(scrape):
         for series in N.prometheus_series(m):
             assert series in scrape, f"{m.otel} -> {series} not exported"
     assert {N.LABEL_JOB, N.LABEL_POLICY, N.LABEL_REPLICA} <= scrape[N.STEPS.prom]
-    assert N.LABEL_FAULT_KIND in scrape[N.RECOVERY_DURATION.prom + "_count"]
+    assert N.LABEL_FAULT_KIND in scrape[N.PARTICIPATE.prom + "_count"]

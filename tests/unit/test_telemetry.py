@@ -105,7 +105,7 @@ def test_metrics_match_the_journal_summary():
     tel, _, reader = _feed(records)
     points = _points(reader)
     summary = summarize(records)["policies"]["in_place"]
-    (dur,) = points[N.RECOVERY_DURATION.otel]
+    (dur,) = points[N.PARTICIPATE.otel]
     assert dur.count == 1
     assert dur.sum == pytest.approx(summary["recoveries"][0]["participate_s"], abs=1e-6)
     assert tuple(dur.explicit_bounds) == N.RECOVERY_BUCKETS_S
@@ -166,7 +166,7 @@ def test_sparse_and_unknown_records_do_not_raise_and_recovery_without_fault_is_u
     ]
     tel, exporter, reader = _feed(recs)
     assert tel.dropped_records == 1  # the malformed step.commit, and nothing else
-    (dur,) = _points(reader)[N.RECOVERY_DURATION.otel]
+    (dur,) = _points(reader)[N.PARTICIPATE.otel]
     assert dur.attributes[N.ATTR_FAULT_KIND] == "unplanned" and dur.sum == pytest.approx(1.0)
     tel.shutdown()
     (rec,) = [s for s in exporter.get_finished_spans() if s.name == N.SPAN_RECOVERY]
