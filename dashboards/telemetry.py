@@ -359,7 +359,8 @@ class Telemetry:
         tp, state = self._folds(policy)
         tp.add(r)  # the first fault ends the fault-free stretch the baseline rate is read over
         host = host_fault(r)
-        self._faults[fault_id] = self._fault_info[fault_id] = _Fault(
+        # by policy too: both policies of an experiment run the same plan, so the same ids
+        self._faults[(policy, fault_id)] = self._fault_info[(policy, fault_id)] = _Fault(
             span=span,
             t=t,
             kind=kind,
@@ -372,7 +373,7 @@ class Telemetry:
         self._folds(policy_of(r))[1].add(r)  # which host each group runs on
 
     def _on_fault_heal(self, r: Mapping[str, Any], t: float) -> None:
-        fault = self._faults.pop(r.get("fault_id"), None)
+        fault = self._faults.pop((policy_of(r), r.get("fault_id")), None)
         if fault is not None:
             fault.span.end(end_time=_ns(max(t, fault.t)))
 
@@ -390,7 +391,7 @@ class Telemetry:
 
     def _on_phase(self, r: Mapping[str, Any], t: float) -> None:
         phase = str(r.get("phase"))
-        rid = r.get("recovery_id")
+        rid = (policy_of(r), r.get("recovery_id"))  # ids restart with each policy's run
         rec = self._recoveries.get(rid)
         if rec is None:
             rec = self._start_recovery(r, t)
@@ -435,11 +436,12 @@ class Telemetry:
         if figures["stall_s"] is not None:
             self._stall.record(figures["stall_s"], attrs)
         rec.span.end(end_time=_ns(t))
-        del self._recoveries[r.get("recovery_id")]
+        del self._recoveries[rid]
 
     def _start_recovery(self, r: Mapping[str, Any], t: float) -> _Recovery:
         fault_id = r.get("fault_id")
-        fault = self._fault_info.get(fault_id) if fault_id is not None else None
+        key = (policy_of(r), fault_id)
+        fault = self._fault_info.get(key) if fault_id is not None else None
         # metrics.py calls a recovery with no fault "unplanned"; the cause is its own attribute
         kind = fault.kind if fault is not None else N.KIND_UNPLANNED
         if fault is not None:

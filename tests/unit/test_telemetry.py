@@ -200,8 +200,9 @@ def _bucket_counts(values: list[float], bounds: tuple[float, ...]) -> list[int]:
 def test_every_recovery_figure_is_the_same_live_and_in_the_report():
     """One journal (both policies of a case-study-shaped run, phases from the real tracker)
     through summarize() and through the Telemetry sink: every recovery figure the histograms
-    hold is the value summarize() gives that recovery, and the goodput gauge is its goodput."""
-    records = simulate("in_place") + simulate("full_restart")
+    hold is the value summarize() gives that recovery, and the goodput gauge is its goodput.
+    The two policies' records are interleaved, with the same fault and recovery ids."""
+    records = sorted(simulate("in_place") + simulate("full_restart"), key=lambda r: r["t"])
     tel, _, reader = _feed(records)
     points = _points(reader)
     summary = summarize(records)["policies"]
