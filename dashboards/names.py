@@ -12,6 +12,11 @@ and ``instance`` for its own target labels and would rename ours to ``exported_j
 
 Histograms carry only low-cardinality attributes (job, policy, replica group, fault kind,
 cause). Rank, host and step go on spans, where a unique value per record costs nothing.
+
+A recovery figure (and the goodput) has one definition, in ``dashboards/metrics.py``, and one
+name: its :class:`MetricName` here says which figure it is (``quantity``), what every surface
+calls it (``label``: report.md, the HTML and Grafana dashboards) and, in ``description``, the
+definition in a sentence. The telemetry records exactly the values ``summarize`` reports.
 """
 
 from __future__ import annotations
