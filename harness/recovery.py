@@ -64,6 +64,10 @@ class RecoveryTracker:
 
     # -- inputs -------------------------------------------------------------------------------
     def on_failure(self, failure: Failure) -> None:
+        if "idle" in failure.coords:
+            # an idle warm spare: nothing waited on it, and without a replica it would be
+            # taken for the quorum service (a recovery nothing would ever close)
+            return
         replica = failure.coords.get("replica")
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 

@@ -113,3 +113,23 @@ def test_a_replica_fault_explains_only_its_group_and_only_once() -> None:
     _kill_group_1(journal, tracker)  # group 1 again, after its recovery closed
     linked = [(p["replica"], p["fault_id"]) for p in phases if p["phase"] == "detected"]
     assert linked == [(1, "f001"), (2, None), (1, None)]
+
+
+def test_an_idle_spare_lost_with_its_host_is_not_a_recovery() -> None:
+    journal, tracker, phases = _tracker()
+    journal.emit(
+        FAULT_INJECT, t=100.0, fault_id="f007", kind="host_eviction", target={"host": "host1"}
+    )
+    tracker.on_failure(
+        Failure(
+            cause=Cause.LOST_HOST,
+            detail="host host1 lost",
+            host="host1",
+            coords={"idle": 0},
+            t_event=100.1,
+            t_detected=100.1,
+        )
+    )
+    _lost(tracker, 1, "host1", 100.1)
+    assert [(p["replica"], p["fault_id"]) for p in phases] == [(1, "f007")]
+    assert tracker.open_replicas() == {1}
