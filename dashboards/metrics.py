@@ -70,8 +70,8 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   ``all_faults``: the same over every recovery a fault explains (unplanned ones excluded).
 * A fault with no ``recovery.phase`` records but ``failure`` records after it gets **derived**
   recoveries, one per failed group (the target replica, or every group that failed on the target
-  host): detected = that group's first failure t; participating = its first commit after its
-  next ``proc.start``.
+  host; for an untargeted fault, the first failure only): detected = that group's first failure
+  t; participating = its first commit after its next ``proc.start``.
 * **comparison**: ratios full_restart / in_place of the ``all_faults`` mean participate_s and mean
   stall_s, and of the goodput; None where either side is missing or the denominator is 0.
 
