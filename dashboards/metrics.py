@@ -267,15 +267,6 @@ class RunState:
         return {g for g, h in self.hosts.items() if h == host}
 
 
-def group_commit_times(records: Iterable[Record]) -> dict[Any, list[float]]:
-    """Per replica group, the times of its rank 0's commits in time order. A step redone after
-    a restart appears again: the gap before it is the stall."""
-    state = RunState()
-    for r in sorted(records, key=lambda r: r.get("t", 0.0)):
-        state.add(r)
-    return dict(state.times)
-
-
 def host_fault(fault: Record | None) -> Any:
     """The host a fault took down (a target with a host and no replica), else None."""
     target = (fault or {}).get("target") or {}
