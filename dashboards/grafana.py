@@ -11,6 +11,8 @@ JSON works when provisioned and when imported; ``job`` and ``policy`` variables 
 ``dashboards/names.py``, and a test checks each one against a real scrape of the exporter.
 The panels mirror the HTML dashboard: goodput, step rate, participating groups, faults and
 recoveries over time, recovery-time distributions per fault kind, in-place vs full_restart.
+A recovery figure is called by its ``label`` from names.py and described by its description
+there (the definitions are ``dashboards/metrics.py``'s, which the telemetry computes).
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ UID = "ftharness-recovery"
 SCHEMA_VERSION = 39
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 _SEL = f'{N.LABEL_JOB}=~"$job", {N.LABEL_POLICY}=~"$policy"'
+#: Only recoveries an injected fault explains: the like-for-like policy comparison.
+_PLANNED = f'{N.LABEL_FAULT_KIND}!="{N.KIND_UNPLANNED}"'
 
 
-def _sel(metric: str) -> str:
-    return f"{metric}{{{_SEL}}}"
+def _sel(metric: str, extra: str = "") -> str:
+    return f"{metric}{{{_SEL}{', ' + extra if extra else ''}}}"
+
+
+def _title(m: N.MetricName) -> str:
+    assert m.label is not None
+    return m.label[0].upper() + m.label[1:]
 
 
 def _target(
@@ -45,10 +54,12 @@ def _target(
     }
 
 
-def _quantile(q: float, metric: N.MetricName, by: str, window: str = "$__range") -> str:
+def _quantile(
+    q: float, metric: N.MetricName, by: str, window: str = "$__range", extra: str = ""
+) -> str:
     return (
         f"histogram_quantile({q}, sum by (le, {by}) "
-        f"(increase({_sel(metric.prom + '_bucket')}[{window}])))"
+        f"(increase({_sel(metric.prom + '_bucket', extra)}[{window}])))"
     )
 
 
@@ -94,6 +105,7 @@ def build_dashboard() -> dict[str, Any]:
         "showUnfilled": True,
         "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
     }
+    participate, stall, detection = N.PARTICIPATE, N.SURVIVOR_STALL, N.DETECTION
     ts = {"drawStyle": "line", "lineWidth": 2, "fillOpacity": 10, "showPoints": "never"}
     bars = {"drawStyle": "bars", "fillOpacity": 80, "lineWidth": 1, "showPoints": "never"}
     panels = [
@@ -105,7 +117,7 @@ def build_dashboard() -> dict[str, Any]:
             [_target(f"avg by ({pol}) ({_sel(N.GOODPUT.prom)})", f"{{{{{pol}}}}}")],
             unit="percentunit",
             options=stat_opts,
-            description="Committed samples per second over the fault-free rate.",
+            description=N.GOODPUT.description,
         ),
         _panel(
             2,
@@ -174,28 +186,31 @@ def build_dashboard() -> dict[str, Any]:
                 ),
                 _target(
                     f"sum by ({kind}) (increase("
-                    f"{_sel(N.RECOVERY_DURATION.prom + '_count')}[$__rate_interval]))",
+                    f"{_sel(participate.prom + '_count')}[$__rate_interval]))",
                     f"recovered {{{{{kind}}}}}",
                     "C",
                 ),
             ],
             custom=bars,
-            description="Faults injected, failures detected and recoveries completed.",
+            description=(
+                "Faults injected, failures detected and recoveries completed (the failed "
+                "group committing again)."
+            ),
         ),
         _panel(
             8,
             "bargauge",
-            "Time to participate by fault kind (p50, p95)",
+            f"{_title(participate)} by fault kind (p50, p95)",
             (0, 20, 12, 8),
             [
                 _target(
-                    _quantile(0.5, N.RECOVERY_DURATION, f"{kind}, {pol}"),
+                    _quantile(0.5, participate, f"{kind}, {pol}"),
                     f"p50 {{{{{kind}}}}} {{{{{pol}}}}}",
                     "A",
                     instant=True,
                 ),
                 _target(
-                    _quantile(0.95, N.RECOVERY_DURATION, f"{kind}, {pol}"),
+                    _quantile(0.95, participate, f"{kind}, {pol}"),
                     f"p95 {{{{{kind}}}}} {{{{{pol}}}}}",
                     "B",
                     instant=True,
@@ -203,38 +218,40 @@ def build_dashboard() -> dict[str, Any]:
             ],
             unit="s",
             options=bar_opts,
+            description=participate.description + ".",
         ),
         _panel(
             9,
             "bargauge",
-            "Survivor stall and detection by fault kind (p50)",
+            f"{_title(stall)} and {detection.label} by fault kind (p50)",
             (12, 20, 12, 8),
             [
                 _target(
-                    _quantile(0.5, N.SURVIVOR_STALL, f"{kind}, {pol}"),
-                    f"stall {{{{{kind}}}}} {{{{{pol}}}}}",
+                    _quantile(0.5, stall, f"{kind}, {pol}"),
+                    f"{stall.label} {{{{{kind}}}}} {{{{{pol}}}}}",
                     "A",
                     instant=True,
                 ),
                 _target(
-                    _quantile(0.5, N.DETECTION, f"{kind}, {pol}"),
-                    f"detection {{{{{kind}}}}} {{{{{pol}}}}}",
+                    _quantile(0.5, detection, f"{kind}, {pol}"),
+                    f"{detection.label} {{{{{kind}}}}} {{{{{pol}}}}}",
                     "B",
                     instant=True,
                 ),
             ],
             unit="s",
             options=bar_opts,
+            description=f"{stall.description}. {detection.description}.",
         ),
         _panel(
             10,
             "heatmap",
-            "Recovery-time distribution",
+            f"{_title(participate)} per recovery (distribution)",
             (0, 28, 12, 8),
             [
                 _target(
                     f"sum by (le) (increase("
-                    f"{_sel(N.RECOVERY_DURATION.prom + '_bucket')}[$__rate_interval]))",
+                    f"{_sel(participate.prom + '_bucket')}[$__rate_interval]))",
                     "{{le}}",
                     fmt="heatmap",
                 )
@@ -246,6 +263,7 @@ def build_dashboard() -> dict[str, Any]:
                 "cellGap": 1,
                 "color": {"scheme": "Oranges"},
             },
+            description=participate.description + ".",
         ),
         _panel(
             11,
@@ -254,21 +272,24 @@ def build_dashboard() -> dict[str, Any]:
             (12, 28, 12, 8),
             [
                 _target(
-                    _quantile(0.5, N.RECOVERY_DURATION, pol),
-                    f"time to participate p50 {{{{{pol}}}}}",
+                    _quantile(0.5, participate, pol, extra=_PLANNED),
+                    f"{participate.label} p50 {{{{{pol}}}}}",
                     "A",
                     instant=True,
                 ),
                 _target(
-                    _quantile(0.5, N.SURVIVOR_STALL, pol),
-                    f"survivor stall p50 {{{{{pol}}}}}",
+                    _quantile(0.5, stall, pol, extra=_PLANNED),
+                    f"{stall.label} p50 {{{{{pol}}}}}",
                     "B",
                     instant=True,
                 ),
             ],
             unit="s",
             options=bar_opts,
-            description="Median recovery times per policy over the dashboard range.",
+            description=(
+                "Median recovery times per policy over the dashboard range, over the recoveries "
+                "of injected faults (as report.md's comparison)."
+            ),
         ),
         _panel(
             12,

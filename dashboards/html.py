@@ -3,8 +3,9 @@
 ``write_dashboard(out_dir, records, summary)`` writes ``out_dir/dashboard.html``: one file with
 inline CSS and inline SVG drawn here in Python, so it opens offline (no CDN, no script, no
 network request of any kind). ``summary`` is :func:`dashboards.metrics.summarize` of the same
-records; every number shown comes from it, and the raw records only place things on the time
-axes (commits, faults, phases).
+records; every number shown, and every recovery drawn on a timeline (its phases, its survivors'
+stalls), comes from it, called by its label in ``dashboards/names.py``; the raw records only
+draw the training activity, the faults and the series.
 
 Panels carry stable ids and ``data-panel`` attributes (``goodput``, ``comparison``,
 ``timeline``, ``step-rate``, ``participants``, ``recovery-distribution``, ``recoveries``); the
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dashboards import names as N
 from dashboards.metrics import split_by_policy
 from runtime import journal as J
 
@@ -35,11 +37,15 @@ PHASE_COLORS = {
     "restart": "#1f77b4",
     "rejoin": "#2ca02c",
 }
-METRIC_LABELS = {
-    "detection_s": "detection",
-    "stall_s": "survivor stall",
-    "participate_s": "time to participate",
+#: What each timeline bar is (the legend): a recovery figure of metrics.py by its label, or
+#: the interval between two recovery phases by the phases' names.
+PHASE_LABELS = {
+    "detection": N.DETECTION.label,
+    "stall": N.SURVIVOR_STALL.label,
+    "restart": "replacement started \u2192 healed",
+    "rejoin": "healed \u2192 participating",
 }
+METRIC_LABELS: dict[str, str] = {str(m.quantity): str(m.label) for m in N.RECOVERY_METRICS}
 
 Record = Mapping[str, Any]
 
@@ -204,17 +210,13 @@ def _goodput_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> str:
     )
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def _comparison_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> str:
     rows: list[tuple[str, str, dict[str, float | None]]] = []
     for key in ("participate_s", "stall_s"):
         vals = {}
         for p in policies:
-            recs = summary.get("policies", {}).get(p, {}).get("recoveries", [])
-            vals[p] = _mean([r[key] for r in recs if isinstance(r.get(key), int | float)])
+            all_faults = summary.get("policies", {}).get(p, {}).get("all_faults", {})
+            vals[p] = (all_faults.get(key) or {}).get("mean")
         rows.append((key, f"mean {METRIC_LABELS[key]} (s)", vals))
     rows.append(
         (
@@ -248,15 +250,15 @@ def _comparison_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> st
     ratios = "".join(
         f'<li data-ratio="{_e(k)}">{_e(text)}: <b>{_fmt(comp.get(k), _TIMES)}</b></li>'
         for k, text in (
-            ("participate_s_ratio", "time to participate, full_restart / in_place"),
-            ("stall_s_ratio", "survivor stall, full_restart / in_place"),
-            ("goodput_ratio", "goodput, full_restart / in_place"),
+            ("participate_s_ratio", f"{N.PARTICIPATE.label}, full_restart / in_place"),
+            ("stall_s_ratio", f"{N.SURVIVOR_STALL.label}, full_restart / in_place"),
+            ("goodput_ratio", f"{N.GOODPUT.label}, full_restart / in_place"),
         )
         if comp.get(k) is not None
     )
     note = (
-        "Means over each policy's recoveries; ratios are full_restart / in_place (above 1: "
-        "in-place recovers faster; below 1: in-place keeps more goodput)."
+        "Means over each policy's recoveries of injected faults; ratios are full_restart / "
+        "in_place (above 1: in-place recovers faster; below 1: in-place keeps more goodput)."
     )
     body_html = _svg(width, height, body, "policy comparison")
     if ratios:
@@ -266,7 +268,12 @@ def _comparison_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> st
     )
 
 
-def _timeline_panel(policy: str, recs: Sequence[Record], policies: Sequence[str]) -> str:
+def _timeline_panel(
+    policy: str,
+    recs: Sequence[Record],
+    policies: Sequence[str],
+    recoveries: Sequence[Mapping[str, Any]],
+) -> str:
     t0 = recs[0].get("t", 0.0)
     t_end = recs[-1].get("t", t0)
     replicas = _replicas(recs)
@@ -304,22 +311,14 @@ def _timeline_panel(policy: str, recs: Sequence[Record], policies: Sequence[str]
                     start = t
             if t is not None:
                 prev = t
-    # recovery phases
-    faults = {r.get("fault_id"): r for r in recs if r.get("event") == J.FAULT_INJECT}
-    phases: dict[Any, dict[str, float]] = defaultdict(dict)
-    rec_meta: dict[Any, Record] = {}
-    for r in recs:
-        if r.get("event") == J.RECOVERY_PHASE:
-            phases[r.get("recovery_id")].setdefault(str(r.get("phase")), r.get("t", t0) - t0)
-            rec_meta.setdefault(r.get("recovery_id"), r)
-    for rid, ph in phases.items():
-        meta = rec_meta[rid]
-        rep = meta.get("replica")
+    # recoveries, as summarize() reports them: phases, detection and each survivor's stall
+    for rec in recoveries:
+        rid, rep = rec.get("recovery_id"), rec.get("replica")
+        ph = {k: v - t0 for k, v in (rec.get("phases") or {}).items()}
         y = row_y.get(rep, ax.top + 4)
-        fault = faults.get(meta.get("fault_id"))
-        t_fault = fault.get("t", t0) - t0 if fault else None
+        detected, detection = ph.get("detected"), rec.get("detection_s")
         segs = [
-            ("detection", t_fault, ph.get("detected")),
+            ("detection", None if detection is None else detected - detection, detected),
             ("restart", ph.get("replacement_started"), ph.get("healed")),
             ("rejoin", ph.get("healed"), ph.get("participating")),
         ]
@@ -330,21 +329,24 @@ def _timeline_panel(policy: str, recs: Sequence[Record], policies: Sequence[str]
                 f'<rect class="phase" data-phase="{name}" data-recovery="{_e(rid)}" '
                 f'x="{ax.x(a):.1f}" y="{y + 2}" width="{max(2.0, ax.x(b) - ax.x(a)):.1f}" '
                 f'height="18" fill="{PHASE_COLORS[name]}" opacity="0.85"><title>recovery '
-                f"{_e(rid)} group {_e(rep)}: {name} {b - a:.2f} s</title></rect>"
+                f"{_e(rid)} group {_e(rep)}: {_e(PHASE_LABELS[name])} {b - a:.2f} s</title></rect>"
             )
-        stall_from = ph.get("detected")
-        stall_to = ph.get("survivors_resumed")
-        if stall_from is not None and stall_to is not None:
-            for other, oy in row_y.items():
-                if other == rep:
-                    continue
-                body.append(
-                    f'<rect class="phase" data-phase="stall" data-recovery="{_e(rid)}" '
-                    f'x="{ax.x(stall_from):.1f}" y="{oy + 2}" '
-                    f'width="{max(2.0, ax.x(stall_to) - ax.x(stall_from)):.1f}" height="18" '
-                    f'fill="{PHASE_COLORS["stall"]}" opacity="0.8"><title>group {_e(other)} '
-                    f"stalled {stall_to - stall_from:.2f} s (recovery {_e(rid)})</title></rect>"
-                )
+        # a survivor's stall: the part of its longest gap between commits beyond its typical gap
+        for gap in rec.get("survivor_gaps") or []:
+            other, stall = gap.get("replica"), gap.get("stall_s") or 0.0
+            if stall <= 0 or other not in row_y:
+                continue
+            until = gap["until"] - t0
+            body.append(
+                f'<rect class="phase" data-phase="stall" data-recovery="{_e(rid)}" '
+                f'x="{ax.x(until - stall):.1f}" y="{row_y[other] + 2}" '
+                f'width="{max(2.0, ax.x(until) - ax.x(until - stall)):.1f}" height="18" '
+                f'fill="{PHASE_COLORS["stall"]}" opacity="0.8"><title>group {_e(other)}: '
+                f"{N.SURVIVOR_STALL.label} {stall:.2f} s (recovery {_e(rid)}): no commit for "
+                f"{gap['until'] - gap['since']:.2f} s, typical gap {gap['typical_gap_s']:.2f} s"
+                "</title></rect>"
+            )
+    faults = {r.get("fault_id"): r for r in recs if r.get("event") == J.FAULT_INJECT}
     for fid, f in faults.items():
         target = f.get("target") if isinstance(f.get("target"), dict) else {}
         rep = f.get("replica", target.get("replica"))
@@ -358,7 +360,10 @@ def _timeline_panel(policy: str, recs: Sequence[Record], policies: Sequence[str]
     legend = (
         "".join(
             f'<span class="key"><i style="background:{c}"></i>{_e(n)}</span>'
-            for n, c in (("training", color), *PHASE_COLORS.items())
+            for n, c in (
+                ("training", color),
+                *((PHASE_LABELS[k], c) for k, c in PHASE_COLORS.items()),
+            )
         )
         + '<span class="key"><i class="tri"></i>fault injected</span>'
     )
@@ -576,7 +581,8 @@ def render_dashboard(records: Sequence[Record], summary: Mapping[str, Any]) -> s
         panels.append(_comparison_panel(summary, policies))
     for p in policies:
         if by_policy.get(p):
-            panels.append(_timeline_panel(p, by_policy[p], policies))
+            recoveries = summary.get("policies", {}).get(p, {}).get("recoveries", [])
+            panels.append(_timeline_panel(p, by_policy[p], policies, recoveries))
     panels.append(
         _series_panel(
             "panel-step-rate",

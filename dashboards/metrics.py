@@ -1,4 +1,12 @@
-"""Recovery and goodput figures, computed only from journal records (pure functions).
+"""Recovery and goodput figures, computed only from journal records: the one definition of each.
+
+Every surface shows these figures and no other: ``experiments/report.py`` and the HTML dashboard
+read :func:`summarize`; the OpenTelemetry sink (``dashboards/telemetry.py``) folds the records it
+is streamed through the same :class:`Throughput` and :class:`RunState` and calls the same
+:func:`recovery_figures` as each recovery closes, and the Grafana dashboard reads those metrics,
+whose names and descriptions are in ``dashboards/names.py``. A figure is computed only from the
+records up to the moment it is final (a recovery's from the records up to its ``participating``
+phase), which is what lets the live sink and the offline summary give the same number.
 
 ``summarize(records)`` returns::
 
@@ -6,8 +14,11 @@
         "committed_steps", "duration_s", "samples_per_s", "baseline_samples_per_s", "goodput",
         "faults": {kind: {"count", "recovered", "detection_s": {"mean", "p50", "p95"},
                           "stall_s": {...}, "participate_s": {...}, "steps_lost"}},
+        "all_faults": {"detection_s": {...}, "stall_s": {...}, "participate_s": {...}},
         "recoveries": [{"recovery_id", "fault_id", "kind", "replica", "detection_s", "stall_s",
-                        "participate_s", "steps_lost", "phases": {phase: t}, "derived"}]}},
+                        "participate_s", "steps_lost", "phases": {phase: t}, "derived",
+                        "survivor_gaps": [{"replica", "since", "until", "typical_gap_s",
+                                           "stall_s"}]}]}},
      "comparison": {"participate_s_ratio", "stall_s_ratio", "goodput_ratio"}}  # both policies only
 
 Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"in_place"``):
@@ -15,44 +26,71 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
 * **policy run**: the records of one policy. ``duration_s`` = last ``job.end`` - first
   ``job.start`` (first/last record when those are missing). ``committed_steps`` = the largest
   committed step.
-* **committed samples**: the ``samples`` of ``step.commit`` records (1 when absent), counting one
-  commit per (replica, rank, step): a step redone after a full restart counts once, at its last
-  commit, so lost work lowers the rate.
+* **committed samples**: the ``samples`` of ``step.commit`` records (1 when absent) that make new
+  progress: a commit counts unless its (replica, rank) already committed that step or a later
+  one, so a step redone after a restart counts once (at its first commit) and lost work lowers
+  the rate.
 * **samples_per_s**: committed samples with first-commit < t <= last-commit, divided by
   (last-commit - first-commit). Start-up before the first commit is excluded from both rates.
-* **baseline_samples_per_s**: the same rate (every commit: none is redone yet) over the
-  fault-free stretch first-commit < t <= the last commit before the first ``fault.inject``
-  (the whole run if no fault fired). None if that stretch holds fewer than two commit times.
-* **goodput** = samples_per_s / baseline_samples_per_s.
-* **detection_s** = the recovery's ``detected`` phase t - its fault's ``fault.inject`` t
-  (matched by ``fault_id``). **participate_s** = ``participating`` t - ``fault.inject`` t.
-* **stall_s** (survivor stall): for each healthy group (one not failed in this fault), the
-  largest gap between its consecutive commits that overlaps [fault t, participating t], minus that
-  group's median gap between consecutive commits over the policy run, floored at 0; the largest
-  over healthy groups. None without a participating time or a healthy group.
+* **baseline_samples_per_s**: the same rate over the fault-free stretch first-commit < t <= the
+  last commit at or before the first ``fault.inject`` (the whole run if no fault fired). None if
+  that stretch holds fewer than two commit times.
+* **goodput** = samples_per_s / baseline_samples_per_s. Live (the telemetry gauge) it is the
+  goodput of the records so far.
+* **fault of a recovery**: its ``fault_id`` (``harness/recovery.py`` links it). One fault can
+  explain several recoveries: a host fault takes down every group on that host, and each group's
+  recovery carries the fault's id and gets its own figures. A recovery no fault explains
+  (a spontaneous failure) has kind ``"unplanned"`` (``names.KIND_UNPLANNED``).
+* **origin** of a recovery: its fault's ``fault.inject`` t; for an unplanned recovery, its first
+  phase (``detected``) t.
+* **detection_s** = the recovery's ``detected`` t - its fault's ``fault.inject`` t (None when
+  unplanned). **participate_s** (time to participate) = ``participating`` t - origin: until the
+  failed group commits a step again. Durations are floored at 0 (clocks across hosts are not
+  corrected for skew).
+* **failed groups** of a fault: its target replica; for a host fault (a target with a host and
+  no replica), every group whose last ``step.commit``/``proc.start`` at or before the fault ran
+  on that host; and the group of every recovery it explains. An unplanned recovery's failed group
+  is its own. Every other group is a **survivor**.
+* **stall_s** (survivor stall): for each survivor with at least two commits at or before the
+  origin: its *typical gap*, the median of its last ``TYPICAL_GAPS`` gaps between consecutive
+  commits ending at or before the origin; and its *longest gap*, the longest of its gaps between
+  consecutive commits that end after the origin, among its commits up to the ``participating`` t,
+  a gap still open at ``participating`` counting up to it. Its stall = longest - typical, floored
+  at 0; the recovery's stall_s is the largest over survivors (each one is in ``survivor_gaps``).
+  None without a ``participating`` phase or a survivor. A group's commits are those of its rank 0
+  (a record without a rank counts as rank 0).
 * **steps_lost** (per fault): with m = the smallest step committed after the fault (and before the
   next fault), first committed at t_m, and M = the largest step committed before t_m:
-  max(0, M - m + 1). In place: 0. Full restart: the steps since the checkpoint. A kind's
-  ``steps_lost`` is the sum over its faults.
-* A fault with no ``recovery.phase`` records but a ``failure`` after it gets a **derived**
-  recovery: detected = that failure's t; participating = the failed replica's first commit after
-  its next ``proc.start``. Recoveries with no fault (spontaneous failures) have kind
-  ``"unplanned"`` and no fault-relative figures.
-* **comparison**: ratios full_restart / in_place of the mean participate_s, the mean stall_s and
-  the goodput; None where either side is missing or the denominator is 0.
+  max(0, M - m + 1). In place: 0. Full restart: the steps since the checkpoint. Every recovery of
+  a fault shows its fault's figure; a kind's ``steps_lost`` is the sum over its faults (a fault
+  counted once however many groups it took down).
+* **per kind**: ``count`` = faults of that kind; ``recovered`` = those whose every recovery reached
+  ``participating``; detection_s, stall_s and participate_s = mean/p50/p95 over the kind's
+  recoveries (one value per recovery, so a host fault that took down two groups adds two).
+  ``all_faults``: the same over every recovery a fault explains (unplanned ones excluded).
+* A fault with no ``recovery.phase`` records but ``failure`` records after it gets **derived**
+  recoveries, one per failed group (the target replica, or every group that failed on the target
+  host; for an untargeted fault, the first failure only): detected = that group's first failure
+  t; participating = its first commit after its next ``proc.start``.
+* **comparison**: ratios full_restart / in_place of the ``all_faults`` mean participate_s and mean
+  stall_s, and of the goodput; None where either side is missing or the denominator is 0.
 
-Not guaranteed: clocks across hosts are not corrected for skew (see runtime.journal).
+Not guaranteed: clocks across hosts are not corrected for skew (see runtime.journal). The live
+sink sees records in arrival order; a record that arrives after a recovery closed but carries an
+earlier t is in the summary's figure and not in the live one.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from dashboards.names import KIND_UNPLANNED
 from runtime.journal import (
     FAILURE,
     FAULT_INJECT,
@@ -64,8 +102,12 @@ from runtime.journal import (
     STEP_COMMIT,
 )
 
-Record = dict[str, Any]
+Record = Mapping[str, Any]
 DEFAULT_POLICY = "in_place"
+#: How many of a survivor's gaps before the origin set its typical gap (see stall_s).
+TYPICAL_GAPS = 50
+#: The figures of one recovery, as computed by :func:`recovery_figures`.
+RECOVERY_FIGURES = ("detection_s", "stall_s", "participate_s")
 
 
 # -- small pure helpers -------------------------------------------------------------------------
@@ -98,6 +140,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def _elapsed(since: float | None, until: float | None) -> float | None:
+    """until - since, floored at 0 (clock skew across hosts); None if either is missing."""
+    if since is None or until is None:
+        return None
+    return max(0.0, until - since)
+
+
 def policy_of(record: Record) -> str:
     return record.get("policy") or DEFAULT_POLICY
 
@@ -117,77 +166,188 @@ def _of(records: Iterable[Record], event: str) -> list[Record]:
 # -- throughput ---------------------------------------------------------------------------------
 
 
-def committed(records: Sequence[Record]) -> list[Record]:
-    """One commit per (replica, rank, step): the last one (a redone step replaces the first)."""
-    last: dict[tuple[Any, Any, Any], Record] = {}
-    for r in _of(records, STEP_COMMIT):
-        last[(r.get("replica"), r.get("rank"), r.get("step"))] = r
-    return sorted(last.values(), key=lambda r: r["t"])
+class Throughput:
+    """samples_per_s, baseline_samples_per_s and goodput of one policy run (module docstring),
+    folded one record at a time in time order: :func:`throughput` folds a whole run, the
+    telemetry sink each record as it arrives. Memory: one entry per (replica, rank)."""
+
+    def __init__(self) -> None:
+        self.first_t: float | None = None  # the first commit: opens both windows
+        self.last_t: float | None = None
+        self.samples = 0.0
+        self.first_fault_t: float | None = None
+        self.base_end: float | None = None  # the last commit at or before the first fault
+        self.base_samples = 0.0
+        self._top: dict[tuple[Any, Any], Any] = {}  # (replica, rank) -> highest step committed
+
+    def fault(self, t: float) -> None:
+        if self.first_fault_t is None or t < self.first_fault_t:
+            self.first_fault_t = t
+
+    def commit(self, t: float, replica: Any, rank: Any, step: Any, samples: float) -> None:
+        key = (replica, rank)
+        top = self._top.get(key)
+        new = step is None or top is None or step > top
+        if new and step is not None:
+            self._top[key] = step
+        if self.first_t is None:
+            self.first_t = t
+        if self.last_t is None or t > self.last_t:
+            self.last_t = t
+        counted = new and t > self.first_t
+        if counted:
+            self.samples += samples
+        if self.first_fault_t is None or t <= self.first_fault_t:
+            if self.base_end is None or t > self.base_end:
+                self.base_end = t
+            if counted:
+                self.base_samples += samples
+
+    def add(self, r: Record) -> None:
+        """Fold one journal record (events other than commits and faults are ignored)."""
+        event = r.get("event")
+        if event == STEP_COMMIT:
+            samples = r.get("samples", 1)
+            self.commit(
+                float(r.get("t", 0.0)),
+                r.get("replica"),
+                r.get("rank"),
+                r.get("step"),
+                float(1 if samples is None else samples),
+            )
+        elif event == FAULT_INJECT:
+            self.fault(float(r.get("t", 0.0)))
+
+    def figures(self) -> dict[str, float | None]:
+        first, last, base_end = self.first_t, self.last_t, self.base_end
+        run = self.samples / (last - first) if first is not None and last > first else None
+        base = None
+        if first is not None and base_end is not None and base_end > first:
+            base = self.base_samples / (base_end - first)
+        return {"samples_per_s": run, "baseline_samples_per_s": base, "goodput": _ratio(run, base)}
 
 
-def rate(commits: Sequence[Record], start: float, end: float) -> float | None:
-    """Committed samples per second with start < t <= end; None for an empty window."""
-    if end <= start:
-        return None
-    samples = sum(r.get("samples", 1) for r in commits if start < r["t"] <= end)
-    return samples / (end - start)
-
-
-def throughput(records: Sequence[Record]) -> dict[str, float | None]:
+def throughput(records: Iterable[Record]) -> dict[str, float | None]:
     """samples_per_s, baseline_samples_per_s and goodput of one policy run."""
-    commits = committed(records)
-    all_commits = _of(records, STEP_COMMIT)
-    if not commits:
-        return {"samples_per_s": None, "baseline_samples_per_s": None, "goodput": None}
-    first = min(r["t"] for r in all_commits)
-    last = max(r["t"] for r in all_commits)
-    faults = _of(records, FAULT_INJECT)
-    if faults:
-        first_fault = min(f["t"] for f in faults)
-        before = [r["t"] for r in all_commits if r["t"] <= first_fault]
-        base_end = max(before) if before else first
-    else:
-        base_end = last
-    run = rate(commits, first, last)
-    # Before the first fault nothing has been redone yet, so every commit there counts as is.
-    base = rate(all_commits, first, base_end)
-    return {"samples_per_s": run, "baseline_samples_per_s": base, "goodput": _ratio(run, base)}
+    fold = Throughput()
+    for r in sorted(records, key=lambda r: r.get("t", 0.0)):
+        fold.add(r)
+    return fold.figures()
 
 
 # -- per-recovery figures ------------------------------------------------------------------------
 
 
-def group_commit_times(records: Sequence[Record]) -> dict[int, list[float]]:
-    """Per replica group, the times of its commits in time order, read from the group's lowest
-    rank (every rank of a group commits the same steps). A step redone after a restart appears
-    again: the gap before it is the stall."""
-    commits = _of(records, STEP_COMMIT)
-    low: dict[int, int] = {}
-    for r in commits:
-        g, rank = r.get("replica"), r.get("rank") or 0
-        low[g] = min(low.get(g, rank), rank)
-    out: dict[int, list[float]] = defaultdict(list)
-    for r in commits:
-        if (r.get("rank") or 0) == low[r.get("replica")]:
-            out[r.get("replica")].append(r["t"])
-    return {g: sorted(ts) for g, ts in out.items()}
+class RunState:
+    """What a recovery's figures read from the records before it, folded one record at a time
+    in time order: each group's commit times (its rank 0's) and the host each group last ran on.
+    Memory: one float per commit of each group's rank 0."""
+
+    def __init__(self) -> None:
+        self.times: dict[Any, list[float]] = defaultdict(list)
+        self.hosts: dict[Any, Any] = {}
+
+    def add(self, r: Record) -> None:
+        """Fold one journal record (events other than commits and process starts are ignored)."""
+        event = r.get("event")
+        if event not in (STEP_COMMIT, PROC_START):
+            return
+        replica, host, t = r.get("replica"), r.get("host"), float(r.get("t", 0.0))
+        if replica is not None and host is not None:
+            self.hosts[replica] = host
+        if event == STEP_COMMIT and not r.get("rank"):
+            ts = self.times[replica]
+            if ts and t < ts[-1]:
+                bisect.insort(ts, t)  # a record that arrived late
+            else:
+                ts.append(t)
+
+    def groups_on(self, host: Any) -> set[Any]:
+        """The groups whose latest commit or process start was on ``host``."""
+        return {g for g, h in self.hosts.items() if h == host}
 
 
-def survivor_stall(
-    times_by_group: dict[int, list[float]], failed: set[int], start: float, end: float
-) -> float | None:
-    """See the module docstring (stall_s)."""
-    best: float | None = None
+def host_fault(fault: Record | None) -> Any:
+    """The host a fault took down (a target with a host and no replica), else None."""
+    target = (fault or {}).get("target") or {}
+    return target.get("host") if target.get("replica") is None else None
+
+
+def failed_groups(
+    fault: Record | None, groups_on_host: Iterable[Any], recovery_replicas: Iterable[Any]
+) -> set[Any]:
+    """The groups a fault took down (module docstring, "failed groups"): its target replica,
+    ``groups_on_host`` (:meth:`RunState.groups_on` its host at the fault, for a host fault) and
+    the groups of the recoveries it explains (for an unplanned recovery: just its group)."""
+    out = set(recovery_replicas)
+    target = (fault or {}).get("target") or {}
+    if target.get("replica") is not None:
+        out.add(target["replica"])
+    if host_fault(fault) is not None:
+        out |= set(groups_on_host)
+    return out
+
+
+def survivor_gaps(
+    times_by_group: Mapping[Any, Sequence[float]], failed: set[Any], start: float, end: float
+) -> list[dict[str, Any]]:
+    """Each survivor's longest gap and typical gap for a recovery from ``start`` (its origin) to
+    ``end`` (its ``participating`` t); see the module docstring (stall_s). Reads only commit
+    times up to ``end``."""
+    out: list[dict[str, Any]] = []
+    if end < start:
+        return out  # clock skew put the recovery's end before its origin
     for group, ts in times_by_group.items():
-        if group in failed or len(ts) < 2:
+        if group in failed:
             continue
-        gaps = [b - a for a, b in itertools.pairwise(ts)]
-        window = [b - a for a, b in itertools.pairwise(ts) if b > start and a < end]
-        if not window:
+        i = bisect.bisect_right(ts, start)  # ts[:i]: the commits at or before the origin
+        before = ts[max(0, i - TYPICAL_GAPS - 1) : i]
+        if len(before) < 2:
+            continue  # no usual gap to compare with
+        typical = statistics.median(b - a for a, b in itertools.pairwise(before))
+        seq = list(ts[i - 1 : bisect.bisect_right(ts, end)])
+        if seq[-1] < end:
+            seq.append(end)  # a gap still open when the failed group participates again
+        if len(seq) < 2:
             continue
-        stall = max(0.0, max(window) - statistics.median(gaps))
-        best = stall if best is None else max(best, stall)
-    return best
+        since, until = max(itertools.pairwise(seq), key=lambda ab: ab[1] - ab[0])
+        out.append(
+            {
+                "replica": group,
+                "since": since,
+                "until": until,
+                "typical_gap_s": typical,
+                "stall_s": max(0.0, until - since - typical),
+            }
+        )
+    return out
+
+
+def recovery_figures(
+    *,
+    fault_t: float | None,
+    phases: Mapping[str, float],
+    times_by_group: Mapping[Any, Sequence[float]],
+    failed: set[Any],
+) -> dict[str, Any]:
+    """detection_s, participate_s, stall_s and survivor_gaps of one recovery (module docstring).
+
+    ``fault_t``: its fault's ``fault.inject`` t, None when unplanned; ``phases``: phase -> its
+    first t; ``failed``: :func:`failed_groups`. Final once ``participating`` is in ``phases``:
+    it reads nothing later than that."""
+    origin = fault_t if fault_t is not None else min(phases.values(), default=None)
+    participating = phases.get("participating")
+    gaps = (
+        survivor_gaps(times_by_group, failed, origin, participating)
+        if origin is not None and participating is not None
+        else []
+    )
+    return {
+        "detection_s": _elapsed(fault_t, phases.get("detected")),
+        "participate_s": _elapsed(origin, participating),
+        "stall_s": max((g["stall_s"] for g in gaps), default=None),
+        "survivor_gaps": gaps,
+    }
 
 
 def steps_lost(records: Sequence[Record], fault_t: float, next_fault_t: float | None) -> int:
@@ -226,44 +386,56 @@ def _phases(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _derived(
-    records: Sequence[Record], fault: Record, until: float | None
-) -> dict[str, Any] | None:
-    """A recovery read off ``failure``/``proc.start``/``step.commit`` for a fault that has no
-    ``recovery.phase`` records (see the module docstring)."""
+def _derived(records: Sequence[Record], fault: Record, until: float | None) -> list[dict[str, Any]]:
+    """Recoveries read off ``failure``/``proc.start``/``step.commit`` for a fault that has no
+    ``recovery.phase`` records, one per group it took down (see the module docstring)."""
     target = fault.get("target") or {}
+    host = host_fault(fault)
     t0 = fault["t"]
 
-    def inside(r: Record) -> bool:
-        return r["t"] >= t0 and (until is None or r["t"] < until)
+    def hit(r: Record) -> bool:
+        if r["t"] < t0 or (until is not None and r["t"] >= until):
+            return False
+        if target.get("replica") is not None:
+            return r.get("replica") == target["replica"]
+        return host is None or r.get("host") == host
 
-    failures = [
-        r for r in _of(records, FAILURE)
-        if inside(r) and (target.get("replica") is None or r.get("replica") == target["replica"])
-    ]  # fmt: skip
-    if not failures:
-        return None
-    failure = failures[0]
-    replica = failure.get("replica")
-    phases = {"detected": failure["t"]}
-    starts = [
-        r["t"] for r in _of(records, PROC_START)
-        if r["t"] >= failure["t"] and r.get("replica") == replica
-    ]  # fmt: skip
-    if starts:
-        phases["replacement_started"] = starts[0]
-        back = [
-            r["t"] for r in _of(records, STEP_COMMIT)
-            if r["t"] > starts[0] and r.get("replica") == replica
+    first_failure: dict[Any, Record] = {}
+    for r in _of(records, FAILURE):
+        if hit(r) and r.get("replica") not in first_failure:
+            first_failure[r.get("replica")] = r
+            if host is None and target.get("replica") is None:
+                break  # an untargeted fault: its first failure only
+    out = []
+    for replica, failure in first_failure.items():
+        phases = {"detected": failure["t"]}
+        starts = [
+            r["t"] for r in _of(records, PROC_START)
+            if r["t"] >= failure["t"] and r.get("replica") == replica
         ]  # fmt: skip
-        if back:
-            phases["participating"] = back[0]
-    return {"fault_id": fault.get("fault_id"), "replica": replica, "phases": phases}
+        if starts:
+            phases["replacement_started"] = starts[0]
+            back = [
+                r["t"] for r in _of(records, STEP_COMMIT)
+                if r["t"] > starts[0] and r.get("replica") == replica
+            ]  # fmt: skip
+            if back:
+                phases["participating"] = back[0]
+        out.append({"fault_id": fault.get("fault_id"), "replica": replica, "phases": phases})
+    return out
 
 
 def recoveries(records: Sequence[Record]) -> list[dict[str, Any]]:
     """Every recovery of one policy run with its figures (see the module docstring)."""
-    faults = sorted(_of(records, FAULT_INJECT), key=lambda r: r["t"])
+    records = sorted(records, key=lambda r: r.get("t", 0.0))
+    state = RunState()
+    on_host: dict[Any, set[Any]] = {}  # fault_id -> the groups on its host when it fired
+    for r in records:
+        state.add(r)
+        if r.get("event") == FAULT_INJECT:
+            host = host_fault(r)
+            on_host[r.get("fault_id")] = state.groups_on(host) if host is not None else set()
+    faults = _of(records, FAULT_INJECT)
     by_id = {f.get("fault_id"): f for f in faults}
     next_t = {
         f.get("fault_id"): (faults[i + 1]["t"] if i + 1 < len(faults) else None)
@@ -273,56 +445,51 @@ def recoveries(records: Sequence[Record]) -> list[dict[str, Any]]:
     covered = {r["fault_id"] for r in raw}
     for f in faults:
         if f.get("fault_id") not in covered:
-            d = _derived(records, f, next_t[f.get("fault_id")])
-            if d is not None:
-                raw.append({"recovery_id": f"derived-{f.get('fault_id')}", **d, "derived": True})
+            for d in _derived(records, f, next_t[f.get("fault_id")]):
+                rid = f"derived-{f.get('fault_id')}-{d['replica']}"
+                raw.append({"recovery_id": rid, **d, "derived": True})
 
-    # Every group a fault took down, so none of them counts as a survivor of that fault.
-    failed: dict[Any, set[int]] = defaultdict(set)
+    explained: dict[Any, set[Any]] = defaultdict(set)  # fault_id -> its recoveries' groups
     for rec in raw:
-        if rec["replica"] is not None:
-            failed[rec["fault_id"]].add(rec["replica"])
-    for fid, f in by_id.items():
-        replica = (f.get("target") or {}).get("replica")
-        if replica is not None:
-            failed[fid].add(replica)
-
-    times = group_commit_times(records)
+        explained[rec["fault_id"]].add(rec["replica"])
     lost_by_fault = {
         f.get("fault_id"): steps_lost(records, f["t"], next_t[f.get("fault_id")]) for f in faults
     }
     out = []
     for rec in raw:
         fault = by_id.get(rec["fault_id"])
-        ph = rec["phases"]
-        entry: dict[str, Any] = {
-            "recovery_id": rec["recovery_id"],
-            "fault_id": rec["fault_id"],
-            "kind": fault["kind"] if fault else "unplanned",
-            "replica": rec["replica"],
-            "detection_s": None,
-            "stall_s": None,
-            "participate_s": None,
-            "steps_lost": None,
-            "phases": ph,
-            "derived": rec["derived"],
-        }
         if fault is not None:
-            t0 = fault["t"]
-            if "detected" in ph:
-                entry["detection_s"] = ph["detected"] - t0
-            if "participating" in ph:
-                entry["participate_s"] = ph["participating"] - t0
-                entry["stall_s"] = survivor_stall(
-                    times, failed[rec["fault_id"]], t0, ph["participating"]
-                )
-            entry["steps_lost"] = lost_by_fault[rec["fault_id"]]
-        out.append(entry)
+            fid = rec["fault_id"]
+            failed = failed_groups(fault, on_host.get(fid, set()), explained[fid])
+        else:
+            failed = failed_groups(None, (), [rec["replica"]])
+        figures = recovery_figures(
+            fault_t=fault["t"] if fault is not None else None,
+            phases=rec["phases"],
+            times_by_group=state.times,
+            failed=failed,
+        )
+        out.append(
+            {
+                "recovery_id": rec["recovery_id"],
+                "fault_id": rec["fault_id"],
+                "kind": fault["kind"] if fault is not None else KIND_UNPLANNED,
+                "replica": rec["replica"],
+                **figures,
+                "steps_lost": lost_by_fault[rec["fault_id"]] if fault is not None else None,
+                "phases": rec["phases"],
+                "derived": rec["derived"],
+            }
+        )
     out.sort(key=lambda e: min(e["phases"].values()) if e["phases"] else 0.0)
     return out
 
 
 # -- the summary -------------------------------------------------------------------------------
+
+
+def _figure_stats(recs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    return {key: stats(r[key] for r in recs) for key in RECOVERY_FIGURES}
 
 
 def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
@@ -339,14 +506,17 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
     lost_by_fault = {r["fault_id"]: r["steps_lost"] for r in recs if r["steps_lost"] is not None}
     by_kind: dict[str, dict[str, Any]] = {}
     for kind in sorted({f["kind"] for f in faults}):
-        mine = [r for r in recs if r["kind"] == kind]
+        mine = [r for r in recs if r["kind"] == kind and r["fault_id"] is not None]
         ids = [f.get("fault_id") for f in faults if f["kind"] == kind]
+        recovered = [
+            i for i in ids
+            if (of := [r for r in mine if r["fault_id"] == i])
+            and all(r["participate_s"] is not None for r in of)
+        ]  # fmt: skip
         by_kind[kind] = {
             "count": len(ids),
-            "recovered": len({r["fault_id"] for r in mine if r["participate_s"] is not None}),
-            "detection_s": stats(r["detection_s"] for r in mine),
-            "stall_s": stats(r["stall_s"] for r in mine),
-            "participate_s": stats(r["participate_s"] for r in mine),
+            "recovered": len(recovered),
+            **_figure_stats(mine),
             "steps_lost": sum(lost_by_fault.get(i, 0) or 0 for i in ids),
         }
     return {
@@ -354,6 +524,7 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
         "duration_s": duration,
         **throughput(records),
         "faults": by_kind,
+        "all_faults": _figure_stats([r for r in recs if r["fault_id"] is not None]),
         "recoveries": recs,
     }
 
@@ -366,7 +537,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         ip, fr = policies["in_place"], policies["full_restart"]
 
         def mean_of(summary: dict[str, Any], key: str) -> float | None:
-            return stats(r[key] for r in summary["recoveries"])["mean"]
+            return summary["all_faults"][key]["mean"]
 
         out["comparison"] = {
             "participate_s_ratio": _ratio(

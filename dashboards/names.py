@@ -12,6 +12,11 @@ and ``instance`` for its own target labels and would rename ours to ``exported_j
 
 Histograms carry only low-cardinality attributes (job, policy, replica group, fault kind,
 cause). Rank, host and step go on spans, where a unique value per record costs nothing.
+
+A recovery figure (and the goodput) has one definition, in ``dashboards/metrics.py``, and one
+name: its :class:`MetricName` here says which figure it is (``quantity``), what every surface
+calls it (``label``: report.md, the HTML and Grafana dashboards) and, in ``description``, the
+definition in a sentence. The telemetry records exactly the values ``summarize`` reports.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Literal
 SERVICE_NAME = "ftharness"
 METER_NAME = "ftharness"
 TRACER_NAME = "ftharness"
+
+#: The fault kind of a recovery no injected fault explains (a spontaneous failure).
+KIND_UNPLANNED = "unplanned"
 
 # --- attribute keys (spans, metrics, resource) -------------------------------------------------
 ATTR_JOB = "ftharness.job"
@@ -102,13 +110,18 @@ STEP_BUCKETS_S = (
 
 @dataclass(frozen=True, kw_only=True)
 class MetricName:
-    """One instrument: its OTel name, unit, kind and description; ``prom`` is derived."""
+    """One instrument: its OTel name, unit, kind and description; ``prom`` is derived.
+
+    ``quantity``: for a figure of ``dashboards/metrics.py``, its key there (``stall_s``);
+    ``label``: its name on every surface."""
 
     otel: str
     unit: str
     kind: Kind
     description: str
     buckets: tuple[float, ...] = ()
+    quantity: str | None = None
+    label: str | None = None
 
     @property
     def prom(self) -> str:
@@ -127,13 +140,13 @@ STEPS = MetricName(
     otel="ftharness.train.steps",
     unit="{step}",
     kind="counter",
-    description="Committed training steps, per replica group",
+    description="Step commits of each replica group's rank 0 (a redone step counts again)",
 )
 SAMPLES = MetricName(
     otel="ftharness.train.samples",
     unit="{sample}",
     kind="counter",
-    description="Sequences in committed steps, per replica group",
+    description="Sequences in step commits of all ranks, per group (a redone step counts again)",
 )
 PARTICIPANTS = MetricName(
     otel="ftharness.train.participants",
@@ -147,32 +160,55 @@ LAST_STEP = MetricName(
     kind="gauge",
     description="Latest committed step number, per replica group",
 )
-RECOVERY_DURATION = MetricName(
-    otel="ftharness.recovery.duration",
-    unit="s",
-    kind="histogram",
-    description="From the fault (or detection) to the replaced group participating again",
-    buckets=RECOVERY_BUCKETS_S,
-)
+# The recovery figures: each is one quantity of dashboards/metrics.py (``quantity`` names its key
+# in a recovery of ``summarize``; the module docstring there has the full definition), computed
+# by its code; ``label`` is what every surface (report, HTML, Grafana) calls it.
 DETECTION = MetricName(
     otel="ftharness.recovery.detection",
     unit="s",
     kind="histogram",
-    description="From fault injection to the failure being detected",
+    quantity="detection_s",
+    label="detection",
+    description="Detection: from the fault's injection until the harness detects the failure",
     buckets=RECOVERY_BUCKETS_S,
 )
 SURVIVOR_STALL = MetricName(
     otel="ftharness.recovery.stall",
     unit="s",
     kind="histogram",
-    description="From the fault (or detection) until the surviving groups commit again",
+    quantity="stall_s",
+    label="survivor stall",
+    description=(
+        "Survivor stall: while the failed group recovers, the longest a surviving group goes "
+        "without committing, beyond its typical gap between commits before the fault "
+        "(the largest over surviving groups)"
+    ),
     buckets=RECOVERY_BUCKETS_S,
 )
+PARTICIPATE = MetricName(
+    otel="ftharness.recovery.participate",
+    unit="s",
+    kind="histogram",
+    quantity="participate_s",
+    label="time to participate",
+    description=(
+        "Time to participate: from the fault's injection (a recovery no fault explains: from "
+        "its detection) until the failed group commits a step again"
+    ),
+    buckets=RECOVERY_BUCKETS_S,
+)
+#: The recovery figures, in the order surfaces list them.
+RECOVERY_METRICS: tuple[MetricName, ...] = (DETECTION, SURVIVOR_STALL, PARTICIPATE)
 GOODPUT = MetricName(
     otel="ftharness.goodput",
     unit="1",
     kind="gauge",
-    description="Committed samples per second over the fault-free rate, since the job started",
+    quantity="goodput",
+    label="goodput",
+    description=(
+        "Goodput: committed samples per second (a redone step counted once) over the "
+        "fault-free rate, over the records so far"
+    ),
 )
 FAULTS = MetricName(
     otel="ftharness.faults", unit="{fault}", kind="counter", description="Injected faults, by kind"
@@ -190,9 +226,9 @@ ALL_METRICS: tuple[MetricName, ...] = (
     SAMPLES,
     PARTICIPANTS,
     LAST_STEP,
-    RECOVERY_DURATION,
     DETECTION,
     SURVIVOR_STALL,
+    PARTICIPATE,
     GOODPUT,
     FAULTS,
     FAILURES,

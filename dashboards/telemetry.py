@@ -22,6 +22,14 @@ Contract:
   Spans still open at ``shutdown`` are ended at the last time seen and marked incomplete.
 * Metrics carry only low-cardinality attributes (job, policy, replica group, fault kind, cause);
   spans also carry host, rank and step. Names come from ``dashboards/names.py``.
+* The recovery figures and the goodput are ``dashboards/metrics.py``'s, computed by its code:
+  the sink folds each policy's records into a :class:`~dashboards.metrics.Throughput` and a
+  :class:`~dashboards.metrics.RunState`, records a recovery's detection when its ``detected``
+  phase arrives and its time to participate and survivor stall when it closes
+  (``participating``), each from :func:`~dashboards.metrics.recovery_figures`. Fed a journal in
+  time order, the histograms hold exactly the values ``summarize`` reports for the recoveries
+  with phase records (its *derived* recoveries, read off journals without phase records, have
+  no live counterpart). Memory grows by one float per committed step of each group.
 * Not guaranteed: exporting. A collector that is down loses spans (the batch processor drops
   when full) but never blocks or fails training; the journal still has everything.
 """
@@ -43,7 +51,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from dashboards import names as N
-from dashboards.metrics import policy_of
+from dashboards.metrics import (
+    RunState,
+    Throughput,
+    failed_groups,
+    host_fault,
+    policy_of,
+    recovery_figures,
+)
 from runtime import journal as J
 
 _NS = 1_000_000_000
@@ -60,13 +75,17 @@ class _Fault:
     span: Any
     t: float
     kind: str
+    record: dict[str, Any]  # its fault.inject record (the target)
+    on_host: set[Any]  # for a host fault: the groups on that host when it fired
+    explained: set[Any] = field(default_factory=set)  # the groups of the recoveries it explains
 
 
 @dataclass
 class _Recovery:
     span: Any
-    t_first: float
-    t_fault: float | None
+    fault: _Fault | None
+    replica: Any
+    policy: str
     kind: str
     attrs: dict[str, Any]
     last_t: float
@@ -80,24 +99,6 @@ class _Group:
     steps: int = 0
     samples: float = 0.0
     last_step: int | None = None
-
-
-@dataclass
-class _Throughput:
-    """Running aggregates for the live goodput gauge of one policy."""
-
-    first_t: float | None = None
-    last_t: float = 0.0
-    samples: float = 0.0
-    first_fault_t: float | None = None
-    baseline_rate: float | None = None
-
-    def goodput(self) -> float | None:
-        if self.first_t is None or self.last_t <= self.first_t:
-            return None
-        rate = self.samples / (self.last_t - self.first_t)
-        baseline = self.baseline_rate if self.baseline_rate is not None else rate
-        return rate / baseline if baseline > 0 else None
 
 
 class Telemetry:
@@ -165,7 +166,8 @@ class Telemetry:
         # kept after the heal: a recovery often starts after its fault's span has ended
         self._fault_info: dict[Any, _Fault] = {}
         self._recoveries: dict[Any, _Recovery] = {}
-        self._throughput: dict[str, _Throughput] = {}
+        self._throughput: dict[str, Throughput] = {}
+        self._state: dict[str, RunState] = {}
         self._groups: dict[tuple[str, Any], _Group] = {}
         self._participants_now: dict[str, int] = {}
         self._last_step: dict[str, int] = {}
@@ -209,7 +211,7 @@ class Telemetry:
             meter.create_observable_gauge(
                 m.otel, callbacks=[callback], unit=m.unit, description=m.description
             )
-        self._recovery_duration = hist(N.RECOVERY_DURATION)
+        self._participate = hist(N.PARTICIPATE)
         self._detection = hist(N.DETECTION)
         self._stall = hist(N.SURVIVOR_STALL)
         self._faults_counter = counter(N.FAULTS)
@@ -305,6 +307,13 @@ class Telemetry:
         return attrs
 
     # --- handlers (called under the lock) ----------------------------------------------------
+    def _folds(self, policy: str) -> tuple[Throughput, RunState]:
+        tp = self._throughput.get(policy)
+        if tp is None:
+            tp = self._throughput[policy] = Throughput()
+            self._state[policy] = RunState()
+        return tp, self._state[policy]
+
     def _on_step(self, r: Mapping[str, Any], t: float) -> None:
         # The hot path: one histogram record, the rest are plain dict updates that the
         # observable instruments read at collection time (an SDK measurement costs ~15 us).
@@ -315,20 +324,14 @@ class Telemetry:
             self._step_duration.record(
                 float(step_time), self._metric_attrs(policy, **{N.ATTR_REPLICA: replica})
             )
+        samples = r.get("samples", 1) or 0  # each rank's own sequences, as metrics.py counts
+        tp, state = self._folds(policy)
+        tp.add(r)  # metrics.py's goodput, folded one commit at a time
+        state.add(r)  # the commit times a survivor stall is computed from
         group = self._groups.get((policy, replica))
         if group is None:
             group = self._groups[(policy, replica)] = _Group()
-        samples = r.get("samples", 1) or 0  # each rank's own sequences, as metrics.py counts
         group.samples += samples
-        tp = self._throughput.get(policy)
-        if tp is None:
-            tp = self._throughput[policy] = _Throughput()
-        if tp.first_t is None:
-            tp.first_t = t
-        if t > tp.first_t:  # the first commit opens the window; its samples predate it
-            tp.samples += samples
-        if t > tp.last_t:
-            tp.last_t = t
         if r.get("rank") not in (None, 0):
             return  # count each replica group's step once, not once per rank
         group.steps += 1
@@ -353,18 +356,24 @@ class Telemetry:
         if r.get("seed") is not None:
             attrs[N.ATTR_FAULT_SEED] = r["seed"]
         span = self._tracer.start_span(N.SPAN_FAULT, start_time=_ns(t), attributes=attrs)
-        self._faults[fault_id] = self._fault_info[fault_id] = _Fault(span=span, t=t, kind=kind)
+        tp, state = self._folds(policy)
+        tp.add(r)  # the first fault ends the fault-free stretch the baseline rate is read over
+        host = host_fault(r)
+        # by policy too: both policies of an experiment run the same plan, so the same ids
+        self._faults[(policy, fault_id)] = self._fault_info[(policy, fault_id)] = _Fault(
+            span=span,
+            t=t,
+            kind=kind,
+            record=dict(r),
+            on_host=state.groups_on(host) if host is not None else set(),
+        )
         self._faults_counter.add(1, self._metric_attrs(policy, **{N.ATTR_FAULT_KIND: kind}))
-        tp = self._throughput.setdefault(policy, _Throughput())
-        if tp.first_fault_t is None:
-            # the fault-free rate, over first commit .. last commit before the first fault
-            # (dashboards/metrics.py's baseline_samples_per_s, computed incrementally)
-            tp.first_fault_t = t
-            if tp.first_t is not None and tp.last_t > tp.first_t and tp.samples > 0:
-                tp.baseline_rate = tp.samples / (tp.last_t - tp.first_t)
+
+    def _on_proc_start(self, r: Mapping[str, Any], t: float) -> None:
+        self._folds(policy_of(r))[1].add(r)  # which host each group runs on
 
     def _on_fault_heal(self, r: Mapping[str, Any], t: float) -> None:
-        fault = self._faults.pop(r.get("fault_id"), None)
+        fault = self._faults.pop((policy_of(r), r.get("fault_id")), None)
         if fault is not None:
             fault.span.end(end_time=_ns(max(t, fault.t)))
 
@@ -382,7 +391,7 @@ class Telemetry:
 
     def _on_phase(self, r: Mapping[str, Any], t: float) -> None:
         phase = str(r.get("phase"))
-        rid = r.get("recovery_id")
+        rid = (policy_of(r), r.get("recovery_id"))  # ids restart with each policy's run
         rec = self._recoveries.get(rid)
         if rec is None:
             rec = self._start_recovery(r, t)
@@ -390,7 +399,8 @@ class Telemetry:
         if phase in rec.phases:
             return  # a repeated phase record (several ranks report it) adds nothing
         # the detected phase's child span measures detection latency from the injection
-        start = rec.t_fault if (phase == "detected" and rec.t_fault is not None) else rec.last_t
+        fault = rec.fault
+        start = fault.t if (phase == "detected" and fault is not None) else rec.last_t
         start = min(start, t)
         rec.phases[phase] = t
         rec.last_t = max(rec.last_t, t)
@@ -404,23 +414,38 @@ class Telemetry:
         )
         child.end(end_time=_ns(t))
 
-        policy = rec.attrs.get(N.ATTR_POLICY, "")
-        attrs = self._metric_attrs(policy, **{N.ATTR_FAULT_KIND: rec.kind})
-        origin = rec.t_fault if rec.t_fault is not None else rec.t_first
-        if phase == "detected" and rec.t_fault is not None:
-            self._detection.record(max(0.0, t - rec.t_fault), attrs)
-        elif phase == "survivors_resumed":
-            self._stall.record(max(0.0, t - origin), attrs)
-        elif phase == "participating":
-            self._recovery_duration.record(max(0.0, t - origin), attrs)
-            rec.span.end(end_time=_ns(t))
-            del self._recoveries[r.get("recovery_id")]
+        if phase not in ("detected", "participating"):
+            return
+        # metrics.py's figures, from the records seen so far (all a closed recovery's need)
+        if fault is not None:
+            failed = failed_groups(fault.record, fault.on_host, fault.explained)
+        else:
+            failed = failed_groups(None, (), [rec.replica])
+        figures = recovery_figures(
+            fault_t=fault.t if fault is not None else None,
+            phases=rec.phases,
+            times_by_group=self._folds(rec.policy)[1].times,
+            failed=failed,
+        )
+        attrs = self._metric_attrs(rec.policy, **{N.ATTR_FAULT_KIND: rec.kind})
+        if phase == "detected":
+            if figures["detection_s"] is not None:
+                self._detection.record(figures["detection_s"], attrs)
+            return
+        self._participate.record(figures["participate_s"], attrs)
+        if figures["stall_s"] is not None:
+            self._stall.record(figures["stall_s"], attrs)
+        rec.span.end(end_time=_ns(t))
+        del self._recoveries[rid]
 
     def _start_recovery(self, r: Mapping[str, Any], t: float) -> _Recovery:
         fault_id = r.get("fault_id")
-        fault = self._fault_info.get(fault_id) if fault_id is not None else None
+        key = (policy_of(r), fault_id)
+        fault = self._fault_info.get(key) if fault_id is not None else None
         # metrics.py calls a recovery with no fault "unplanned"; the cause is its own attribute
-        kind = fault.kind if fault is not None else "unplanned"
+        kind = fault.kind if fault is not None else N.KIND_UNPLANNED
+        if fault is not None:
+            fault.explained.add(r.get("replica"))
         attrs = self._span_attrs(r)
         attrs[N.ATTR_FAULT_KIND] = kind
         if r.get("recovery_id") is not None:
@@ -435,9 +460,14 @@ class Telemetry:
             N.SPAN_RECOVERY, context=context, start_time=_ns(t), attributes=attrs
         )
         span_attrs = {k: v for k, v in attrs.items() if k != N.ATTR_STEP}
-        t_fault = fault.t if fault is not None else None
         return _Recovery(
-            span=span, t_first=t, t_fault=t_fault, kind=kind, attrs=span_attrs, last_t=t
+            span=span,
+            fault=fault,
+            replica=r.get("replica"),
+            policy=policy_of(r),
+            kind=kind,
+            attrs=span_attrs,
+            last_t=t,
         )
 
     def _group_observations(self, value) -> list[Observation]:
@@ -465,7 +495,10 @@ class Telemetry:
 
     def _observe_goodput(self, _options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
-            values = [(tp.goodput(), self._metric_attrs(p)) for p, tp in self._throughput.items()]
+            values = [
+                (tp.figures()["goodput"], self._metric_attrs(p))
+                for p, tp in self._throughput.items()
+            ]
         return [Observation(v, attrs) for v, attrs in values if v is not None]
 
 
@@ -473,6 +506,7 @@ _HANDLERS = {
     J.STEP_COMMIT: Telemetry._on_step,
     J.FAULT_INJECT: Telemetry._on_fault_inject,
     J.FAULT_HEAL: Telemetry._on_fault_heal,
+    J.PROC_START: Telemetry._on_proc_start,
     J.FAILURE: Telemetry._on_failure,
     J.RECOVERY_PHASE: Telemetry._on_phase,
 }

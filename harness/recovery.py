@@ -8,8 +8,12 @@ One recovery per failed replica group (or per aborted step, or per quorum-servic
     healed              torchft loaded a healthy peer's state into the replacement
     participating       the failed group committed a step again
 
-``fault_id`` links a recovery to the ``fault.inject`` that most recently targeted that group
-(or its host) within ``link_window_s``; a failure nobody injected has ``fault_id`` null.
+``fault_id`` links a recovery to the ``fault.inject`` that most recently took its group down
+within ``link_window_s``: a fault targeting that group, or the host the group failed on (a host
+fault takes down every group on that host, so it explains each of their recoveries), or, for the
+quorum service, a fault with no target. A fault explains at most one recovery per group: a later
+failure of the same group, after that recovery, is not its doing. A failure nobody injected has
+``fault_id`` null.
 """
 
 from __future__ import annotations
@@ -51,13 +55,19 @@ class RecoveryTracker:
         self._ids = itertools.count(1)
         self._open: dict[int | None, _Open] = {}  # by replica (None: the quorum service)
         self._faults: list[Record] = []
-        self._linked: set[str] = set()  # a fault explains one recovery, never a later one
+        # (fault_id, replica) pairs already explained: a fault explains one recovery per group
+        # it took down, never a later one of the same group
+        self._linked: set[tuple[str, int | None]] = set()
         self.committed_step = 0
         self.completed = 0
         journal.add_sink(self.on_record)
 
     # -- inputs -------------------------------------------------------------------------------
     def on_failure(self, failure: Failure) -> None:
+        if "idle" in failure.coords:
+            # an idle warm spare: nothing waited on it, and without a replica it would be
+            # taken for the quorum service (a recovery nothing would ever close)
+            return
         replica = failure.coords.get("replica")
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
@@ -84,10 +94,12 @@ class RecoveryTracker:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _link(self, replica: int | None, host: str | None, t: float) -> str | None:
+        """The fault that explains a recovery of ``replica`` (failed on ``host``) at ``t``, or
+        None (see the module docstring)."""
         for f in reversed(self._faults):
             if t - f["t"] > self.link_window_s:
                 break
-            if f["fault_id"] in self._linked:
+            if (f["fault_id"], replica) in self._linked:
                 continue
             tgt = f.get("target") or {}
             if replica is not None and tgt.get("replica") == replica:
@@ -104,7 +116,7 @@ class RecoveryTracker:
                 return  # one recovery per group at a time; later failures belong to it
             rec = _Open(f"rec-{next(self._ids)}", replica, self._link(replica, host, t), cause, t)
             if rec.fault_id is not None:
-                self._linked.add(rec.fault_id)
+                self._linked.add((rec.fault_id, replica))
             self._open[replica] = rec
         self._write(rec, "detected", t)
 

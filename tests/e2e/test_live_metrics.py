@@ -68,7 +68,7 @@ def test_prometheus_scrapes_a_real_run_through_a_kill(tmp_path):
         prom = Prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"])
         sel = f'{{{N.LABEL_JOB}="live-metrics"}}'
         wait_for(
-            lambda: prom.value(f"{N.RECOVERY_DURATION.prom}_count{sel}") == 1.0,
+            lambda: prom.value(f"{N.PARTICIPATE.prom}_count{sel}") == 1.0,
             timeout=120,
             what="the recovery of the killed group to be scraped",
         )
@@ -76,7 +76,7 @@ def test_prometheus_scrapes_a_real_run_through_a_kill(tmp_path):
         assert [(f["metric"][N.LABEL_FAULT_KIND], f["value"][1]) for f in faults] == [("kill", "1")]
         failures = prom.query(f"{N.FAILURES.prom}{sel}")
         assert [f["metric"][N.LABEL_CAUSE] for f in failures] == ["signal"]
-        assert 0.0 < prom.value(f"{N.RECOVERY_DURATION.prom}_sum{sel}") < 60.0
+        assert 0.0 < prom.value(f"{N.PARTICIPATE.prom}_sum{sel}") < 60.0
         wait_for(
             lambda: prom.value(f"{N.PARTICIPANTS.prom}{sel}") == 3.0,
             timeout=60,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from h3_fake_job import scenario
 
-from dashboards.html import write_dashboard
+from dashboards import names as N
+from dashboards.html import render_dashboard, write_dashboard
 from dashboards.metrics import summarize
 from runtime.journal import Journal, read_journal
 
@@ -112,3 +114,29 @@ def test_dashboard_renders_offline_in_chromium(tmp_path):
             browser.close()
     assert problems == []
     assert requests == [path.as_uri()]  # nothing but the file itself: no CDN, no network
+
+
+@pytest.mark.timeout(60)
+def test_timelines_draw_the_summarys_survivor_stall():
+    """The stall bars are summarize()'s survivor stall (one per survivor that stalled), not
+    another interval under the same name."""
+    records = scenario(policy="in_place") + scenario(policy="full_restart", t0=1_700_000_100.0)
+    summary = summarize(records)
+    page = render_dashboard(records, summary)
+    drawn = re.findall(
+        r'data-phase="stall" data-recovery="([^"]*)".*?<title>group (\S+): '
+        + re.escape(N.SURVIVOR_STALL.label)
+        + r" ([0-9.]+) s",
+        page,
+    )
+    expected = [
+        (r["recovery_id"], str(g["replica"]), f"{g['stall_s']:.2f}")
+        for policy in ("in_place", "full_restart")
+        for r in summary["policies"][policy]["recoveries"]
+        for g in r["survivor_gaps"]
+        if g["stall_s"] > 0
+    ]
+    assert drawn == expected and len(drawn) == 2
+    for policy in ("in_place", "full_restart"):
+        (rec,) = summary["policies"][policy]["recoveries"]
+        assert f"{rec['stall_s']:.2f}" in {s for _, _, s in drawn}

@@ -69,4 +69,4 @@ def test_otlp_http_export_carries_fault_and_recovery_spans(
     ((_, failure),) = by_name[N.SPAN_FAILURE]
     assert attrs(failure.attributes)[N.ATTR_CAUSE] == "signal"
     # metrics travel the same way (pushed by the periodic reader, at the latest on shutdown)
-    assert {N.RECOVERY_DURATION.otel, N.STEPS.otel, N.GOODPUT.otel} <= otlp_receiver.metric_names()
+    assert {N.PARTICIPATE.otel, N.STEPS.otel, N.GOODPUT.otel} <= otlp_receiver.metric_names()

@@ -35,7 +35,7 @@ def test_prometheus_scrapes_recovery_metrics_after_a_fault(tmp_path, running_job
     )
     # the job journals a kill of group 1 and its recovery, then both groups finish 40 steps
     wait_for(
-        lambda: prometheus.value(f"{N.RECOVERY_DURATION.prom}_count{sel}") == 1.0,
+        lambda: prometheus.value(f"{N.PARTICIPATE.prom}_count{sel}") == 1.0,
         timeout=60,
         what="the recovery to be scraped",
     )
@@ -55,7 +55,7 @@ def test_prometheus_scrapes_recovery_metrics_after_a_fault(tmp_path, running_job
     assert prometheus.value(f"{N.PARTICIPANTS.prom}{sel}") == 2.0  # the group is back
     # the replaced group participated ~2.3 s after the kill: Prometheus puts it in (2, 3]
     p50 = prometheus.value(
-        f"histogram_quantile(0.5, sum by (le) ({N.RECOVERY_DURATION.prom}_bucket{sel}))"
+        f"histogram_quantile(0.5, sum by (le) ({N.PARTICIPATE.prom}_bucket{sel}))"
     )
     assert 2.0 < p50 <= 3.0
     assert 0.0 < prometheus.value(f"{N.DETECTION.prom}_sum{sel}") < 1.0

@@ -4,6 +4,7 @@ was worked out by hand from the records (the arithmetic is in the comments)."""
 from __future__ import annotations
 
 import pytest
+from sim_journal import T0, simulate
 
 from dashboards.metrics import percentile, stats, summarize
 from runtime.journal import Journal, read_journal
@@ -238,3 +239,98 @@ def test_percentiles():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile(list(range(1, 21)), 95) == pytest.approx(19.05)  # numpy's linear rule
     assert stats([None, 1.0, 3.0]) == {"mean": 2.0, "p50": 2.0, "p95": pytest.approx(2.9)}
+
+
+def _recoveries(records, policy):
+    return summarize(records)["policies"][policy]
+
+
+@pytest.mark.parametrize("policy", ["in_place", "full_restart"])
+def test_a_host_eviction_that_fails_two_groups_gives_both_recoveries_its_figures(policy):
+    """The case study's journal shape: evicting host1 takes down groups 1 and 3 at once (the
+    phase records are the real RecoveryTracker's, see sim_journal)."""
+    p = _recoveries(simulate(policy), policy)
+    assert [r["kind"] for r in p["recoveries"]] == [
+        "kill",
+        "host_eviction",
+        "host_eviction",
+        "collective_abort",
+        "lighthouse_crash",
+        "unplanned",  # group 2 crashing on its own, 23 s after the kill of group 2
+    ]
+    evicted = [r for r in p["recoveries"] if r["kind"] == "host_eviction"]
+    assert [(r["fault_id"], r["replica"]) for r in evicted] == [("f001", 1), ("f001", 3)]
+    fault_t = T0 + 9.05
+    for r in evicted:
+        # both groups were detected when host1's agent went overdue, 0.3 s after the eviction
+        assert r["detection_s"] == pytest.approx(0.3)
+        assert r["participate_s"] == pytest.approx(r["phases"]["participating"] - fault_t)
+        assert r["participate_s"] > r["detection_s"]
+        # the survivors are groups 0 and 2 only: both evicted groups count as failed
+        assert {g["replica"] for g in r["survivor_gaps"]} == {0, 2}
+        assert r["stall_s"] is not None and r["stall_s"] > 0
+    kind = p["faults"]["host_eviction"]
+    assert kind["count"] == 1 and kind["recovered"] == 1
+    # one value per recovery in the kind's figures, the fault's steps lost counted once
+    assert kind["detection_s"]["mean"] == pytest.approx(0.3)
+    assert kind["participate_s"]["mean"] == pytest.approx(
+        (evicted[0]["participate_s"] + evicted[1]["participate_s"]) / 2
+    )
+    assert evicted[0]["steps_lost"] == evicted[1]["steps_lost"] == kind["steps_lost"]
+    if policy == "in_place":
+        # survivors commit until the eviction is detected (last at +0.25), then wait for the
+        # quorum until 1.5 s after the detection: a 1.55 s gap against their usual 0.1 s
+        assert evicted[0]["stall_s"] == pytest.approx(1.45, abs=1e-6)
+        assert kind["steps_lost"] == 0
+    else:
+        # every group restarted from the step-50 checkpoint; step 56 had been committed
+        assert kind["steps_lost"] == 7
+        assert sum(k["steps_lost"] for k in p["faults"].values()) == 1 + 7
+    unplanned = p["recoveries"][-1]
+    assert unplanned["fault_id"] is None and unplanned["detection_s"] is None
+    # no fault to start from: the time to participate counts from the detection
+    assert unplanned["participate_s"] == pytest.approx(
+        unplanned["phases"]["participating"] - unplanned["phases"]["detected"]
+    )
+    # the comparison is over the recoveries of injected faults only
+    assert len([r for r in p["recoveries"] if r["fault_id"] is not None]) == 5
+    assert p["all_faults"]["participate_s"]["mean"] == pytest.approx(
+        sum(r["participate_s"] for r in p["recoveries"][:5]) / 5
+    )
+
+
+def test_derived_recoveries_of_a_host_fault_one_per_group(tmp_path):
+    """A journal without recovery phases: the host fault still explains both groups' failures."""
+    j = Journal(tmp_path / "j.jsonl", job="t")
+    for step in range(1, 4):
+        for r in range(3):
+            commit(j, 10.0 + step, r, step, host=f"h{r % 2}")
+    j.emit(
+        "fault.inject",
+        t=13.2,
+        fault_id="f000",
+        kind="host_eviction",
+        target={"replica": None, "rank": None, "host": "h0"},
+        seed=0,
+    )
+    for r in (0, 2):
+        j.emit("failure", t=13.5, replica=r, rank=0, host="h0", cause="lost_host")
+    for r in (0, 2):
+        j.emit("proc.start", t=14.0, replica=r, rank=0, host="h1", pid=1, spare=False)
+    commit(j, 14.0, 1, 4, host="h1")
+    for r in range(3):
+        commit(j, 15.0, r, 5, host="h1")
+    j.close()
+    p = summarize(read_journal(tmp_path / "j.jsonl"))["policies"]["in_place"]
+    recs = p["recoveries"]
+    assert [(r["fault_id"], r["kind"], r["replica"], r["derived"]) for r in recs] == [
+        ("f000", "host_eviction", 0, True),
+        ("f000", "host_eviction", 2, True),
+    ]
+    for r in recs:
+        assert r["detection_s"] == pytest.approx(0.3)  # failure 13.5 - fault 13.2
+        assert r["participate_s"] == pytest.approx(1.8)  # its commit at 15.0 - 13.2
+        # the survivor is group 1 only: gap 13 -> 14 = its usual 1 s, no stall
+        assert [g["replica"] for g in r["survivor_gaps"]] == [1]
+        assert r["stall_s"] == pytest.approx(0.0)
+    assert p["faults"]["host_eviction"]["recovered"] == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harness.recovery import HEALED, RecoveryTracker
 from runtime.failure import Cause, Failure
-from runtime.journal import RECOVERY_PHASE, STEP_COMMIT, Journal
+from runtime.journal import FAULT_INJECT, RECOVERY_PHASE, STEP_COMMIT, Journal
 
 
 def _tracker() -> tuple[Journal, RecoveryTracker, list[dict]]:
@@ -65,3 +65,71 @@ def test_a_replacement_committing_alone_does_not_count_as_the_survivors() -> Non
     _kill_group_1(journal, tracker)
     _commit(journal, 1, 13, 100.5, 1)
     assert "survivors_resumed" not in [p["phase"] for p in phases]
+
+
+def _lost(tracker: RecoveryTracker, replica: int, host: str, t: float) -> None:
+    tracker.on_failure(
+        Failure(
+            cause=Cause.LOST_HOST,
+            detail=f"host {host} lost",
+            host=host,
+            coords={"replica": replica, "rank": 0},
+            t_event=t,
+            t_detected=t,
+        )
+    )
+
+
+def test_a_host_eviction_explains_the_recovery_of_every_group_on_that_host() -> None:
+    # 4 groups on 2 hosts (group % 2): evicting host1 takes down groups 1 and 3 at once.
+    journal, tracker, phases = _tracker()
+    journal.emit(
+        FAULT_INJECT, t=100.0, fault_id="f007", kind="host_eviction", target={"host": "host1"}
+    )
+    _lost(tracker, 1, "host1", 100.1)
+    _lost(tracker, 3, "host1", 100.1)
+    _lost(tracker, 0, "host0", 100.2)  # a group on the other host is not the eviction's doing
+    detected = {p["replica"]: p["fault_id"] for p in phases if p["phase"] == "detected"}
+    assert detected == {1: "f007", 3: "f007", 0: None}
+    for replica in (0, 1, 3):
+        tracker.replacement_started(replica)
+    for replica in (0, 1, 3):
+        _commit(journal, replica, 14, 104.0, 4)
+    assert tracker.open_count == 0
+    # Group 1 fails again within the link window, after its recovery: not the eviction either.
+    _lost(tracker, 1, "host1", 110.0)
+    (again,) = [p for p in phases if p["phase"] == "detected" and p["t"] == 110.0]
+    assert again["fault_id"] is None
+
+
+def test_a_replica_fault_explains_only_its_group_and_only_once() -> None:
+    journal, tracker, phases = _tracker()
+    journal.emit(
+        FAULT_INJECT, t=99.9, fault_id="f001", kind="kill", target={"replica": 1, "host": "h1"}
+    )
+    _kill_group_1(journal, tracker)
+    _lost(tracker, 2, "h1", 100.1)  # another group on the same host: not a replica fault's doing
+    _commit(journal, 1, 14, 100.5, 2)
+    _kill_group_1(journal, tracker)  # group 1 again, after its recovery closed
+    linked = [(p["replica"], p["fault_id"]) for p in phases if p["phase"] == "detected"]
+    assert linked == [(1, "f001"), (2, None), (1, None)]
+
+
+def test_an_idle_spare_lost_with_its_host_is_not_a_recovery() -> None:
+    journal, tracker, phases = _tracker()
+    journal.emit(
+        FAULT_INJECT, t=100.0, fault_id="f007", kind="host_eviction", target={"host": "host1"}
+    )
+    tracker.on_failure(
+        Failure(
+            cause=Cause.LOST_HOST,
+            detail="host host1 lost",
+            host="host1",
+            coords={"idle": 0},
+            t_event=100.1,
+            t_detected=100.1,
+        )
+    )
+    _lost(tracker, 1, "host1", 100.1)
+    assert [(p["replica"], p["fault_id"]) for p in phases] == [(1, "f007")]
+    assert tracker.open_replicas() == {1}

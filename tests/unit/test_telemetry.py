@@ -16,6 +16,7 @@ from runtime.journal import PHASES, Journal
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from h3_fake_job import scenario
+from sim_journal import simulate
 
 
 def _feed(records, **kw):
@@ -105,7 +106,7 @@ def test_metrics_match_the_journal_summary():
     tel, _, reader = _feed(records)
     points = _points(reader)
     summary = summarize(records)["policies"]["in_place"]
-    (dur,) = points[N.RECOVERY_DURATION.otel]
+    (dur,) = points[N.PARTICIPATE.otel]
     assert dur.count == 1
     assert dur.sum == pytest.approx(summary["recoveries"][0]["participate_s"], abs=1e-6)
     assert tuple(dur.explicit_bounds) == N.RECOVERY_BUCKETS_S
@@ -166,7 +167,7 @@ def test_sparse_and_unknown_records_do_not_raise_and_recovery_without_fault_is_u
     ]
     tel, exporter, reader = _feed(recs)
     assert tel.dropped_records == 1  # the malformed step.commit, and nothing else
-    (dur,) = _points(reader)[N.RECOVERY_DURATION.otel]
+    (dur,) = _points(reader)[N.PARTICIPATE.otel]
     assert dur.attributes[N.ATTR_FAULT_KIND] == "unplanned" and dur.sum == pytest.approx(1.0)
     tel.shutdown()
     (rec,) = [s for s in exporter.get_finished_spans() if s.name == N.SPAN_RECOVERY]
@@ -186,3 +187,57 @@ def test_attached_to_a_journal_as_a_sink(tmp_path):
     (fault,) = exporter.get_finished_spans()
     assert fault.attributes[N.ATTR_HOST] == "h0"  # the journal's stamp reaches the span
     assert fault.attributes[N.ATTR_REPLICA] == 0
+
+
+def _bucket_counts(values: list[float], bounds: tuple[float, ...]) -> list[int]:
+    """OTel's explicit buckets: (-inf, b0], (b0, b1], ..., (b_last, +inf)."""
+    counts = [0] * (len(bounds) + 1)
+    for v in values:
+        counts[next((i for i, b in enumerate(bounds) if v <= b), len(bounds))] += 1
+    return counts
+
+
+def test_every_recovery_figure_is_the_same_live_and_in_the_report():
+    """One journal (both policies of a case-study-shaped run, phases from the real tracker)
+    through summarize() and through the Telemetry sink: every recovery figure the histograms
+    hold is the value summarize() gives that recovery, and the goodput gauge is its goodput.
+    The two policies' records are interleaved, with the same fault and recovery ids."""
+    records = sorted(simulate("in_place") + simulate("full_restart"), key=lambda r: r["t"])
+    tel, _, reader = _feed(records)
+    points = _points(reader)
+    summary = summarize(records)["policies"]
+    checked = 0
+    for metric in N.RECOVERY_METRICS:
+        live = {
+            (p.attributes[N.ATTR_POLICY], p.attributes[N.ATTR_FAULT_KIND]): p
+            for p in points[metric.otel]
+        }
+        offline: dict[tuple[str, str], list[float]] = {}
+        for policy, s in summary.items():
+            for r in s["recoveries"]:
+                if r[metric.quantity] is not None:
+                    offline.setdefault((policy, r["kind"]), []).append(r[metric.quantity])
+        assert set(live) == set(offline), metric.otel
+        for key, values in offline.items():
+            point = live[key]
+            assert point.count == len(values), (metric.otel, key)
+            assert point.sum == pytest.approx(sum(values), abs=1e-9), (metric.otel, key)
+            assert list(point.bucket_counts) == _bucket_counts(values, metric.buckets), key
+            checked += len(values)
+    assert checked == 2 * (5 + 6 + 6)  # detection: not for the unplanned recovery
+    # the case the issue was about: stall and time to participate per policy, as in report.md
+    for policy in ("in_place", "full_restart"):
+        for metric in (N.SURVIVOR_STALL, N.PARTICIPATE):
+            (p,) = [
+                p
+                for p in points[metric.otel]
+                if p.attributes[N.ATTR_POLICY] == policy
+                and p.attributes[N.ATTR_FAULT_KIND] == "host_eviction"
+            ]
+            assert p.count == 2  # one value per evicted group
+            stats = summary[policy]["faults"]["host_eviction"][metric.quantity]
+            assert p.sum / p.count == pytest.approx(stats["mean"], abs=1e-9)
+    goodput = {p.attributes[N.ATTR_POLICY]: p.value for p in points[N.GOODPUT.otel]}
+    assert goodput == pytest.approx({p: s["goodput"] for p, s in summary.items()}, abs=1e-12)
+    assert goodput["full_restart"] < goodput["in_place"]  # redone steps do not count twice
+    tel.shutdown()
