@@ -161,3 +161,57 @@ def test_journal_file_is_private(tmp_path: Path) -> None:
     journal.close()
     assert stat.S_IMODE((tmp_path / "run" / "journal.jsonl").stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o700
+
+
+# --- one run per directory: a second run never mixes into the first one's journal ------------
+
+
+def _cli(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("command", ["run", "chaos"])
+def test_out_holding_an_earlier_run_is_refused(tmp_path: Path, command: str) -> None:
+    out = tmp_path / "earlier"
+    out.mkdir()
+    earlier = out / "journal.jsonl"
+    earlier.write_text('{"t": 1.0, "event": "job.start", "job": "tiny"}\n')
+    source = "experiments/tiny.toml" if command == "run" else "experiments/quickstart.toml"
+    done = _cli(command, str(REPO / source), "--out", str(out), "--quiet")
+    assert done.returncode == 2, done.stderr
+    assert f"run directory {out} already holds an earlier run; pass --out with a new " in (
+        done.stderr
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["journal.jsonl"]  # nothing launched
+    assert earlier.read_text().count("\n") == 1
+
+
+def test_default_run_dir_moves_on_to_a_free_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness.rundir import choose_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    first, note = choose_run_dir(None, "tiny")
+    assert (first, note) == (Path("runs/tiny"), None)
+    assert stat.S_IMODE(first.stat().st_mode) == 0o700
+    (first / "journal.jsonl").write_text("{}\n")
+    second, note = choose_run_dir(None, "tiny")
+    assert second == Path("runs/tiny-2")
+    assert (
+        note == "runs/tiny holds an earlier run; this run writes to runs/tiny-2 (choose with --out)"
+    )
+    assert stat.S_IMODE(second.stat().st_mode) == 0o700
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o755)
+    assert choose_run_dir(str(empty), "tiny") == (empty, None)  # an empty --out is fine
+    assert stat.S_IMODE(empty.stat().st_mode) == 0o700
