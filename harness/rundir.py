@@ -28,10 +28,17 @@ class RunDirError(ValueError):
 
 
 def make_private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and missing parents) and make the last component ``0700``."""
+    """Create ``path`` (and missing parents) with the last component ``0700``. An existing empty
+    directory is made ``0700`` too; one that already holds files keeps its mode (it is not ours
+    to change: a caller of ``run_job`` may pass any folder)."""
     p = Path(path)
-    p.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(p, 0o700)
+    try:
+        p.mkdir(parents=True, mode=0o700)  # the umask can only take bits away
+    except FileExistsError:
+        if not p.is_dir():
+            raise
+        if _is_empty_dir(p):
+            os.chmod(p, 0o700)
     return p
 
 

@@ -215,3 +215,16 @@ def test_default_run_dir_moves_on_to_a_free_one(
     empty.mkdir(mode=0o755)
     assert choose_run_dir(str(empty), "tiny") == (empty, None)  # an empty --out is fine
     assert stat.S_IMODE(empty.stat().st_mode) == 0o700
+
+
+def test_a_private_dir_never_chmods_a_folder_that_holds_other_things(tmp_path: Path) -> None:
+    from harness.rundir import make_private_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    (shared / "theirs.txt").write_text("x")
+    os.chmod(shared, 0o755)
+    make_private_dir(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    made = make_private_dir(tmp_path / "a" / "b")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
