@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.spec import ExperimentError, ExperimentSpec, load_experiment
+from harness.rundir import RunDirError, choose_run_dir, make_private_dir
 from runtime.journal import Journal, read_journal
 
 
@@ -36,9 +37,9 @@ def run_policy(
     from harness.launch import attach_telemetry, run_job
 
     cfg = job_config(spec, policy)
-    run_dir = out / policy
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a rerun must not resume from the last run's checkpoints
+    # ``out`` was new or empty (choose_run_dir), so this policy's folder is fresh: nothing to
+    # resume from or mix into the report.
+    run_dir = make_private_dir(out / policy)
     journal = Journal(run_dir / "journal.jsonl", job=spec.name, policy=policy)
     if prometheus_port is not None:
         import dataclasses
@@ -89,8 +90,13 @@ def main(args: argparse.Namespace) -> int:
     except (ExperimentError, FileNotFoundError) as exc:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or Path("runs") / spec.name)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out, note = choose_run_dir(args.out, spec.name)
+    except RunDirError as exc:
+        print(f"ftharness chaos: {exc}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"ftharness chaos: {note}", file=sys.stderr)
     if spec.source is not None:
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
     outcomes = {}

@@ -3,7 +3,7 @@
 An experiment (TOML) says: which job, when faults fire, which faults, what they may hit, the
 seed, how long, under which recovery policies, and which steady-state hypotheses must hold::
 
-    name = "quickstart"
+    name = "quickstart"          # names runs/NAME: letters, digits, _ - . (no / or ..)
     seed = 7
     duration_s = 60              # per policy (or steps = N, or both: whichever comes first)
     policies = ["in_place", "full_restart"]
@@ -37,6 +37,7 @@ and hosts are what targets are checked against).
 from __future__ import annotations
 
 import importlib
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from faults.schedule import (
     schedule_problems,
 )
 from faults.targets import REQUESTED_KINDS, KeepAlive, TargetError, TargetSpec, Topology
+from harness.config import MAX_SECONDS, NAME_PATTERN
 
 POLICIES: tuple[str, ...] = ("in_place", "full_restart")
 
@@ -179,9 +181,19 @@ class _Where:
         return value
 
 
-def _number(w: _Where, key: str, value: Any, *, positive: bool = False) -> float:
+def _number(
+    w: _Where, key: str, value: Any, *, positive: bool = False, seconds: bool = False
+) -> float:
+    """The one place an experiment's numbers are read: finite, >= 0 (or > 0), and, for a
+    duration (``seconds``), at most ``MAX_SECONDS``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise w.error(key, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise w.error(key, f"got {value!r}; must be a finite number")
+    if seconds and value > MAX_SECONDS:
+        raise w.error(
+            key, f"got {value!r}; must be <= {MAX_SECONDS:g} seconds (a week) or the run never ends"
+        )
     if positive and value <= 0:
         raise w.error(key, f"got {value!r}; must be > 0")
     if value < 0:
@@ -217,13 +229,19 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
     name = data.get("name")
     if not isinstance(name, str) or not name.strip():
         raise w.error("name", "required: a non-empty string")
+    if not NAME_PATTERN.match(name):
+        raise w.error(
+            "name",
+            f"got {name!r}; must be 1-64 letters, digits, '_', '-' or '.', starting with a "
+            "letter or digit (it names the experiment directory, runs/NAME)",
+        )
     seed = data.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise w.error("seed", f"must be an integer, got {seed!r}")
 
     duration_s = data.get("duration_s")
     if duration_s is not None:
-        duration_s = _number(w, "duration_s", duration_s, positive=True)
+        duration_s = _number(w, "duration_s", duration_s, positive=True, seconds=True)
     steps = data.get("steps")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise w.error("steps", f"got {steps!r}; must be an integer >= 1")
@@ -365,17 +383,19 @@ def _schedule(w: _Where, t: dict[str, Any]) -> ScheduleSpec:
     for key in ("interval_s", "jitter_s", "mean_s", "start_s"):
         if key in t:
             kw[key] = _number(
-                w, f"schedule.{key}", t[key], positive=key in ("interval_s", "mean_s")
+                w,
+                f"schedule.{key}",
+                t[key],
+                positive=key in ("interval_s", "mean_s"),
+                seconds=True,
             )
     if "at_steps" in t:
         kw["at_steps"] = _int_list(w, "schedule.at_steps", t["at_steps"])
     if "at_times" in t:
         v = t["at_times"]
-        if not isinstance(v, list) or not all(
-            isinstance(x, int | float) and not isinstance(x, bool) for x in v
-        ):
+        if not isinstance(v, list):
             raise w.error("schedule.at_times", f"must be a list of seconds, got {v!r}")
-        kw["at_times"] = tuple(float(x) for x in v)
+        kw["at_times"] = tuple(_number(w, "schedule.at_times", x, seconds=True) for x in v)
     if "max_faults" in t:
         m = t["max_faults"]
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
@@ -426,8 +446,8 @@ def _faults(w: _Where, t: dict[str, Any]) -> FaultMix:
         except (ValueError, TypeError, UnknownFault) as e:
             raise w.error(f"faults.options.{kind}", str(e)) from None
         for key, value in o.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-                raise w.error(f"faults.options.{kind}.{key}", f"got {value!r}; must be >= 0")
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                _number(w, f"faults.options.{kind}.{key}", value, seconds=key.endswith("_s"))
         opts[kind] = MappingProxyType(dict(o))
     return FaultMix(weights=MappingProxyType(weights), options=MappingProxyType(opts))
 

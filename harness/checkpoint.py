@@ -11,6 +11,12 @@ The manifest is renamed last, so a checkpoint exists only once its manifest does
 :func:`load_latest` verifies the checksum before trusting the payload. A crash mid-write leaves
 temp files (ignored and cleaned up on the next save) or a payload without a manifest (ignored).
 
+Trust: payloads are loaded with ``torch.load(weights_only=True)``, so a planted checkpoint can
+hold only tensors and plain data (dicts, lists, tuples, numbers, strings, None), never code. A
+manifest's ``file`` must name a file in the same directory; a manifest that is not a JSON object,
+or names anything else, is skipped like a corrupt one. Folders are created ``0700`` and files
+``0600``: the weights are the run's, not every local user's.
+
 Not guaranteed: durability against a lying disk, or two writers on one directory at once.
 """
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,8 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -53,7 +61,7 @@ def save(dir: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep:
     the newest ``keep`` checkpoints. Either the whole checkpoint is written or (after a crash) it
     is invisible to :func:`load_latest`."""
     d = Path(dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
@@ -88,15 +96,43 @@ def _prune(d: Path, keep: int) -> None:
         tmp.unlink(missing_ok=True)  # left by a crashed writer (we are the only writer)
 
 
+def _payload_path(manifest: Path, meta: Any) -> Path | None:
+    """The payload a manifest names, or None unless the manifest is a well-formed object whose
+    ``file`` is a plain file name in the manifest's own directory (no ``/``, no ``..``, no
+    symlink leading out)."""
+    if not isinstance(meta, dict):
+        return None
+    name, size, digest, step = (meta.get(k) for k in ("file", "bytes", "xxh3_128", "step"))
+    if not (isinstance(name, str) and isinstance(digest, str)):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, step)):
+        return None
+    if name in ("", ".", "..") or Path(name).name != name:
+        return None
+    path = manifest.parent / name
+    if path.resolve().parent != manifest.parent.resolve():
+        return None
+    return path
+
+
 def _load_verified(manifest: Path) -> tuple[int, dict[str, Any]] | None:
     try:
         meta = json.loads(manifest.read_text())
-        payload = (manifest.parent / meta["file"]).read_bytes()
-    except (OSError, ValueError, KeyError):
+        path = _payload_path(manifest, meta)
+        if path is None:
+            return None
+        payload = path.read_bytes()
+    except (OSError, ValueError):
         return None
     if len(payload) != meta["bytes"] or xxhash.xxh3_128_hexdigest(payload) != meta["xxh3_128"]:
         return None
-    return int(meta["step"]), torch.load(io.BytesIO(payload), weights_only=False)
+    try:
+        # weights_only: a checkpoint is data. Anything that would need code to unpickle is
+        # refused (and the checkpoint skipped) rather than run.
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError):
+        return None
+    return meta["step"], state
 
 
 def load_latest(dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]] | None:

@@ -78,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. --set steps=100 --set "
         "recovery.policy=full_restart (repeatable)",
     )
-    run.add_argument("--out", default=None, help="run directory (journal, checkpoints, report)")
+    run.add_argument(
+        "--out",
+        default=None,
+        help="run directory (journal, checkpoints, logs); must be new or empty. Default "
+        "runs/NAME, or runs/NAME-2, -3... if an earlier run holds it",
+    )
     _add_live_options(run)
 
     chaos = sub.add_parser(
@@ -88,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         "-> verify. Exits non-zero if a hypothesis fails.",
     )
     chaos.add_argument("experiment", help="an experiment TOML file")
-    chaos.add_argument("--out", default=None, help="experiment directory (default runs/NAME)")
+    chaos.add_argument(
+        "--out",
+        default=None,
+        help="experiment directory; must be new or empty. Default runs/NAME, or "
+        "runs/NAME-2, -3... if an earlier experiment holds it",
+    )
     _add_live_options(chaos)
 
     report = sub.add_parser(

@@ -20,6 +20,13 @@ The timeout ordering, and why each rule exists (all values in seconds):
   checked here because step time is only known at run time.
 * ``process_group_timeout <= quorum_timeout``: a collective on a broken quorum fails (and the step
   aborts) before the next quorum request would time out.
+
+Numbers are also checked against what could ever run (one walk over every field, see
+:func:`_check_numbers`): every float is finite (a NaN timeout never fires, an infinite duration
+never ends), every duration is at most :data:`MAX_SECONDS`, and sizes are bounded by what one
+job could launch and hold in memory (:data:`MAX_WORKERS`, :data:`MAX_HOSTS`,
+:data:`MAX_LOGITS_BYTES`). ``name`` names the run directory, so it must be a plain file name
+(:data:`NAME_PATTERN`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import copy
 import dataclasses
 import difflib
 import importlib
+import math
+import re
 import tomllib
 import types
 import typing
@@ -39,6 +48,25 @@ from typing import Any, Literal
 
 class ConfigError(ValueError):
     """A job config is invalid; the message names the key and what is allowed."""
+
+
+#: A name becomes a directory (``runs/NAME``) and a label in every record: letters, digits,
+#: ``_``, ``-`` and ``.``, starting with a letter or digit (so never ``..``), at most 64.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Longest duration accepted anywhere (timeouts, restart windows and delays): a week. Longer is
+#: a typo or a "never" in disguise, and past ~292 years Python's waits raise OverflowError.
+MAX_SECONDS = 7 * 24 * 3600.0
+#: Worker processes of one job (replicas x ranks, plus warm spares). Every worker is a local
+#: process holding the model, its optimizer state and a torch import (~100 MB and more each):
+#: past about a thousand, one machine runs out of memory or pids before training starts.
+MAX_WORKERS = 1024
+#: Host agents: each is a local process that imports torch once (~300 MB) before forking.
+MAX_HOSTS = 64
+#: Every rank's forward pass holds batch_size x seq_len x vocab_size float32 logits (and their
+#: gradient as large): past 16 GiB for those alone, a step cannot fit a sane machine.
+MAX_LOGITS_BYTES = 16 << 30
+#: torch.Generator.manual_seed takes at most a 64-bit value; the data stream derives from it.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,8 +190,77 @@ def _smaller(
         )
 
 
+def _is_seconds(key: str) -> bool:
+    return key.startswith("timeouts.") or key.endswith("_s")
+
+
+def _check_numbers(spec: Any, prefix: str = "") -> None:
+    """One walk over every field of ``spec`` (recursively): floats (and floats in tuples) must be
+    finite, and durations (``timeouts.*``, ``*_s``) at most :data:`MAX_SECONDS`."""
+    for f in dataclasses.fields(spec):
+        key, value = prefix + f.name, getattr(spec, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_numbers(value, key + ".")
+            continue
+        items = enumerate(value) if isinstance(value, tuple) else [(None, value)]
+        for i, v in items:
+            if not isinstance(v, float):
+                continue
+            where = key if i is None else f"{key}[{i}]"
+            if not math.isfinite(v):
+                raise ConfigError(f"{where} = {v!r}: must be a finite number")
+            if _is_seconds(key) and v > MAX_SECONDS:
+                raise ConfigError(
+                    f"{where} = {v!r}: must be <= {MAX_SECONDS:g} seconds (a week); a longer "
+                    "duration is a typo or a 'never'"
+                )
+
+
+def _check_sizes(cfg: JobConfig) -> None:
+    """Upper bounds: what one job could launch and hold in memory (see the constants)."""
+    if not NAME_PATTERN.match(cfg.name):
+        raise ConfigError(
+            f"name = {cfg.name!r}: must be 1-64 letters, digits, '_', '-' or '.', starting with "
+            "a letter or digit (it names the run directory, runs/NAME)"
+        )
+    workers = cfg.replicas * cfg.ranks + cfg.hosts * cfg.recovery.spares_per_host
+    if workers > MAX_WORKERS:
+        raise ConfigError(
+            f"replicas x ranks + hosts x recovery.spares_per_host = {cfg.replicas} x {cfg.ranks} "
+            f"+ {cfg.hosts} x {cfg.recovery.spares_per_host} = {workers} worker processes: must "
+            f"be <= {MAX_WORKERS} (each is a local process holding the model and a torch import)"
+        )
+    if cfg.hosts > MAX_HOSTS:
+        raise ConfigError(
+            f"hosts = {cfg.hosts}: must be <= {MAX_HOSTS} (each host agent is a local process "
+            "that imports torch)"
+        )
+    d = cfg.data
+    logits = d.batch_size * d.seq_len * d.vocab_size * 4
+    if logits > MAX_LOGITS_BYTES:
+        raise ConfigError(
+            f"data.batch_size x data.seq_len x data.vocab_size = {d.batch_size} x {d.seq_len} x "
+            f"{d.vocab_size} float32 logits = {logits / 2**30:.3g} GiB per rank and step: must "
+            f"be <= {MAX_LOGITS_BYTES >> 30} GiB"
+        )
+    if not 0 <= d.seed <= MAX_SEED:
+        raise ConfigError(f"data.seed = {d.seed}: must be 0..{MAX_SEED} (a 64-bit seed)")
+
+
+def _check_optim(o: OptimConfig) -> None:
+    """AdamW's own rules (torch raises in every worker otherwise, a crash loop)."""
+    for key in ("lr", "eps", "weight_decay"):
+        if getattr(o, key) < 0:
+            raise ConfigError(f"optim.{key} = {getattr(o, key)!r}: must be >= 0")
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas[{i}] = {beta!r}: must be in [0, 1)")
+
+
 def validate(cfg: JobConfig) -> None:
-    """Raise :class:`ConfigError` for the first rule ``cfg`` breaks (sizes, then timeouts)."""
+    """Raise :class:`ConfigError` for the first rule ``cfg`` breaks (numbers, sizes, then
+    timeouts)."""
+    _check_numbers(cfg)
     _positive("replicas", cfg.replicas)
     _positive("ranks", cfg.ranks)
     _positive("hosts", cfg.hosts)
@@ -193,6 +290,8 @@ def validate(cfg: JobConfig) -> None:
     port = cfg.telemetry.prometheus_port
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"telemetry.prometheus_port = {port}: must be 0..65535 (0 = any free)")
+    _check_sizes(cfg)
+    _check_optim(cfg.optim)
 
     t = cfg.timeouts
     for f in dataclasses.fields(t):
@@ -287,7 +386,10 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key} = {value!r}: must be a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ConfigError(f"{key} = {value!r}: must be a finite number") from None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key} = {value!r}: must be an integer")

@@ -33,8 +33,10 @@ def run_job(
     to ``run_dir/journal.jsonl`` unless one is given. ``on_started(job)`` runs once training
     is under way (the chaos runner starts its injector there) and may return a callable that
     is called before the job stops."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from harness.rundir import make_private_dir
+
+    run_dir = make_private_dir(run_dir)  # weights, logs, tracebacks: the user's alone
+    make_private_dir(run_dir / "logs")
     own = journal is None
     journal = journal or Journal(
         run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy
@@ -84,7 +86,15 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return 2
-    run_dir = Path(args.out or Path("runs") / cfg.name)
+    from harness.rundir import RunDirError, choose_run_dir
+
+    try:
+        run_dir, note = choose_run_dir(args.out, cfg.name)
+    except RunDirError as exc:
+        print(f"ftharness run: {exc}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"ftharness run: {note}", file=sys.stderr)
     journal = Journal(run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
     telemetry = attach_telemetry(cfg, journal, quiet=args.quiet)
     try:

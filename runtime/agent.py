@@ -256,7 +256,7 @@ class Agent:
                 for w in self.workers.values():
                     w.hb.close()
                 if log_path:
-                    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
                     os.close(fd)

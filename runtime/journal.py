@@ -41,8 +41,11 @@ Event names and their extra fields:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -75,32 +78,74 @@ class Journal:
 
     ``sinks`` get every record after it is written (telemetry exporters, progress displays);
     a sink that raises is dropped from the list rather than breaking the run.
+
+    Failure contract: :meth:`emit` never raises because the disk did (a full disk, an I/O
+    error): the record is lost, the first such error is kept in :attr:`error`, said once on
+    stderr, and passed to every :meth:`on_error` listener (the job subscribes and ends with a
+    clear message). Later records are still tried (space may come back), and :attr:`lost` counts
+    those that did not reach the file. Opening the file can still raise: that happens before
+    anything runs.
+
+    Each record is one ``write(2)`` on an ``O_APPEND`` descriptor, so a crash or a short write
+    tears at most that line. On open, a torn last line left by an earlier writer is ended with a
+    newline (readers skip it), so the first new record starts on a line of its own; a torn line
+    of our own is ended the same way before the next record. The file is created ``0600``.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None, *, job: str, **stamp: Any) -> None:
         self.path = Path(path) if path is not None else None
         self.job = job
         self.stamp = dict(stamp)
+        self.error: OSError | None = None
+        self.lost = 0
         self._lock = threading.Lock()
         self._sinks: list[Sink] = []
-        self._file = None
+        self._error_listeners: list[Callable[[OSError], None]] = []
+        self._fd: int | None = None
+        self._torn = False  # the file ends mid-line: end it before the next record
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+            # 0700 applies to the last folder only; the run directory above it is made private
+            # by whoever creates it (harness.rundir).
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._torn = _ends_mid_line(self.path)
 
     def add_sink(self, sink: Sink) -> None:
         with self._lock:
             self._sinks.append(sink)
 
+    def on_error(self, listener: Callable[[OSError], None]) -> None:
+        """Call ``listener(exc)`` once, from the emitting thread, when a write first fails (at
+        once if one already has). A listener that raises is ignored."""
+        with self._lock:
+            error = self.error
+            if error is None:
+                self._error_listeners.append(listener)
+        if error is not None:
+            _call_quietly(listener, error)
+
     def emit(self, event: str, *, t: float | None = None, **fields: Any) -> Record:
         record: Record = {"t": time.time() if t is None else t, "event": event, "job": self.job}
         record.update(self.stamp)
         record.update(fields)
+        first_error: OSError | None = None
         with self._lock:
-            if self._file is not None:
-                self._file.write(json.dumps(record, default=str) + "\n")
-                self._file.flush()
+            if self._fd is not None:
+                line = (json.dumps(record, default=str) + "\n").encode()
+                try:
+                    self._write(line)
+                except OSError as exc:
+                    self.lost += 1
+                    if self.error is None:
+                        self.error = first_error = exc
             sinks = list(self._sinks)
+            listeners = self._error_listeners if first_error is not None else []
+            if first_error is not None:
+                self._error_listeners = []
+        if first_error is not None:
+            self._say_error(first_error, event)
+            for listener in listeners:
+                _call_quietly(listener, first_error)
         for sink in sinks:
             try:
                 sink(record)
@@ -110,34 +155,102 @@ class Journal:
                         self._sinks.remove(sink)
         return record
 
+    def _write(self, line: bytes) -> None:
+        """Write one record (under the lock). If only part of it reaches the file (a disk that
+        fills mid-write), ``_torn`` is set so the next record first ends the torn line."""
+        assert self._fd is not None
+        data = memoryview(b"\n" + line if self._torn else line)
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])  # EINTR is retried by Python
+        finally:
+            if written:
+                self._torn = written < len(data)
+
+    def _say_error(self, exc: OSError, event: str) -> None:
+        with contextlib.suppress(OSError, ValueError):  # stderr gone too: the error is kept
+            print(
+                f"ftharness: journal {self.path}: write failed ({exc}); the {event!r} record and "
+                "any later one that fails are lost, so reports from this journal will be "
+                "incomplete",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    os.close(fd)
+                except OSError as exc:
+                    if self.error is None:
+                        self.error = exc
 
 
-def read_journal(path: str | os.PathLike[str]) -> list[Record]:
+def _call_quietly(listener: Callable[[OSError], None], exc: OSError) -> None:
+    with contextlib.suppress(Exception):  # a broken listener must not break the emitter
+        listener(exc)
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """True if ``path`` is non-empty and its last byte is not a newline (a torn record)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def read_journal(
+    path: str | os.PathLike[str], *, problems: list[str] | None = None
+) -> list[Record]:
     """All records of a journal file (or of every ``*.jsonl`` in a directory), in time order.
 
-    A torn last line (the writer crashed mid-write) is skipped.
+    Only records every reader can rely on are returned: JSON objects with a finite number ``t``
+    and a string ``event``. Anything else (a torn line from a crash mid-write, a line that is
+    not an object, a record without ``t``) is skipped; pass ``problems`` to get one line per
+    skipped record (``file:line: why``). Never raises for a file's contents, only for a path that
+    cannot be read.
     """
     p = Path(path)
     files = sorted(p.glob("**/*.jsonl")) if p.is_dir() else [p]
     records: list[Record] = []
     for f in files:
-        records.extend(_read_lines(f))
-    records.sort(key=lambda r: r.get("t", 0.0))
+        records.extend(_read_lines(f, problems))
+    records.sort(key=lambda r: r["t"])
     return records
 
 
-def _read_lines(path: Path) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
+def _read_lines(path: Path, problems: list[str] | None) -> Iterator[Record]:
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            raw = raw.strip()
+            if not raw:
                 continue
+            why = None
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+                record = json.loads(raw)  # bytes: a torn multi-byte character is an error here
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                why = "not valid JSON (a torn write?)"
+            else:
+                why = _problem(record)
+            if why is None:
+                yield record
+            elif problems is not None:
+                problems.append(f"{path}:{number}: {why}")
+
+
+def _problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"not a JSON object: {type(record).__name__}"
+    t = record.get("t")
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        return f"no finite time 't' (got {t!r})"
+    if not isinstance(record.get("event"), str):
+        return f"no string 'event' (got {record.get('event')!r})"
+    return None

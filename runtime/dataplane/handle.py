@@ -61,14 +61,15 @@ class Handle:
     ``backends`` lists what the source serves, in its order of preference. ``host_id``
     identifies the source's host (hostname + boot id) so a reader can tell whether shared
     memory is reachable. ``pid``/``start_time`` identify the source process for liveness
-    checks on shared memory. ``token`` authenticates TCP requests (a reader without the handle
-    cannot read).
+    checks on shared memory (``start_time`` in clock ticks since boot, not a wall-clock time,
+    so a clock step cannot make a live source look dead). ``token`` authenticates TCP
+    requests (a reader without the handle cannot read).
     """
 
     backends: tuple[str, ...]
     host_id: str
     pid: int
-    start_time: float
+    start_time: int
     tensors: tuple[TensorMeta, ...]
     chunk_bytes: int
     header_bytes: int

@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from runtime.dataplane.errors import TornRead, TransferTimeout
@@ -47,7 +46,9 @@ from runtime.dataplane.memory import copy_and_hash, run_parallel
 MAGIC = int.from_bytes(b"FTDPSNP1", "little")
 PAGE = 4096
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^ftdp-(\d+)-(\d+)-[0-9a-f]+$")
+# ftdp-PID-tSTARTTICKS-RANDOM. (Names from before start ticks, ftdp-PID-MILLISECONDS-RANDOM,
+# are never matched: they cannot be checked without the wall clock, so they are left alone.)
+_NAME = re.compile(r"^ftdp-(\d+)-t(\d+)-[0-9a-f]+$")
 # header words: magic, active, generation, n_chunks, then (seq, step) for slot 0 and slot 1
 _TOP = struct.Struct("<QqQQ")
 _SLOT = struct.Struct("<Qq")
@@ -127,17 +128,38 @@ def slot_seq(buf, slot: int) -> int:
     return _SLOT.unpack_from(buf, _SLOT_AT[slot])[0]
 
 
-def process_start_time(pid: int) -> float:
-    return psutil.Process(pid).create_time()
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state, starttime)`` of ``pid`` from ``/proc/PID/stat``, or None if there is no such
+    process. ``starttime`` (field 22) is in clock ticks since boot: fixed for the life of the
+    process and independent of the wall clock. The command name (field 2) is in parentheses and
+    may itself hold spaces and parentheses, so fields are counted after its *last* ``)``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:  # no such process (or /proc hidden from us: treated the same)
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[22 - 3])  # fields[0] is field 3 (state)
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start_time(pid: int) -> int:
+    """A clock-independent identity of process ``pid``: its start time in clock ticks since
+    boot. A wall-clock time (psutil's ``create_time``) would move when the clock is stepped,
+    and live owners would then look dead. Raises ``ProcessLookupError`` if there is none."""
+    st = _proc_stat(pid)
+    if st is None:
+        raise ProcessLookupError(f"no process {pid}")
+    return st[1]
 
 
 def owner_alive(pid: int, start_time: float) -> bool:
-    """True if process ``pid`` exists and is the same process (not a reused pid)."""
-    try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - start_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+    """True if process ``pid`` exists, is not a zombie, and is the same process that had
+    ``start_time`` (:func:`process_start_time`), not a later one that reused the pid."""
+    st = _proc_stat(pid)
+    return st is not None and st[1] == start_time and st[0] not in ("Z", "X")
 
 
 def reap_orphans(directory: str = SHM_DIR) -> list[str]:
@@ -147,7 +169,7 @@ def reap_orphans(directory: str = SHM_DIR) -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             m = _NAME.match(name)
-            if m and not owner_alive(int(m.group(1)), int(m.group(2)) / 1000):
+            if m and not owner_alive(int(m.group(1)), int(m.group(2))):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
                     removed.append(os.path.join(directory, name))
@@ -184,9 +206,9 @@ class Snapshot:
         self.path: str | None = None
         self._lock = threading.Lock()
         pid = os.getpid()
-        start_ms = round(process_start_time(pid) * 1000)
+        ticks = process_start_time(pid)
         if shared and _free_bytes(SHM_DIR) > 2 * self.size:
-            self.path = f"{SHM_DIR}/ftdp-{pid}-{start_ms}-{secrets.token_hex(6)}"
+            self.path = f"{SHM_DIR}/ftdp-{pid}-t{ticks}-{secrets.token_hex(6)}"
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, self.size)

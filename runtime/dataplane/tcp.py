@@ -9,12 +9,19 @@ Wire format (little-endian). Every request is ``REQ``: a 16-byte token, an op, a
 seq, a first chunk and a chunk count. A request with a wrong token closes the connection
 before anything is decoded further.
 
+Bounds (a peer without the token can hold nothing for long): at most ``MAX_CONNECTIONS`` open
+connections (more are closed the moment they are accepted), the first request must arrive
+within ``HANDSHAKE_TIMEOUT_S``, and an authenticated connection that neither sends a request
+nor takes bytes for ``IDLE_TIMEOUT_S`` is dropped.
+
 * HELLO: reply ``HELLO_REP`` (status, slot, seq, step) followed by the header bytes of the
   snapshot (the reader parses the checksums itself).
 * READ(slot, seq, first, count): reply ``STATUS`` (status, seq now), then the chunks' bytes
   back to back, then a ``u64`` trailer with the slot's seq after sending. Either seq
-  differing from the requested one means the slot was overwritten: the read is torn.
-* VERBS: a length-prefixed JSON blob for the ibverbs queue-pair exchange (see ibverbs.py).
+  differing from the requested one means the slot was overwritten: the read is torn. A count
+  of 0 is an empty read (status and trailer, no bytes).
+* VERBS: a length-prefixed JSON blob (at most ``MAX_VERBS_BYTES``) for the ibverbs
+  queue-pair exchange (see ibverbs.py).
 """
 
 from __future__ import annotations
@@ -61,10 +68,21 @@ RUN_BYTES = 8 << 20  # bytes per READ request: amortises the round trip, keeps s
 # the protocol work), so more streams than cores only adds contention: measured at 2 GiB on
 # 2 cores, 2 streams beat 4. Across a real NIC, up to 4 spread the receive work over cores.
 DEFAULT_STREAMS = max(2, min(4, os.cpu_count() or 2))
+# A reader opens up to 4 streams, and a source serves the few replacements healing from it at
+# once: 64 leaves room for 16 concurrent readers; beyond that a connection is a flood (each one
+# costs a thread).
+MAX_CONNECTIONS = 64
+# A reader sends its first request right after connecting; 5 s covers a loaded host.
+HANDSHAKE_TIMEOUT_S = 5.0
+# Between requests, and per send that makes no progress, an authenticated reader is given this
+# long; a reader that stalls longer has died or hung (its own deadlines are shorter).
+IDLE_TIMEOUT_S = 60.0
+MAX_VERBS_BYTES = 1 << 20  # a queue-pair description is a few hundred bytes of JSON
 
 
 class TcpServer:
-    """Serves a ``Snapshot`` on ``bind:0``; one daemon thread per connection."""
+    """Serves a ``Snapshot`` on ``bind:0``; one daemon thread per connection, at most
+    ``max_connections`` of them (see the module doc for the timeouts)."""
 
     def __init__(
         self,
@@ -72,9 +90,17 @@ class TcpServer:
         token: bytes,
         bind: str = "127.0.0.1",
         verbs_accept: Callable[[dict], dict] | None = None,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self._snap = snapshot
         self._token = token
+        self._max_connections = max_connections
+        self._handshake_timeout_s = handshake_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self.refused = 0  # connections closed on accept because the cap was reached
         self._verbs_accept = verbs_accept
         self._sock = socket.create_server((bind, 0), backlog=64)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
@@ -92,32 +118,50 @@ class TcpServer:
             except OSError:
                 return
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self.refused += 1
+                with contextlib.suppress(OSError):
+                    conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+            # Blocking socket, kernel timeouts: a receive (or a send that makes no progress)
+            # past them fails with EAGAIN, an OSError, and the connection is dropped.
+            handshake_by = time.monotonic() + self._handshake_timeout_s
+            authenticated = False
             while not self._closed:
-                raw = _recv_exact(conn, REQ.size)
+                # Before the token: one deadline for the whole first request, so a peer that
+                # trickles a byte at a time is dropped as surely as a silent one.
+                raw = _recv_exact(conn, REQ.size, None if authenticated else handshake_by)
                 if raw is None:
                     return
                 token, op, slot, seq, first, count = REQ.unpack(raw)
                 if not hmac.compare_digest(token, self._token):
                     return  # unauthenticated: drop without decoding anything else
+                if not authenticated:
+                    authenticated = True
+                    _set_timeouts(conn, self._idle_timeout_s)
                 if op == OP_HELLO:
                     self._hello(conn)
                 elif op == OP_READ:
                     self._read(conn, slot, seq, first, count)
                 elif op == OP_VERBS and self._verbs_accept is not None:
                     (n,) = U64.unpack(_recv_exact(conn, 8) or b"\0" * 8)
+                    if n > MAX_VERBS_BYTES:
+                        return
                     request = json.loads(_recv_exact(conn, n) or b"{}")
                     reply = json.dumps(self._verbs_accept(request))
                     conn.sendall(U64.pack(len(reply)) + reply.encode())
                 else:
                     return
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a VERBS blob that is not JSON
             pass
         finally:
             with self._lock:
@@ -145,6 +189,9 @@ class TcpServer:
             conn.sendall(STATUS.pack(STALE, now))
             return
         conn.sendall(STATUS.pack(OK, now))
+        if count == 0:  # an empty read: nothing to send but the trailer
+            conn.sendall(U64.pack(slot_seq(self._snap.mm, slot)))
+            return
         base = self._snap.data_offset(slot)
         run = chunks[first : first + count]
         # chunks of one tensor are contiguous: send each maximal contiguous span in one call
@@ -171,9 +218,36 @@ class TcpServer:
             self._mv.release()
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+def _timeval(seconds: float) -> bytes:
+    sec = int(seconds)
+    return struct.pack("ll", sec, max(1, int((seconds - sec) * 1e6)))  # 0 would mean "never"
+
+
+def _set_timeouts(conn: socket.socket, seconds: float) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """``n`` bytes, or None if the peer closed first. With a ``deadline`` (monotonic), every
+    receive is bounded by the time left, and None is also returned once it passes."""
     buf = bytearray(n)
-    return bytes(buf) if recv_fully(conn, memoryview(buf)) == n else None
+    if deadline is None:
+        return bytes(buf) if recv_fully(conn, memoryview(buf)) == n else None
+    view, got = memoryview(buf), 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(left))
+        try:
+            k = conn.recv_into(view[got:])
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            return None
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
 
 
 class _Conn:

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -185,3 +186,41 @@ def test_a_source_killed_mid_transfer_fails_fast_and_another_peer_serves(backend
     finally:
         victim.stop()
         healthy.stop()
+
+
+@pytest.mark.timeout(60)
+def test_owner_identity_of_a_process_with_an_awkward_name() -> None:
+    """/proc/PID/stat is parsed after the command name's last ')', so a name holding spaces
+    and parentheses does not shift the start-time field; a zombie or a gone owner is dead."""
+    from runtime.dataplane.snapshot import owner_alive, process_start_time
+
+    name = "a) b (c ) 9"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; open('/proc/self/comm', 'w').write({name!r}); print(flush=True); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline() == "\n"  # the name is set
+        assert Path(f"/proc/{child.pid}/comm").read_text().strip() == name
+        ticks = process_start_time(child.pid)
+        # psutil reads the same field (and adds the boot time to it)
+        since_boot = psutil.Process(child.pid).create_time() - psutil.boot_time()
+        assert abs(ticks - since_boot * os.sysconf("SC_CLK_TCK")) < 1.5
+        assert owner_alive(child.pid, ticks)
+        child.kill()
+        deadline = time.monotonic() + 20
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not owner_alive(child.pid, ticks)  # dead but not yet reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert not owner_alive(child.pid, ticks)

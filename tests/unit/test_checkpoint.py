@@ -3,9 +3,11 @@ corrupt or partial checkpoint is skipped by its checksum."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from harness import checkpoint
 
@@ -97,3 +100,110 @@ def test_sigkill_mid_write_leaves_previous_checkpoint_valid(tmp_path: Path) -> N
         assert manifest["bytes"] == (d / manifest["file"]).stat().st_size
     # The kill landed mid-write (a torn temp file was left) in at least one trial.
     assert hits >= 1
+
+
+# --- trust: a checkpoint is data, confined to its folder, private to its user ---------------
+
+
+class _RunsCode:
+    """Unpickling this makes a directory: the stand-in for any code a planted pickle runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.mkdir, (self.path,))
+
+
+def _plant(d: Path, step: int, payload: bytes, file: object = None) -> None:
+    """A checkpoint written by someone else: any payload, a manifest that matches it."""
+    name = f"step_{step:08d}.pt"
+    (d / name).write_bytes(payload)
+    manifest = {
+        "step": step,
+        "file": name if file is None else file,
+        "bytes": len(payload),
+        "xxh3_128": xxhash.xxh3_128_hexdigest(payload),
+    }
+    (d / f"step_{step:08d}.json").write_text(json.dumps(manifest))
+
+
+def _torch_bytes(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_trainer_state_loads_with_weights_only(tmp_path: Path) -> None:
+    """Everything the trainer saves (model, AdamW state, data position, manager counters)
+    loads back under weights_only=True, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    state = {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "data": {"position": 12345},
+        "manager": {"step": 7, "batches_committed": 21},
+    }
+    checkpoint.save(tmp_path, 7, state)
+    step, loaded = checkpoint.load_latest(tmp_path)
+    assert step == 7
+    assert loaded["data"] == {"position": 12345}
+    assert loaded["manager"] == {"step": 7, "batches_committed": 21}
+    fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
+    fresh.load_state_dict(loaded["optim"])
+    assert fresh.param_groups[0]["betas"] == (0.9, 0.95)
+    for k, v in state["model"].items():
+        assert torch.equal(loaded["model"][k], v)
+    for idx, s in state["optim"]["state"].items():
+        for key, v in s.items():
+            assert torch.equal(loaded["optim"]["state"][idx][key], v)
+
+
+def test_a_checkpoint_that_would_run_code_is_skipped(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, 1, _state(1))
+    ran = tmp_path.parent / f"{tmp_path.name}-code-ran"
+    _plant(tmp_path, 2, _torch_bytes({"step": 2, "x": _RunsCode(ran)}))
+    step, state = checkpoint.load_latest(tmp_path)
+    assert not ran.exists()
+    assert step == 1 and state["step"] == 1
+
+
+def test_a_manifest_cannot_point_outside_its_folder(tmp_path: Path) -> None:
+    d, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
+    outside.mkdir()
+    checkpoint.save(d, 1, _state(1))
+    foreign = _torch_bytes(_state(99))
+    (outside / "w.pt").write_bytes(foreign)
+    _plant(d, 2, foreign, file="../elsewhere/w.pt")
+    _plant(d, 3, foreign, file=str(outside / "w.pt"))
+    _plant(d, 4, foreign)
+    (d / "step_00000004.pt").unlink()
+    (d / "step_00000004.pt").symlink_to(outside / "w.pt")  # a link leading out
+    step, state = checkpoint.load_latest(d)
+    assert step == 1 and state["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    ["[1, 2]", '"step_00000002.pt"', "null", '{"step": 2, "file": 5, "bytes": 1, "xxh3_128": ""}'],
+)
+def test_a_manifest_that_is_not_an_object_is_skipped(tmp_path: Path, manifest: str) -> None:
+    checkpoint.save(tmp_path, 1, _state(1))
+    (tmp_path / "step_00000002.pt").write_bytes(_torch_bytes(_state(2)))
+    (tmp_path / "step_00000002.json").write_text(manifest)
+    step, _ = checkpoint.load_latest(tmp_path)
+    assert step == 1
+
+
+def test_checkpoints_are_private(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    checkpoint.save(d, 1, _state(1))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    for name in ("step_00000001.pt", "step_00000001.json"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600

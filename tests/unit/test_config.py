@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,78 @@ def test_shipped_tiny_experiment_loads() -> None:
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(str(repo / "experiments" / "tiny.toml"), [])
     assert cfg.model.kind == "tiny"
+
+
+# --- numbers that could never run, and names that escape runs/ ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("timeouts.quorum_timeout=nan", "timeouts.quorum_timeout = nan: must be a finite number"),
+        ("timeouts.heartbeat_timeout=inf", "timeouts.heartbeat_timeout = inf: must be a finite"),
+        ("optim.lr=nan", "optim.lr = nan: must be a finite number"),
+        ("optim.lr=inf", "optim.lr = inf: must be a finite number"),
+        ("optim.betas=[nan, 0.9]", r"optim.betas\[0\] = nan: must be a finite number"),
+        ("optim.betas=[0.9, inf]", r"optim.betas\[1\] = inf: must be a finite number"),
+        ("optim.betas=[1.0, 0.9]", r"optim.betas\[0\] = 1.0: must be in \[0, 1\)"),
+        ("optim.lr=-0.1", "optim.lr = -0.1: must be >= 0"),
+        ("recovery.restart_delay_s=inf", "recovery.restart_delay_s = inf: must be a finite"),
+        ("recovery.restart_delay_s=nan", "recovery.restart_delay_s = nan: must be a finite"),
+        ("recovery.within_s=nan", "recovery.within_s = nan: must be a finite number"),
+        ("recovery.within_s=1e300", r"recovery.within_s = 1e\+300: must be <= 604800 seconds"),
+        ("timeouts.connect_timeout=" + "9" * 400, "timeouts.connect_timeout = 9999"),
+        (
+            "replicas=100000",
+            "replicas x ranks \\+ hosts x recovery.spares_per_host = 100000 x 1 \\+ 1 x 0 = "
+            "100000 worker processes: must be <= 1024",
+        ),
+        ("ranks=2000", "= 3 x 2000 \\+ 1 x 0 = 6000 worker processes"),
+        ("recovery.spares_per_host=5000", "= 5003 worker processes: must be <= 1024"),
+        ("hosts=1000", "hosts = 1000: must be <= 64"),
+        (
+            "data.batch_size=1000000000",
+            "data.batch_size x data.seq_len x data.vocab_size = 1000000000 x 32 x 256 float32 "
+            "logits = 3.05e\\+04 GiB per rank and step: must be <= 16 GiB",
+        ),
+        ("data.seed=-1", r"data.seed = -1: must be 0..9223372036854775807"),
+        ('name="../outside"', "name = '../outside': must be 1-64 letters"),
+        ('name="a/b"', "name = 'a/b': must be"),
+        ('name=".."', "name = '..': must be"),
+        ('name="x y"', "name = 'x y': must be"),
+    ],
+)
+def test_numbers_and_names_that_could_never_run(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_toml(tmp_path, ""), [override])
+
+
+def test_direct_construction_checks_numbers_too() -> None:
+    with pytest.raises(ConfigError, match=r"timeouts\.quorum_timeout = nan"):
+        JobConfig(timeouts=TimeoutConfig(quorum_timeout=float("nan")))
+
+
+def test_cli_rejects_nan_before_launch(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            str(repo / "experiments" / "tiny.toml"),
+            "--set",
+            "optim.lr=nan",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "ftharness run: optim.lr = nan: must be a finite number\n"
+    assert not (tmp_path / "run").exists()

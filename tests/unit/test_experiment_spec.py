@@ -150,6 +150,43 @@ BAD = [
         ["job", "nope.toml", "no such file"],
     ),
     ("negative weight", _replace("kill = 2", "kill = -2"), ["faults.mix.kill", "> 0"]),
+    # Non-finite numbers: an infinite duration never ends, a NaN compares false to everything.
+    (
+        "infinite duration",
+        _replace("duration_s = 60", "duration_s = inf"),
+        ["duration_s", "got inf; must be a finite number"],
+    ),
+    (
+        "NaN duration",
+        _replace("duration_s = 60", "duration_s = nan"),
+        ["duration_s", "got nan; must be a finite number"],
+    ),
+    (
+        "a duration longer than a week",
+        _replace("duration_s = 60", "duration_s = 1e12"),
+        ["duration_s", "must be <= 604800 seconds"],
+    ),
+    (
+        "NaN interval",
+        _replace("interval_s = 10", "interval_s = nan"),
+        ["schedule.interval_s", "got nan; must be a finite number"],
+    ),
+    ("NaN weight", _replace("kill = 2", "kill = nan"), ["faults.mix.kill", "finite"]),
+    ("NaN threshold", _replace("recovery_p95_max_s = 10", "recovery_p95_max_s = nan"), ["finite"]),
+    (
+        "infinite fault time",
+        _replace('kind = "interval"\ninterval_s = 10', 'kind = "at_times"\nat_times = [1, inf]'),
+        ["schedule.at_times", "got inf"],
+    ),
+    (
+        "NaN in the job",
+        _replace("hosts = 2\n", "hosts = 2\n[job.optim]\nlr = nan\n"),
+        ["job", "optim.lr = nan: must be a finite number"],
+    ),
+    # The name becomes runs/NAME, and the chaos runner writes under it: no escaping it.
+    ("name with ..", _replace('name = "t"', 'name = "../../etc"'), ["name", "'../../etc'"]),
+    ("name with /", _replace('name = "t"', 'name = "a/b"'), ["name", "runs/NAME"]),
+    ("name ..", _replace('name = "t"', 'name = ".."'), ["name", "starting with a letter"]),
 ]
 
 
