@@ -33,7 +33,9 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares):
     def started(job):
         def kill():
             killed["pid"] = job.faults.pids(Target(replica=1, rank=0))[0]
-            killed["others"] = job.faults.pids(Target(replica=0)) + job.faults.pids(Target(replica=2))
+            killed["others"] = job.faults.pids(Target(replica=0)) + job.faults.pids(
+                Target(replica=2)
+            )
             os.kill(killed["pid"], signal.SIGKILL)
 
         after_step(job, 12, kill)
@@ -80,7 +82,9 @@ def test_segfault_in_one_rank_restarts_only_its_group(tmp_path):
 
     def started(job):
         after_step(
-            job, 8, lambda: job.faults.run_in_worker(Target(replica=0, rank=1), "faults.inworker:segfault")
+            job,
+            8,
+            lambda: job.faults.run_in_worker(Target(replica=0, rank=1), "faults.inworker:segfault"),
         )
 
     out = run_job(cfg, tmp_path, quiet=True, on_started=started)
@@ -109,7 +113,10 @@ def test_restart_intensity_exhausted_stops_the_job_with_a_report(tmp_path):
                 pids = job.faults.pids(Target(replica=2, rank=0))
                 os.kill(pids[0], signal.SIGKILL)
                 deadline = time.monotonic() + 60
-                while job.faults.pids(Target(replica=2, rank=0)) == pids and time.monotonic() < deadline:
+                while (
+                    job.faults.pids(Target(replica=2, rank=0)) == pids
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.05)
                 time.sleep(0.5)
 
