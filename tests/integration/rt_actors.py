@@ -63,3 +63,41 @@ class Echo(Actor):
 class Broken(Actor):
     def __init__(self) -> None:
         raise RuntimeError("constructor failed")
+
+
+class Supervised(Actor):
+    """An actor with a long-running supervised endpoint (like a training loop)."""
+
+    @endpoint(supervised=True)
+    def run(self, fail: bool) -> str:
+        if fail:
+            raise RuntimeError("the loop gave up")
+        return "done"
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def reply_of(self, nbytes: int) -> bytes:
+        """A reply of ``nbytes`` (over the channel's frame limit when large)."""
+        return b"x" * nbytes
+
+
+class Chatter(Actor):
+    """Emits a journal event per iteration, like a trainer per step, and counts iterations in a
+    file so that a test can see progress without asking the controller."""
+
+    @endpoint
+    def chatter(self, path: str, seconds: float) -> int:
+        n = 0
+        deadline = time.monotonic() + seconds
+        payload = "y" * 20000  # fills a stopped reader's socket buffers within a second
+        while time.monotonic() < deadline:
+            self.emit("test.chatter", n=n, payload=payload)
+            n += 1
+            if n % 50 == 0:
+                with open(path, "w") as f:
+                    f.write(str(n))
+            time.sleep(0.001)
+        return n
