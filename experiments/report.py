@@ -9,7 +9,6 @@ the experiment there) when it exists. Exit status: 0 all hypotheses hold (or non
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -291,12 +290,9 @@ def main(args: argparse.Namespace) -> int:
         print(render_markdown(report["summary"], report["hypotheses"]), end="")
         print(f"wrote {out_dir / 'report.md'} and {out_dir / 'report.json'}")
     if getattr(args, "html", False):
-        try:
-            html = importlib.import_module("dashboards.html")
-        except ImportError:
-            print("HTML dashboard unavailable: dashboards.html is not installed", file=sys.stderr)
-        else:
-            path = html.write_dashboard(out_dir, records, report["summary"])
-            if not getattr(args, "json", False):
-                print(f"wrote {path or out_dir / 'dashboard.html'}")
+        from dashboards.html import write_dashboard
+
+        path = write_dashboard(out_dir, records, report["summary"])
+        if not getattr(args, "json", False):
+            print(f"wrote {path or out_dir / 'dashboard.html'}")
     return 0 if report["passed"] else 1

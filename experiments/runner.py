@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dashboards.html import write_dashboard
 from experiments.spec import ExperimentError, ExperimentSpec, load_experiment
 from harness.rundir import RunDirError, choose_run_dir, make_private_dir
 from runtime.journal import Journal, read_journal
@@ -111,12 +112,7 @@ def main(args: argparse.Namespace) -> int:
 
     records = read_journal(out)
     report = write_report(out, records, spec.hypotheses)
-    try:
-        from dashboards.html import write_dashboard
-
-        html = write_dashboard(out, records, report["summary"])
-    except ImportError:
-        html = None
+    html = write_dashboard(out, records, report["summary"])
     print(render_markdown(report["summary"], report["hypotheses"]), end="")
     for policy, o in outcomes.items():
         print(

@@ -36,7 +36,6 @@ and hosts are what targets are checked against).
 
 from __future__ import annotations
 
-import importlib
 import math
 import tomllib
 from collections.abc import Mapping
@@ -55,7 +54,7 @@ from faults.schedule import (
     schedule_problems,
 )
 from faults.targets import REQUESTED_KINDS, KeepAlive, TargetError, TargetSpec, Topology
-from harness.config import MAX_SECONDS, NAME_PATTERN
+from harness.config import MAX_SECONDS, NAME_PATTERN, config_from_dict, load_config
 
 POLICIES: tuple[str, ...] = ("in_place", "full_restart")
 
@@ -311,36 +310,24 @@ def _job(
 ) -> tuple[Path | None, Mapping[str, Any] | None, Topology]:
     if value is None:
         raise w.error("job", "required: a job config path (relative to this file) or a [job] table")
-    try:
-        config_mod = importlib.import_module("harness.config")
-    except ImportError:
-        config_mod = None
     if isinstance(value, str):
         path = Path(value)
         if not path.is_absolute() and source is not None:
             path = source.parent / path
         if not path.is_file():
             raise w.error("job", f"{value!r}: no such file ({path})")
-        if config_mod is not None:
-            try:
-                cfg = config_mod.load_config(str(path), list(overrides))
-            except ValueError as e:
-                raise w.error("job", f"{value!r}: {e}") from None
-            return path, None, _topology_of(cfg)
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise w.error("job", f"{value!r} is not valid TOML: {e}") from None
-        return path, None, _topology_of(raw)
+            cfg = load_config(str(path), list(overrides))
+        except ValueError as e:
+            raise w.error("job", f"{value!r}: {e}") from None
+        return path, None, _topology_of(cfg)
     if isinstance(value, dict):
         table = _with_overrides(w, value, overrides)
-        if config_mod is not None:
-            try:
-                cfg = config_mod.config_from_dict(table)
-            except ValueError as e:
-                raise w.error("job", str(e)) from None
-            return None, MappingProxyType(dict(table)), _topology_of(cfg)
-        return None, MappingProxyType(dict(table)), _topology_of(table)
+        try:
+            cfg = config_from_dict(table)
+        except ValueError as e:
+            raise w.error("job", str(e)) from None
+        return None, MappingProxyType(dict(table)), _topology_of(cfg)
     raise w.error("job", f"must be a path string or a table, got {value!r}")
 
 

@@ -12,9 +12,9 @@ import torch
 
 import harness.transport  # noqa: F401 - registers the "dataplane" checkpoint transport
 from harness.config import config_from_dict
-from harness.recovery import HEALED
 from harness.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint
+from runtime.journal import HEALED
 
 
 class _ReportingTrainer(Trainer):

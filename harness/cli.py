@@ -19,20 +19,20 @@ _HANDLERS = {
 }
 _BENCHES = {
     "runtime": (
-        "harness.bench.runtime:main",
+        "experiments.bench.runtime:main",
         "spawn, call latency and failure detection of the "
         "supervision tree (and Monarch's, where installed)",
     ),
     "recovery": (
-        "harness.bench.recovery:main",
+        "experiments.bench.recovery:main",
         "survivor stall and time-to-participate after a "
         "killed replica group, in-place vs full_restart",
     ),
     "transfer": (
-        "harness.bench.transfer:main",
+        "experiments.bench.transfer:main",
         "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
     ),
-    "telemetry": ("harness.bench.telemetry:main", "training-step overhead of the telemetry"),
+    "telemetry": ("experiments.bench.telemetry:main", "training-step overhead of the telemetry"),
 }
 
 

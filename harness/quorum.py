@@ -178,3 +178,16 @@ def close_communicator(pg: ProcessGroupGloo, failure: BaseException | None = Non
         failure.__context__ = None
     pg.abort(errored=False)  # torchft's wrapper forgets its gloo process group
     gc.collect()
+
+
+def forget_failed_quorum(manager: Manager) -> None:
+    """Make a Manager whose ``start_quorum`` failed ask afresh next time.
+
+    torchft re-raises a failed quorum future on the next ``start_quorum``: drop it. And a
+    restarted quorum service numbers its quorums from 1 again, which can equal the id this
+    Manager holds: forget it, so the next quorum always rebuilds the communicator (otherwise
+    groups that skip the rebuild and groups that do not hang each other). These are torchft
+    private attributes (torchft-nightly 2026.10.26); this is the one place that touches them.
+    """
+    manager._quorum_future = None
+    manager._quorum_id = -1

@@ -26,15 +26,13 @@ from typing import Any
 from runtime.failure import Failure
 from runtime.journal import (
     FAULT_INJECT,
+    HEALED,
     RECOVERY_PHASE,
     STEP_ABORT,
     STEP_COMMIT,
     Journal,
     Record,
 )
-
-#: Journal event a trainer emits when torchft loads a healthy peer's state into it mid-run.
-HEALED = "trainer.healed"
 
 
 @dataclass

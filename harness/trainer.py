@@ -36,7 +36,8 @@ from harness import checkpoint
 from harness.config import JobConfig, config_from_dict
 from harness.data import TokenStream
 from harness.model import build_model, loss_fn
-from harness.quorum import close_communicator, host_store, make_manager
+from harness.quorum import close_communicator, forget_failed_quorum, host_store, make_manager
+from runtime.journal import CHECKPOINT_LOAD, CHECKPOINT_SAVE, PROC_START, STEP_ABORT, STEP_COMMIT
 
 #: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
 #: gives up and lets its supervisor restart the group.
@@ -159,7 +160,7 @@ class Trainer:
         if not self.manager.should_commit():
             err = self.manager.errored()
             self._emit(
-                "step.abort",
+                STEP_ABORT,
                 {
                     "replica": self.replica_id,
                     "rank": self.rank,
@@ -173,7 +174,7 @@ class Trainer:
         self.data.advance()  # the position moves only with a committed step
         committed = self.manager.current_step()
         self._emit(
-            "step.commit",
+            STEP_COMMIT,
             {
                 "replica": self.replica_id,
                 "rank": self.rank,
@@ -202,15 +203,10 @@ class Trainer:
             self._quorum_failures += 1
             if self._quorum_failures > MAX_QUORUM_FAILURES:
                 raise
-            # torchft re-raises a failed quorum future on the next start_quorum: drop it. And a
-            # restarted quorum service numbers its quorums from 1 again, which can equal the id
-            # this Manager holds: forget it, so the next quorum always rebuilds the communicator
-            # (otherwise groups that skip the rebuild and groups that do not hang each other).
-            self.manager._quorum_future = None
-            self.manager._quorum_id = -1
+            forget_failed_quorum(self.manager)
             step = self.manager.current_step() + 1
             self._emit(
-                "step.abort",
+                STEP_ABORT,
                 {
                     "replica": self.replica_id,
                     "rank": self.rank,
@@ -291,7 +287,7 @@ class Trainer:
         folder = self._ckpt_dir / f"replica_{self.replica_id}_rank_{self.rank}"
         path = checkpoint.save(folder, step, state, keep=self.cfg.checkpoint.keep)
         self._emit(
-            "checkpoint.save",
+            CHECKPOINT_SAVE,
             {
                 "replica": self.replica_id,
                 "rank": self.rank,
@@ -317,7 +313,7 @@ class Trainer:
         self.load_state_dict(state)
         self.manager.load_state_dict(state["manager"])
         self._emit(
-            "checkpoint.load",
+            CHECKPOINT_LOAD,
             {"replica": self.replica_id, "rank": self.rank, "step": step, "path": str(folder)},
         )
 
@@ -388,7 +384,7 @@ def run_trainer(
     cfg = config_from_dict(cfg_dict)
     torch.set_num_threads(threads_per_worker(cfg))
     journal = Journal(journal_path, job=cfg.name, replica=replica_id, rank=rank)
-    journal.emit("proc.start", replica=replica_id, rank=rank, host=0, pid=os.getpid(), spare=False)
+    journal.emit(PROC_START, replica=replica_id, rank=rank, host=0, pid=os.getpid(), spare=False)
     trainer = Trainer(
         cfg,
         replica_id=replica_id,

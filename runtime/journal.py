@@ -36,6 +36,8 @@ Event names and their extra fields:
                           ``PHASES``), ``cause``
 ``checkpoint.save``       ``step``, ``path``, ``seconds``
 ``checkpoint.load``       ``step``, ``path``
+``trainer.healed``        ``replica``, ``rank``, ``data_pos``, ``transport``: torchft loaded a
+                          healthy peer's state into this rank mid-run
 ========================  =====================================================================
 """
 
@@ -65,6 +67,7 @@ FAULT_HEAL = "fault.heal"
 RECOVERY_PHASE = "recovery.phase"
 CHECKPOINT_SAVE = "checkpoint.save"
 CHECKPOINT_LOAD = "checkpoint.load"
+HEALED = "trainer.healed"
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")

@@ -28,8 +28,8 @@ How to validate on an InfiniBand/RoCE host (two hosts A and B, rdma-core + pytho
   2. On one host: ``pytest -m rdma tests/unit/test_dataplane_verbs.py`` runs
      ``test_real_device_round_trip``: a mixed-dtype state registered with
      ``backend="ibverbs"`` is read back through the HCA (loopback), checksums verified.
-  3. Across hosts: on A run a source (``python -m runtime.dataplane.ibverbs serve --bind
-     <A's IP>``) which prints its handle; on B run ``python -m runtime.dataplane.ibverbs read
+  3. Across hosts: on A run a source (``python -m runtime.dataplane.rdma_check serve --bind
+     <A's IP>``) which prints its handle; on B run ``python -m runtime.dataplane.rdma_check read
      '<handle>'``; it prints the GB/s and verifies the bytes. Expect close to line rate for
      states of hundreds of MiB; ``perftest``'s ``ib_read_bw`` between the same hosts is the
      reference figure.
@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -332,30 +331,3 @@ def _complete(v, cq, chunks, dest, view, bad, deadline) -> int:
         if hash_at(dest[c.tensor].data_ptr() + c.offset, c.length) != view.checksums[c.index]:
             bad.append(c.index)
     return len(wcs)
-
-
-def _cli(argv: list[str]) -> int:
-    """``serve`` / ``read HANDLE``: the manual cross-host check described above."""
-    from runtime.dataplane import read_into, register
-
-    if argv[:1] == ["serve"]:
-        bind = argv[argv.index("--bind") + 1] if "--bind" in argv else "127.0.0.1"
-        state = [torch.randn(64 << 20) for _ in range(4)]  # 1 GiB of float32
-        reg = register(state, backend="ibverbs", bind=bind)
-        reg.publish(1)
-        print(reg.handle.dumps(), flush=True)
-        threading.Event().wait()
-        return 0
-    if argv[:1] == ["read"]:
-        handle = Handle.loads(argv[1])
-        dest = [torch.zeros(m.shape) for m in handle.tensors]
-        t0 = time.perf_counter()
-        read_into(handle, dest, backend="ibverbs", timeout=60)
-        print(f"{handle.total_bytes / (time.perf_counter() - t0) / 1e9:.2f} GB/s, verified")
-        return 0
-    print(__doc__)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_cli(sys.argv[1:]))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harness.bench.transfer import METHODS, QUICK_SIZES, RATIOS
+from experiments.bench.transfer import METHODS, QUICK_SIZES, RATIOS
 
 
 @pytest.mark.timeout(300)

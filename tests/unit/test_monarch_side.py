@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from harness.bench.monarch_side import _run_child, marked_processes, measure_monarch
+from experiments.bench.monarch_side import _run_child, marked_processes, measure_monarch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("monarch") is None, reason="torchmonarch (extra 'compare') missing"

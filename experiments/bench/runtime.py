@@ -11,7 +11,7 @@ has imported torch (``agent_start_s`` reports that one-off cost separately):
   configured heartbeat timeout.
 
 Where torchmonarch is installed (extra ``compare``), the same figures for Monarch, measured in
-the same run by ``harness.bench.monarch_side``, appear under ``"monarch"``.
+the same run by ``experiments.bench.monarch_side``, appear under ``"monarch"``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from experiments.bench.monarch_side import measure_monarch
 from runtime.actor import Actor, endpoint
 from runtime.controller import Controller
 from runtime.failure import Failure
@@ -147,11 +148,7 @@ def measure(reps: int, heartbeat_timeout_s: float, quiet: bool) -> dict[str, Any
 def main(args: argparse.Namespace) -> int:
     reps = args.reps or (2 if args.quick else 5)
     result = measure(reps, heartbeat_timeout_s=1.0, quiet=args.json)
-    try:
-        from harness.bench.monarch_side import measure_monarch
-    except ImportError:
-        measure_monarch = None
-    if measure_monarch is not None and not args.quick:
+    if not args.quick:
         _progress(args.json, "measuring Monarch in the same run")
         result["monarch"] = measure_monarch(reps=reps)
     m = result.get("monarch") or {}

@@ -191,7 +191,7 @@ def _bench_size(total_bytes: int, reps: int, log) -> dict:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store_addr = f"127.0.0.1:{store.port}/bench/{total_bytes}"
-    code = f"from harness.bench.transfer import _source; _source({total_bytes}, {store_addr!r})"
+    code = f"from experiments.bench.transfer import _source; _source({total_bytes}, {store_addr!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
@@ -242,7 +242,7 @@ def _bench_size(total_bytes: int, reps: int, log) -> dict:
         def http() -> float:
             nonlocal verified
             code = (
-                "from harness.bench.transfer import _http_receiver; "
+                "from experiments.bench.transfer import _http_receiver; "
                 f"_http_receiver({http_meta!r}, {len(dest)})"
             )
             child = subprocess.run(

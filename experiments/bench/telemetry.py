@@ -26,6 +26,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+from runtime.journal import STEP_COMMIT
+
 DEFAULT_REPS = 9
 DEFAULT_STEPS = 30
 
@@ -77,7 +79,7 @@ def _timed_step(train_step, journal, step: int, batch: int, seq: int) -> float:
     t0 = time.perf_counter()
     loss = train_step()
     t1 = time.perf_counter()
-    journal.emit("step.commit", **_commit_fields(step, loss, t1 - t0, batch, seq))
+    journal.emit(STEP_COMMIT, **_commit_fields(step, loss, t1 - t0, batch, seq))
     return time.perf_counter() - t0
 
 
@@ -111,7 +113,7 @@ def _sink_cost_us(n: int = 5000) -> float:
         recs = [
             {
                 "t": 1e9 + i,
-                "event": "step.commit",
+                "event": STEP_COMMIT,
                 "job": "bench",
                 **_commit_fields(i, 1.0, 0.01, 8, 32),
             }

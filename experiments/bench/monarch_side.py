@@ -1,7 +1,7 @@
 """Monarch side of ``ftharness bench runtime``: the same four figures, measured on torchmonarch.
 
 ``measure_monarch()`` runs the measurement in a child process (``python -m
-harness.bench.monarch_side``) so Monarch's runtime threads, signal handlers and processes never
+experiments.bench.monarch_side``) so Monarch's runtime threads, signal handlers and processes never
 touch the caller, and returns one dict (``None`` where ``import monarch`` fails):
 
 - ``spawn_mesh_s``: on an already-running host (one throw-away spawn first, so bootstrap is
@@ -136,7 +136,7 @@ def _run_child(
     child_env[MARKER_ENV] = marker
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.bench.monarch_side", *args],
+            [sys.executable, "-m", "experiments.bench.monarch_side", *args],
             stdout=subprocess.PIPE,
             stderr=err,
             env=child_env,
@@ -234,7 +234,7 @@ def _round(x: float | None, nd: int) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Child side: everything below runs only inside ``python -m harness.bench.monarch_side``.
+# Child side: everything below runs only inside ``python -m experiments.bench.monarch_side``.
 
 
 class _FailureLog:
