@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from runtime import channel, process
@@ -56,6 +56,7 @@ from runtime.messages import (
     SysCall,
 )
 from runtime.plane import Owner
+from runtime.procs import CallTable, ProcFailedError, ProcRecord
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
 from runtime.states import ProcState, check_transition
@@ -65,28 +66,6 @@ from runtime.worker import EXIT_ACTOR_CRASHED
 log = logging.getLogger("ftharness.controller")
 
 __all__ = ["Controller", "HostAgentHandle", "ProcFailedError", "ProcRecord"]
-
-
-class ProcFailedError(RuntimeError):
-    """A call could not complete because its process failed (the failure is attached)."""
-
-    def __init__(self, message: str, failure: Failure | None = None) -> None:
-        super().__init__(message)
-        self.failure = failure
-
-
-@dataclass(eq=False)  # identity: a record is one process, whatever its fields say
-class ProcRecord:
-    ref: ProcRef
-    host: HostAgentHandle
-    state: ProcState = ProcState.SPAWNING
-    pid: int | None = None
-    conn: channel.Connection | None = None
-    ready: cf.Future = field(default_factory=cf.Future)
-    owner: Owner | None = None
-    pending: set[int] = field(default_factory=set)
-    spare: bool = False  # an idle warm spare, not yet adopted by any mesh
-    last_error: tuple[str, str, str] | None = None  # the last error reply: a crash's cause
 
 
 class Controller:
@@ -108,8 +87,7 @@ class Controller:
         self.fatal: Failure | None = None
         self.fatal_event = threading.Event()
         self._failure_listeners: list[Callable[[Failure], None]] = []
-        self._calls: dict[int, tuple[cf.Future, str]] = {}
-        self._call_ids = itertools.count(1)
+        self._calls = CallTable()
         self._lock = threading.RLock()
         # (failure, its owner or None for the root, the failed process if any)
         self._queue: queue.Queue[tuple[Failure, Owner | None, ProcRecord | None] | None] = (
@@ -432,23 +410,20 @@ class Controller:
                 if rec.state is ProcState.RUNNING:
                     # The agent's exit report (with the signal or exit code) normally follows
                     # within milliseconds and fails the pending calls with the real cause.
-                    timer = threading.Timer(2.0, self._fail_calls, (rec, lost))
+                    timer = threading.Timer(2.0, self._calls.fail_for, (rec, lost))
                     timer.daemon = True
                     timer.start()
                 else:
-                    self._fail_calls(rec, lost)
+                    self._calls.fail_for(rec, lost)
 
     def _on_worker_message(self, rec: ProcRecord, msg: Any) -> None:
         match msg:
             case Result(call_id, ok, value):
-                with self._lock:
-                    entry = self._calls.pop(call_id, None)
-                    rec.pending.discard(call_id)
-                    if not ok:
-                        rec.last_error = value
-                if entry is None:
+                if not ok:
+                    rec.last_error = value
+                fut = self._calls.pop(rec, call_id)
+                if fut is None:
                     return
-                fut = entry[0]
                 if ok:
                     fut.set_result(value)
                 else:
@@ -462,28 +437,27 @@ class Controller:
     def request(self, proc_id: str, kind: type[Request], **fields: Any) -> cf.Future:
         """Send ``kind(call_id=..., **fields)`` to a worker; the future gets its result (or a
         RemoteError, or ProcFailedError if the process fails first)."""
-        fut: cf.Future = cf.Future()
         with self._lock:
             rec = self.procs.get(proc_id)
+            refused: BaseException | None = None
             if self.fatal is not None:
-                fut.set_exception(SupervisionError(self.fatal))
-                return fut
-            if rec is None or rec.conn is None or rec.state is not ProcState.RUNNING:
+                refused = SupervisionError(self.fatal)
+            elif rec is None or rec.conn is None or rec.state is not ProcState.RUNNING:
                 state = rec.state.value if rec else "unknown"
-                fut.set_exception(ProcFailedError(f"{proc_id} is not running ({state})"))
-                return fut
-            call_id = next(self._call_ids)
-            self._calls[call_id] = (fut, proc_id)
-            rec.pending.add(call_id)
-            conn = rec.conn
+                refused = ProcFailedError(f"{proc_id} is not running ({state})")
+            else:
+                call_id, fut = self._calls.open(rec)
+                conn = rec.conn
+        if refused is not None:
+            fut = cf.Future()
+            fut.set_exception(refused)
+            return fut
         try:
             conn.send(kind(call_id=call_id, **fields))
         except channel.ChannelError as exc:
-            self._fail_calls(rec, ProcFailedError(f"{proc_id}: {exc}"))
+            self._calls.fail_for(rec, ProcFailedError(f"{proc_id}: {exc}"))
         except Exception as exc:  # did not pickle, or over the frame limit: the caller's error
-            with self._lock:
-                self._calls.pop(call_id, None)
-                rec.pending.discard(call_id)
+            self._calls.pop(rec, call_id)
             fut.set_exception(exc)
         return fut
 
@@ -491,14 +465,6 @@ class Controller:
         """Run ``"module:function"(*args)`` inside a worker on a fresh thread (not queued
         behind the actor's running endpoint). Used by the fault injector."""
         return self.request(proc_id, SysCall, func=func, args=args)
-
-    def _fail_calls(self, rec: ProcRecord, exc: BaseException) -> None:
-        with self._lock:
-            ids, rec.pending = rec.pending, set()
-            futs = [self._calls.pop(i)[0] for i in ids if i in self._calls]
-        for f in futs:
-            if not f.done():
-                f.set_exception(exc)
 
     # -- failures -----------------------------------------------------------------------------
     def _on_exit(self, proc_id: str, status: int, t: float) -> None:
@@ -561,7 +527,7 @@ class Controller:
         )
         if not rec.ready.done():
             rec.ready.set_exception(ProcFailedError(failure.summary(), failure))
-        self._fail_calls(rec, ProcFailedError(failure.summary(), failure))
+        self._calls.fail_for(rec, ProcFailedError(failure.summary(), failure))
         self.emit(FAILURE, **failure.journal_fields(), t_detected=failure.t_detected)
         for fn in list(self._failure_listeners):
             try:
@@ -613,12 +579,8 @@ class Controller:
             if self.fatal is not None:
                 return
             self.fatal = failure
-            calls = [f for f, _ in self._calls.values()]
-            self._calls.clear()
+        self._calls.fail_all(SupervisionError(failure))
         self.emit(FAILURE, fatal=True, **failure.journal_fields())
-        for f in calls:
-            if not f.done():
-                f.set_exception(SupervisionError(failure))
         self.fatal_event.set()
 
     def supervisor(

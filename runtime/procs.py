@@ -1,0 +1,81 @@
+"""A supervised worker process as the controller knows it, and the calls waiting on it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from runtime import channel
+from runtime.failure import Failure
+from runtime.mesh import ProcRef
+from runtime.plane import Owner
+from runtime.states import ProcState
+
+if TYPE_CHECKING:
+    from runtime.host import HostAgentHandle
+
+
+class ProcFailedError(RuntimeError):
+    """A call could not complete because its process failed (the failure is attached)."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass(eq=False)  # identity: a record is one process, whatever its fields say
+class ProcRecord:
+    ref: ProcRef
+    host: HostAgentHandle
+    state: ProcState = ProcState.SPAWNING
+    pid: int | None = None
+    conn: channel.Connection | None = None
+    ready: cf.Future = field(default_factory=cf.Future)
+    owner: Owner | None = None
+    pending: set[int] = field(default_factory=set)  # ids of calls awaiting its reply
+    spare: bool = False  # an idle warm spare, not yet adopted by any mesh
+    last_error: tuple[str, str, str] | None = None  # the last error reply: a crash's cause
+
+
+class CallTable:
+    """Futures of calls in flight, by call id and by process; thread-safe. Every future ends:
+    with its reply, or with the process's failure, or with the job's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._calls: dict[int, cf.Future] = {}
+
+    def open(self, rec: ProcRecord) -> tuple[int, cf.Future]:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            call_id = next(self._ids)
+            self._calls[call_id] = fut
+            rec.pending.add(call_id)
+        return call_id, fut
+
+    def pop(self, rec: ProcRecord, call_id: int) -> cf.Future | None:
+        with self._lock:
+            rec.pending.discard(call_id)
+            return self._calls.pop(call_id, None)
+
+    def fail_for(self, rec: ProcRecord, exc: BaseException) -> None:
+        """Fail every call waiting on ``rec``."""
+        with self._lock:
+            ids, rec.pending = rec.pending, set()
+            futs = [self._calls.pop(i) for i in ids if i in self._calls]
+        _fail(futs, exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            futs, self._calls = list(self._calls.values()), {}
+        _fail(futs, exc)
+
+
+def _fail(futs: list[Any], exc: BaseException) -> None:
+    for f in futs:
+        if not f.done():
+            f.set_exception(exc)
