@@ -119,6 +119,9 @@ class Job:
         self.tracker = RecoveryTracker(journal)
         self.progress = Progress(cfg, self.tracker, quiet=quiet)
         journal.add_sink(self.progress.on_record)
+        # A journal that cannot be written ends the run: every report is computed from it.
+        self._journal_error: OSError | None = None
+        journal.on_error(self._on_journal_error)
         self.faults = JobFaultContext(self)
 
     @property
@@ -385,6 +388,10 @@ class Job:
         return host
 
     # -- completion -----------------------------------------------------------------------------
+    def _on_journal_error(self, exc: OSError) -> None:
+        self._journal_error = exc
+        self._done.set()
+
     def _check_done(self) -> None:
         with self._lock:
             futs = [g.training for g in self.groups.values()]
@@ -406,7 +413,17 @@ class Job:
         deadline = None if timeout is None else now + timeout
         end = None if duration_s is None else now + duration_s
         status, reason = "ok", "trained to the last step"
-        while not self._done.is_set():
+        while True:
+            if self._journal_error is not None:
+                status = "failed"
+                reason = (
+                    f"the journal {self.journal.path} could not be written "
+                    f"({self._journal_error}); the run stopped, since every report is computed "
+                    "from it"
+                )
+                break
+            if self._done.is_set():
+                break
             if self.controller.fatal_event.is_set():
                 status, reason = "failed", self.controller.fatal.report()  # type: ignore[union-attr]
                 break

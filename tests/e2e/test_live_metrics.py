@@ -14,7 +14,7 @@ from dashboards import names as N
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from e2e_helpers import chaos_argv
-from h3_fixtures import Prometheus, free_port, stop_process, wait_for
+from telemetry_fixtures import Prometheus, free_port, stop_process, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
@@ -210,3 +212,77 @@ def test_heal_through_the_dataplane_transport(tmp_path):
         if r["event"] == "step.commit" and r["replica"] == 2 and r["t"] > failure["t"]
     ]
     assert back
+
+
+def test_an_evicted_host_comes_back_in_the_background_and_takes_its_groups_again(tmp_path):
+    """After a host eviction, the lost host's agent is restarted when its cooldown ends, by
+    the job and off any restart path: a later restart of a group homed there finds it ready
+    (the 8.8 s held-GIL restart was a group waiting for that agent to import torch)."""
+    cfg = tiny_cfg("steps=400", "replicas=2", "hosts=2", "recovery.quorum=tree")
+    seen: dict[str, object] = {}
+    stop = threading.Event()
+
+    def started(job):
+        def evict():
+            job.faults.set_host_cooldown("host1", 2.0)
+            seen["old_agent"] = job.controller.hosts["host1"].pid
+            job.faults.kill_host("host1")
+            # group 1 (home host1) is restarted on host0 at once, without waiting for host1
+            deadline = time.monotonic() + 60
+            while job.group_host(1) != "host0" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(1)
+            # host1's agent comes back by itself, though no group asked for it
+            while time.monotonic() < deadline:
+                h = job.controller.hosts["host1"]
+                if not h.lost and h.pid != seen["old_agent"]:
+                    seen["back"] = True
+                    break
+                time.sleep(0.05)
+            # the group's next restart goes home, to the ready host
+            kill_group(job, 1)
+            while job.group_host(1) != "host1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["home_again"] = job.group_host(1)
+            after = job.faults.committed_step() + 10
+            while job.faults.committed_step() < after and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 8, evict)
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started, stop_event=stop)
+    assert out["status"] == "ok", out["reason"]
+    assert seen == {
+        "old_agent": seen["old_agent"],
+        "moved_to": "host0",
+        "back": True,
+        "home_again": "host1",
+    }
+    records = events(tmp_path)
+    check_invariants(records)
+    starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") == 1]
+    assert [r["host"] for r in starts] == ["host1", "host0", "host1"]
+
+
+def test_a_journal_that_cannot_be_written_ends_the_run_with_a_clear_reason(tmp_path):
+    """A full disk under the journal (its descriptor pointed at /dev/full mid-run: a real
+    ENOSPC on the real write path) stops the run with a reason, instead of hanging it or
+    killing controller threads."""
+    from runtime.journal import Journal
+
+    cfg = tiny_cfg("steps=100000", "replicas=2")
+    journal = Journal(tmp_path / "journal.jsonl", job=cfg.name, policy="in_place")
+
+    def started(job):
+        def fill_disk():
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, journal._fd)
+            os.close(full)
+
+        after_step(job, 5, fill_disk)
+
+    out = run_job(cfg, tmp_path, journal=journal, quiet=True, on_started=started, timeout=120)
+    journal.close()
+    assert out["status"] == "failed"
+    assert "could not be written" in out["reason"] and "No space left" in out["reason"]

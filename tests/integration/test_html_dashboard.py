@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from h3_fake_job import scenario
+from journal_scenario import scenario
 
 from dashboards import names as N
 from dashboards.html import render_dashboard, write_dashboard

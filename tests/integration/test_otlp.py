@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from h3_fixtures import (  # noqa: F401 - fixtures
+from telemetry_fixtures import (  # noqa: F401 - fixtures
     REPO,
     attrs,
     job_env,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from h3_fixtures import (  # noqa: F401 - fixtures
+from telemetry_fixtures import (  # noqa: F401 - fixtures
     Prometheus,
     running_job,
     stop_process,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import rt_actors
+import runtime_actors
 
 from runtime import channel
 from runtime.actor import RemoteError
@@ -59,7 +59,7 @@ def ctl():
 def test_spawn_slice_and_call(ctl):
     host = ctl.spawn_host("h0")
     procs = host.spawn_procs({"replicas": 3, "ranks": 2})
-    actors = procs.spawn("echo", rt_actors.Echo, "tag")
+    actors = procs.spawn("echo", runtime_actors.Echo, "tag")
     out = actors.ping.call(7).get(timeout=20)
     assert sorted(out.keys()) == [(r, k) for r in range(3) for k in range(2)]
     assert out[(2, 1)]["coords"] == {"replicas": 2, "ranks": 1}
@@ -89,14 +89,14 @@ def test_spawn_slice_and_call(ctl):
 
 
 def test_remote_exception_carries_traceback_and_coords(ctl):
-    actors = ctl.spawn_host().spawn_procs({"ranks": 2}).spawn("echo", rt_actors.Echo)
+    actors = ctl.spawn_host().spawn_procs({"ranks": 2}).spawn("echo", runtime_actors.Echo)
     with pytest.raises(RemoteError) as info:
         actors.slice(ranks=1).boom.call_one().get(timeout=20)
     err = info.value
     assert err.exc_type == "ValueError"
     assert err.coords == {"ranks": 1}
     assert "boom from the actor" in str(err)
-    assert "rt_actors.py" in err.remote_traceback and "in boom" in err.remote_traceback
+    assert "runtime_actors.py" in err.remote_traceback and "in boom" in err.remote_traceback
     # the process survives an endpoint exception
     assert actors.slice(ranks=1).ping.call_one().get(timeout=20)["x"] == 0
 
@@ -104,7 +104,7 @@ def test_remote_exception_carries_traceback_and_coords(ctl):
 def test_constructor_failure_is_reported(ctl):
     procs = ctl.spawn_host().spawn_procs({"ranks": 1})
     with pytest.raises(RemoteError, match="constructor failed"):
-        procs.spawn("broken", rt_actors.Broken)
+        procs.spawn("broken", runtime_actors.Broken)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,9 @@ def test_constructor_failure_is_reported(ctl):
 )
 def test_process_death_reaches_controller_with_cause(ctl, how, cause, sig, code):
     actors = (
-        ctl.spawn_host("h0").spawn_procs({"replicas": 2, "ranks": 1}).spawn("echo", rt_actors.Echo)
+        ctl.spawn_host("h0")
+        .spawn_procs({"replicas": 2, "ranks": 1})
+        .spawn("echo", runtime_actors.Echo)
     )
     victim = actors.slice(replicas=1, ranks=0)
     fut = victim.die.call_one(how)
@@ -134,7 +136,7 @@ def test_process_death_reaches_controller_with_cause(ctl, how, cause, sig, code)
 
 
 def test_held_gil_is_detected_by_missed_heartbeats(ctl):
-    actors = ctl.spawn_host().spawn_procs({"ranks": 1}).spawn("echo", rt_actors.Echo)
+    actors = ctl.spawn_host().spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo)
     pid = actors.pid.call_one().get(timeout=20)
     actors.hold_gil.call_one(30)
     failure = wait_for(lambda: ctl.failures and ctl.failures[0], what="hang failure")
@@ -166,7 +168,7 @@ def test_strategies(strategy):
             sup.add_child(
                 f"rank{r}",
                 lambda r=r: host.spawn_procs({"ranks": 1}, fixed={"rank": r}).spawn(
-                    "echo", rt_actors.Echo
+                    "echo", runtime_actors.Echo
                 ),
             )
         before = {n: _group_pids(sup, n) for n in ("rank0", "rank1")}
@@ -193,7 +195,7 @@ def test_restart_intensity_escalates_to_root(tmp_path):
             SupervisorSpec(strategy=Strategy.ONE_FOR_ALL, max_restarts=2, within_s=60, grace_s=0.2),
         )
         group.add_child(
-            "ranks", lambda: host.spawn_procs({"ranks": 1}).spawn("echo", rt_actors.Echo)
+            "ranks", lambda: host.spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo)
         )
         for _ in range(3):
             pid = group.child("ranks").pid.call_one().get(timeout=20)
@@ -226,7 +228,7 @@ def test_transient_child_not_restarted_after_clean_exit():
         sup = c.supervisor("s", SupervisorSpec())
         sup.add_child(
             "w",
-            lambda: host.spawn_procs({"ranks": 1}).spawn("echo", rt_actors.Echo),
+            lambda: host.spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo),
             restart=Restart.TRANSIENT,
         )
         pid = sup.child("w").pid.call_one().get(timeout=20)
@@ -240,8 +242,8 @@ def test_transient_child_not_restarted_after_clean_exit():
 
 def test_lost_host_fails_its_processes(ctl):
     a = ctl.spawn_host("h0")
-    ctl.spawn_host("h1").spawn_procs({"ranks": 1}).spawn("echo", rt_actors.Echo)
-    a.spawn_procs({"ranks": 2}).spawn("echo", rt_actors.Echo)
+    ctl.spawn_host("h1").spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo)
+    a.spawn_procs({"ranks": 2}).spawn("echo", runtime_actors.Echo)
     a.kill()
     wait_for(lambda: len(ctl.failures) >= 2, what="lost-host failures")
     assert {f.host for f in ctl.failures} == {"h0"}
@@ -261,7 +263,7 @@ def assert_dropped(sock: socket.socket) -> None:
 
 def test_unauthenticated_and_garbage_peers_are_dropped(ctl, caplog):
     host = ctl.spawn_host()
-    actors = host.spawn_procs({"ranks": 1}).spawn("echo", rt_actors.Echo)
+    actors = host.spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo)
     for address in (host.address, ctl.address):
         # 1. a client with the wrong secret
         with pytest.raises(channel.AuthError):
@@ -283,7 +285,7 @@ def test_unauthenticated_and_garbage_peers_are_dropped(ctl, caplog):
     # everybody keeps serving: the workers, the agent's handshake, and the agent's forks
     assert actors.ping.call_one(9).get(timeout=20)["x"] == 9
     channel.connect(host.address, ctl.secret, timeout=5).close()
-    more = host.spawn_procs({"ranks": 1}).spawn("echo2", rt_actors.Echo)
+    more = host.spawn_procs({"ranks": 1}).spawn("echo2", runtime_actors.Echo)
     assert more.ping.call_one(7).get(timeout=20)["x"] == 7
     assert ctl.failures == []
 
@@ -292,11 +294,11 @@ ORPHAN_SCRIPT = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {tests!r})
-    import rt_actors
+    import runtime_actors
     from runtime.controller import Controller
     from runtime.spec import ControllerSpec
     c = Controller(ControllerSpec(preload=()))
-    actors = c.spawn_host("h0").spawn_procs({{"ranks": 2}}).spawn("e", rt_actors.Echo)
+    actors = c.spawn_host("h0").spawn_procs({{"ranks": 2}}).spawn("e", runtime_actors.Echo)
     pids = list(actors.pid.call().get(timeout=30).values())
     pids += list(actors.spawn_child.call().get(timeout=30).values())
     pids.append(c.hosts["h0"].pid)
@@ -334,12 +336,12 @@ UNHANDLED_SCRIPT = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    import rt_actors
+    import runtime_actors
     from runtime.controller import Controller
     from runtime.failure import SupervisionError
     from runtime.spec import ControllerSpec
     with Controller(ControllerSpec(preload=())) as c:
-        actors = c.spawn_host("h0").spawn_procs({{"ranks": 1}}).spawn("e", rt_actors.Echo)
+        actors = c.spawn_host("h0").spawn_procs({{"ranks": 1}}).spawn("e", runtime_actors.Echo)
         actors.die.call("segfault")
         try:
             c.wait(timeout=30)
@@ -371,7 +373,9 @@ def test_warm_spare_is_adopted_then_replenished(tmp_path):
         host.keep_spares(2)
         spare_pids = {c.procs[r.ref.proc_id].pid for r in host.spares}
         assert len(spare_pids) == 2
-        actors = host.spawn_procs({"ranks": 1}, fixed={"replica": 4}).spawn("e", rt_actors.Echo)
+        actors = host.spawn_procs({"ranks": 1}, fixed={"replica": 4}).spawn(
+            "e", runtime_actors.Echo
+        )
         got = actors.ping.call_one().get(timeout=20)
         assert got["pid"] in spare_pids  # adopted, not forked
         assert got["coords"] == {"replica": 4, "ranks": 0}  # with the mesh's coordinates
@@ -394,7 +398,7 @@ def test_warm_spare_is_adopted_then_replenished(tmp_path):
         host.keep_spares(0)
         assert (
             host.spawn_procs({"ranks": 1})
-            .spawn("e", rt_actors.Echo)
+            .spawn("e", runtime_actors.Echo)
             .ping.call_one()
             .get(timeout=20)["pid"]
             not in now

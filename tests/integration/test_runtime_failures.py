@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import rt_actors
+import runtime_actors
 from test_runtime import FAST, wait_for
 
 from runtime.actor import RemoteError
@@ -35,7 +35,9 @@ def test_exception_escaping_a_supervised_endpoint_is_a_failure_value(ctl):
     host = ctl.spawn_host("h0")
     restarts: list[int] = []
     sup = ctl.supervisor("job", SupervisorSpec(max_restarts=3, within_s=60))
-    sup.add_child("loop", lambda: host.spawn_procs({"rank": 1}).spawn("s", rt_actors.Supervised))
+    sup.add_child(
+        "loop", lambda: host.spawn_procs({"rank": 1}).spawn("s", runtime_actors.Supervised)
+    )
     sup.on_restart = lambda name, inst: restarts.append(inst.pid.call_one().get(timeout=20))
     first = sup.child("loop")
     pid = first.pid.call_one().get(timeout=20)
@@ -54,7 +56,7 @@ def test_exception_escaping_a_supervised_endpoint_is_a_failure_value(ctl):
 
 
 def test_a_plain_endpoint_that_raises_leaves_its_process_serving(ctl):
-    actors = ctl.spawn_host("h0").spawn_procs({"rank": 1}).spawn("e", rt_actors.Echo)
+    actors = ctl.spawn_host("h0").spawn_procs({"rank": 1}).spawn("e", runtime_actors.Echo)
     with pytest.raises(RemoteError, match="boom"):
         actors.boom.call_one().get(timeout=20)
     assert actors.ping.call_one(1).get(timeout=20)["x"] == 1
@@ -62,7 +64,7 @@ def test_a_plain_endpoint_that_raises_leaves_its_process_serving(ctl):
 
 
 def test_oversized_reply_is_a_remote_error_and_the_worker_lives_on(ctl):
-    actors = ctl.spawn_host("h0").spawn_procs({"rank": 1}).spawn("s", rt_actors.Supervised)
+    actors = ctl.spawn_host("h0").spawn_procs({"rank": 1}).spawn("s", runtime_actors.Supervised)
     pid = actors.pid.call_one().get(timeout=20)
     with pytest.raises(RemoteError, match="exceeds MAX_FRAME"):
         actors.reply_of.call_one(MAX_FRAME + 1).get(timeout=60)
@@ -75,7 +77,7 @@ def test_a_control_plane_thread_that_dies_stops_the_job_with_its_traceback():
     c = Controller(FAST)
     try:
         host = c.spawn_host("h0")
-        actors = host.spawn_procs({"rank": 1}).spawn("e", rt_actors.Echo)
+        actors = host.spawn_procs({"rank": 1}).spawn("e", runtime_actors.Echo)
 
         def broken(*args: object) -> None:
             raise KeyError("a bug in exit handling")
@@ -104,13 +106,13 @@ def test_one_groups_slow_restart_does_not_hold_up_anothers(ctl):
         starts["a"] += 1
         if starts["a"] > 1:  # the restart: hold it until b is back
             a_saw_b.append(b_restarted.wait(30))
-        return host.spawn_procs({"rank": 1}).spawn("e", rt_actors.Echo)
+        return host.spawn_procs({"rank": 1}).spawn("e", runtime_actors.Echo)
 
     spec = SupervisorSpec(strategy=Strategy.ONE_FOR_ALL, max_restarts=3, within_s=60)
     a = job.add_supervisor("a", spec)
     a.add_child("ranks", start_a)
     b = job.add_supervisor("b", spec, on_restart=lambda *_: b_restarted.set())
-    b.add_child("ranks", lambda: host.spawn_procs({"rank": 1}).spawn("e", rt_actors.Echo))
+    b.add_child("ranks", lambda: host.spawn_procs({"rank": 1}).spawn("e", runtime_actors.Echo))
     a.child("ranks").die.call_one("sigkill")
     time.sleep(0.2)  # a's restart is now waiting
     b.child("ranks").die.call_one("sigkill")
@@ -160,14 +162,14 @@ STOPPED_CONTROLLER = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {tests!r})
-    import rt_actors
+    import runtime_actors
     from runtime.controller import Controller
     from runtime.spec import ControllerSpec, HeartbeatSpec
     spec = ControllerSpec(preload=(), agent_heartbeat=HeartbeatSpec(interval_s=0.2, timeout_s=600))
     c = Controller(spec, on_failure=lambda f: True)
     host = c.spawn_host("h0")
-    chat = host.spawn_procs({{"rank": 1}}).spawn("c", rt_actors.Chatter)
-    echo = host.spawn_procs({{"rank": 1}}).spawn("e", rt_actors.Echo)
+    chat = host.spawn_procs({{"rank": 1}}).spawn("c", runtime_actors.Chatter)
+    echo = host.spawn_procs({{"rank": 1}}).spawn("e", runtime_actors.Echo)
     victim = echo.pid.call_one().get(timeout=30)
     chat.chatter.call_one({counter!r}, 60.0)
     print(host.pid, victim, flush=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from h1_procs import REPO, commits, start_trainer
+from trainer_procs import REPO, commits, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, config_to_dict
 from harness.quorum import Lighthouse, host_store
@@ -170,7 +170,7 @@ def _start_fault_worker(
         "hook": hook,
         "at_step": at_step,
     }
-    worker = Path(__file__).with_name("h1_fault_worker.py")
+    worker = Path(__file__).with_name("trainer_fault_worker.py")
     return subprocess.Popen(
         [sys.executable, str(worker), json.dumps(args)],
         stdout=open(journal.with_suffix(".log"), "ab"),

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from h1_procs import commits, start_trainer
+from trainer_procs import commits, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, TimeoutConfig, config_to_dict
 from harness.tree_quorum import TreeQuorum

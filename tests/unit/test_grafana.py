@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
+from journal_scenario import scenario
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards import grafana
 from dashboards import names as N
 from dashboards.telemetry import Telemetry
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from h3_fake_job import scenario
 
 JSON_PATH = Path(grafana.__file__).with_name("grafana_dashboard.json")
 PANEL_TYPES = {

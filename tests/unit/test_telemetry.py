@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from journal_scenario import scenario
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sim_journal import simulate
 
 from dashboards import names as N
 from dashboards.metrics import summarize
 from dashboards.telemetry import Telemetry
 from runtime.journal import PHASES, Journal
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from h3_fake_job import scenario
-from sim_journal import simulate
 
 
 def _feed(records, **kw):

@@ -2,7 +2,8 @@
 server scraping it, and a small OTLP/HTTP receiver. Import the fixtures into a test module.
 
 ``telemetry_job_command`` is the one place that says what "the running job" is. Today it is
-``h3_fake_job.py`` (a real process driving a real Journal with the Telemetry sink). Its contract:
+``telemetry_stand_in_job.py`` (a real process driving a real Journal with the Telemetry sink).
+Its contract:
 given a journal path and an address file, it serves Prometheus metrics on 127.0.0.1 (port 0),
 writes ``host:port`` to the address file, journals one injected ``kill`` of replica group 1 and
 the recovery, and keeps serving until SIGTERM, then exits 0. Point it at ``ftharness run
@@ -32,7 +33,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-FAKE_JOB = HERE / "h3_fake_job.py"
+FAKE_JOB = HERE / "telemetry_stand_in_job.py"
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str, every: float = 0.2):

@@ -1,6 +1,6 @@
 """A trainer process that fires one of the Trainer's fault hooks on itself mid-run.
 
-``python h1_fault_worker.py ARGS_JSON`` where ARGS_JSON holds run_trainer's arguments plus
+``python trainer_fault_worker.py ARGS_JSON`` where ARGS_JSON holds run_trainer's arguments plus
 ``hook`` ("abort" | "delay") and ``at_step``: when the trainer has committed ``at_step`` steps a
 side thread calls ``abort_collectives()`` (during the next step's collective window) or
 ``set_step_delay(0.5)`` for the rest of the run. The journal records a ``fault.inject`` first.
