@@ -209,9 +209,3 @@ def main(args: argparse.Namespace) -> int:
         }
     print(json.dumps(result))
     return 0
-
-    try:
-        import harness.tree_quorum  # noqa: F401
-    except ImportError:
-        return False
-    return True
