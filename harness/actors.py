@@ -51,8 +51,10 @@ class TrainerActor(Actor):
         store_addrs: dict[int, str],
         lighthouse_addr: str,
         run_dir: str | None,
+        member_ids: dict[int, str] | None = None,
     ) -> None:
-        """``store_addrs`` maps each replica group to its TCPStore; this actor's group and
+        """``store_addrs`` maps each replica group to its TCPStore, ``member_ids`` to the name
+        the quorum service admitted for it (none: torchft's Lighthouse); this actor's group and
         rank are its mesh coordinates."""
         self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
@@ -67,6 +69,7 @@ class TrainerActor(Actor):
             lighthouse_addr=lighthouse_addr,
             emit=lambda event, fields: self.emit(event, **fields),
             run_dir=run_dir,
+            member_id=(member_ids or {}).get(replica_id),
         )
 
     @endpoint

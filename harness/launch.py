@@ -179,12 +179,16 @@ class Job:
         from harness.tree_quorum import TreeQuorum
 
         t = self.cfg.timeouts
+        old = self._tree  # a restart keeps the job's secret: the running members stay admitted
         self._tree = TreeQuorum(
             bind_host=self.cfg.bind_host,
             port=port,
             min_replicas=self.cfg.min_replica_size,
             join_timeout_s=t.lighthouse_join_timeout,
             heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+            max_step=self.cfg.steps,
+            secret=old.secret if old is not None else None,
+            incarnations=old.incarnations if old is not None else None,
         )
         self._lighthouse_addr = self._tree.address
         if port == 0:
@@ -227,6 +231,9 @@ class Job:
         hosts = {r: self._place(r) for r in replicas}
         # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
         stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
+        # The tree quorum lets in only the incarnations it admitted; admitting fences the last.
+        tree = self._tree
+        member_ids = {r: tree.admit(r) for r in replicas} if tree is not None else {}
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),
@@ -239,6 +246,7 @@ class Job:
             {r: addr for r, (_, addr) in stores.items()},
             self._lighthouse_addr,
             str(self.run_dir),
+            member_ids,
         )
         training = actors.train.call()
         for i, r in enumerate(replicas):

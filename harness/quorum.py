@@ -114,9 +114,12 @@ def make_manager(
     lighthouse_addr: str,
     state_dict: Callable[[], Any],
     load_state_dict: Callable[[Any], None],
+    member_id: str | None = None,
 ) -> tuple[Manager, ProcessGroupGloo]:
     """torchft's Manager for ``rank`` of replica group ``replica_id``, with its reconfigurable
-    gloo process group (returned too, so a fault hook can abort it).
+    gloo process group (returned too, so a fault hook can abort it). ``member_id``: the
+    ``replica_id`` the Manager gives the quorum service (the tree quorum admits only the ids it
+    handed out, ``TreeQuorum.admit``); None: ``replica_{replica_id}``, for torchft's Lighthouse.
 
     The quorum is synchronous (``use_async_quorum=False``): ``start_quorum`` returns only once the
     group has joined and, if it was behind, loaded a peer's state. A replacement therefore trains
@@ -149,7 +152,7 @@ def make_manager(
         store_addr=host,
         store_port=int(port),
         lighthouse_addr=lighthouse_addr,
-        replica_id=f"replica_{replica_id}",
+        replica_id=member_id or f"replica_{replica_id}",
         hostname=cfg.bind_host,
         # Beat well inside the Lighthouse's timeout so a live group is never dropped.
         heartbeat_interval=_s(min(0.1, t.lighthouse_heartbeat_timeout / 5)),
