@@ -314,6 +314,11 @@ class TreeQuorum:
                 "reason": self._reason,
             }
 
+    def last_quorum(self) -> rule.Quorum | None:
+        """The last quorum issued, each member as it sent itself (``Member.raw``), or None."""
+        with self._cond:
+            return self._issued[-1][1] if self._issued else None
+
     def shutdown(self) -> None:
         """Stop serving; waiting quorum requests end with UNAVAILABLE. Idempotent."""
         with self._cond:
