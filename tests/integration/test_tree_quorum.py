@@ -364,14 +364,15 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
         procs[1].wait(timeout=30)  # reaped: the moment a supervision tree knows
         if tell_quorum:
             assert tq.replica_failed(1), "replica 1 had no ids in the quorum"
-        t_replace = time.time()
-        procs.append(start(1, "b"))
-        # When did the survivors get a quorum without the dead group? (The service's view; the
-        # replacement needs seconds to import torch, so it cannot be in this one.)
+        # When did the survivors get a quorum without the dead group? (The service's view.) The
+        # replacement starts only then: one that joined sooner (its start takes ~1.5 s here)
+        # would be in that quorum, and the survivors would not be seen training without it.
         while not _without(tq.status()["members"], dead):
             assert time.monotonic() < deadline, "no quorum without the dead group"
             time.sleep(0.002)
         t_survivor_quorum = time.time()
+        t_replace = time.time()
+        procs.append(start(1, "b"))
         live = [procs[0], procs[2], procs[3]]
         _wait_commits(tmp_path / "g1b.jsonl", 5, live, deadline)
         for path in ("g0.jsonl", "g2.jsonl"):  # the survivors trained on alongside it
