@@ -104,7 +104,11 @@ def stop_training() -> None:
 
 
 class LighthouseActor(Actor):
-    """torchft's Lighthouse as a supervised process; a restart binds the same port."""
+    """torchft's Lighthouse as a supervised process; a restart binds the same port.
+
+    Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port; it
+    binds ``bind_host`` and nothing more can be asked of it. ``recovery.quorum = "tree"``
+    admits only the members the job started (``harness.tree_quorum``)."""
 
     def __init__(self, cfg: dict[str, Any], port: int) -> None:
         from harness.quorum import Lighthouse

@@ -213,6 +213,26 @@ def test_a_stale_incarnation_is_refused_once_a_newer_one_is_admitted() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
+    # The job restarts its quorum service with the old one's secret and incarnations
+    # (harness.launch): the running members stay in, the fenced incarnation stays out.
+    tq = TreeQuorum(min_replicas=1, heartbeat_timeout_s=60.0)
+    old = tq.admit(0) + ":a"
+    current = tq.admit(0) + ":b"
+    secret, incarnations = tq.secret, tq.incarnations
+    tq.shutdown()
+    tq = TreeQuorum(
+        min_replicas=1, heartbeat_timeout_s=60.0, secret=secret, incarnations=incarnations
+    )
+    try:
+        out = _ask_all(tq.address, [current], 5.0, step=4, world_size=1)
+        assert [m.replica_id for m in out[current].participants] == [current]
+        assert "replaced by incarnation 1" in _refused(tq.address, old)
+    finally:
+        tq.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_ghost_heartbeats_do_not_block_quorum() -> None:
     from torchft._torchft import LighthouseClient
 
