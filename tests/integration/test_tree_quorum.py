@@ -213,6 +213,21 @@ def test_a_stale_incarnation_is_refused_once_a_newer_one_is_admitted() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_untagged_ids_only_from_allowed_hosts() -> None:
+    # The fallback for Managers the job did not start: their address must be on the list.
+    for allowed, let_in in ((["127.0.0.2"], False), (["localhost"], True)):
+        tq = TreeQuorum(min_replicas=1, heartbeat_timeout_s=60.0, allow_hosts=allowed)
+        try:
+            if let_in:
+                out = _ask_all(tq.address, ["replica_0:x"], 5.0, step=1, world_size=1)
+                assert [m.replica_id for m in out["replica_0:x"].participants] == ["replica_0:x"]
+            else:
+                assert "no valid member tag" in _refused(tq.address, "replica_0:x")
+        finally:
+            tq.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
     # The job restarts its quorum service with the old one's secret and incarnations
     # (harness.launch): the running members stay in, the fenced incarnation stays out.
