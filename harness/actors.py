@@ -51,8 +51,10 @@ class TrainerActor(Actor):
         store_addrs: dict[int, str],
         lighthouse_addr: str,
         run_dir: str | None,
+        member_ids: dict[int, str] | None = None,
     ) -> None:
-        """``store_addrs`` maps each replica group to its TCPStore; this actor's group and
+        """``store_addrs`` maps each replica group to its TCPStore, ``member_ids`` to the name
+        the quorum service admitted for it (none: torchft's Lighthouse); this actor's group and
         rank are its mesh coordinates."""
         self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
@@ -67,6 +69,7 @@ class TrainerActor(Actor):
             lighthouse_addr=lighthouse_addr,
             emit=lambda event, fields: self.emit(event, **fields),
             run_dir=run_dir,
+            member_id=(member_ids or {}).get(replica_id),
         )
 
     @endpoint(supervised=True)  # an exception escaping training is a failure of the group
@@ -101,7 +104,11 @@ def stop_training() -> None:
 
 
 class LighthouseActor(Actor):
-    """torchft's Lighthouse as a supervised process; a restart binds the same port."""
+    """torchft's Lighthouse as a supervised process; a restart binds the same port.
+
+    Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port; it
+    binds ``bind_host`` and nothing more can be asked of it. ``recovery.quorum = "tree"``
+    admits only the members the job started (``harness.tree_quorum``)."""
 
     def __init__(self, cfg: dict[str, Any], port: int) -> None:
         from harness.quorum import Lighthouse

@@ -42,8 +42,8 @@ def _add_live_options(parser: argparse.ArgumentParser) -> None:
         "--prometheus-port",
         type=int,
         default=None,
-        help="serve live Prometheus metrics on 127.0.0.1:PORT (0 picks a free "
-        "port; the address is printed)",
+        help="serve live Prometheus metrics on the config's bind_host (127.0.0.1 unless "
+        "the config says otherwise) at PORT (0 picks a free port; the address is printed)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 

@@ -196,8 +196,13 @@ class Job:
 
     def _fence_in_tree_quorum(self, failure: Failure) -> None:
         replica = failure.coords.get("replica")
-        if replica is not None and self._tree is not None:
-            self._tree.replica_failed(replica)
+        if replica is None or self._tree is None:
+            return
+        with self._lock:
+            group = self.groups.get(replica)
+        if group is not None and failure.proc not in group.mesh.proc_ids:
+            return  # a late report about a replaced incarnation: fencing would drop its successor
+        self._tree.replica_failed(replica)
 
     def _model_modules(self) -> tuple[str, ...]:
         """The model code to preload: torchtitan (~2 s to import) only for its model."""
@@ -212,12 +217,16 @@ class Job:
         from harness.tree_quorum import TreeQuorum
 
         t = self.cfg.timeouts
+        old = self._tree  # a restart keeps the job's secret: the running members stay admitted
         self._tree = TreeQuorum(
             bind_host=self.cfg.bind_host,
             port=port,
             min_replicas=self.cfg.min_replica_size,
             join_timeout_s=t.lighthouse_join_timeout,
             heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+            max_step=self.cfg.steps,
+            secret=old.secret if old is not None else None,
+            incarnations=old.incarnations if old is not None else None,
         )
         self.quorum_addr = self._tree.address
 
@@ -263,8 +272,17 @@ class Job:
         if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
             time.sleep(self.cfg.recovery.restart_delay_s)
         hosts = {r: self._place(r) for r in replicas}
+        with self._lock:
+            incarnation = {
+                r: self.groups[r].incarnation + 1 if r in self.groups else 0 for r in replicas
+            }
         # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
         stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
+        # Fence: the tree quorum lets in only the incarnation it admitted last, so a stale
+        # incarnation (a partitioned group that comes back) can never rejoin or serve weights.
+        member_ids = (
+            {r: self._tree.admit(r, incarnation[r]) for r in replicas} if self._tree else {}
+        )
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),
@@ -277,14 +295,14 @@ class Job:
             {r: addr for r, (_, addr) in stores.items()},
             self.quorum_addr,
             str(self.run_dir),
+            member_ids,
         )
         training = actors.train.call()
         for i, r in enumerate(replicas):
             with self._lock:
-                old = self.groups.get(r)
                 self.groups[r] = ReplicaGroup(
                     replica=r,
-                    incarnation=old.incarnation + 1 if old else 0,
+                    incarnation=incarnation[r],
                     host=hosts[r].name,
                     mesh=actors.slice(replica=slice(i, i + 1)),
                     store=stores[r][0],

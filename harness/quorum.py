@@ -15,14 +15,33 @@ Roles (torchft's, unchanged):
   which talks to the Lighthouse.
 * Each replica group has its **own TCPStore**, hosted by its rank 0 (or its supervisor) on port 0.
 
-Known limitation: torchft's own servers (ManagerServer, the HTTP checkpoint server and the
-process group's rendezvous store) listen on all interfaces; only the Lighthouse and the group
-store honour ``bind_host``.
+Listeners. The Lighthouse and each group's TCPStore listen on ``bind_host`` only (torch's
+TCPStore server binds every interface unless handed a bound socket: :func:`host_store` hands it
+one). Three listeners of torchft's cannot be told an address, and listen on every interface
+(``[::]``, dual-stack) whatever ``bind_host`` says; ``tests/integration/test_listeners.py``
+lists them and checks that nothing else does:
+
+* the **ManagerServer** of each group's rank 0: ``torchft.manager.Manager`` binds
+  ``f"[::]:{port}"``; only the port is configurable (``TORCHFT_MANAGER_PORT``);
+* the **HTTP checkpoint server** of every rank (``transport = "torchft_http"`` only):
+  ``HTTPTransport`` binds ``("", 0)`` and takes no address;
+* the **process group's rendezvous store** of every rank: torchft's ``ProcessGroup`` creates
+  ``TCPStore(socket.gethostname(), 0, is_master=True)`` without a listening socket.
+
+Trust. Nothing torchft serves is authenticated. torchft's Lighthouse (Rust) admits any
+``replica_id`` that reaches its port (``recovery.quorum = "tree"`` admits only members the job
+started: ``harness.tree_quorum``); a member of the quorum can name itself the heal source, and
+torchft's own transports unpickle what it sends (``HTTPTransport`` loads with
+``torch.load(weights_only=False)``, ``PGTransport`` ``pickle.loads`` its metadata): code
+execution in the healing trainer. The ``"dataplane"`` transport decodes without unpickling
+(``harness.transport``). Run jobs on a private network, or use the tree quorum and the
+dataplane transport.
 """
 
 from __future__ import annotations
 
 import gc
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -93,15 +112,32 @@ class Lighthouse:
 
 
 def host_store(bind_host: str, timeouts: TimeoutConfig) -> tuple[TCPStore, str]:
-    """Start a replica group's TCPStore on a free port; returns it (keep it alive as long as the
-    group runs) and its ``host:port`` for the group's other ranks."""
-    store = TCPStore(
-        host_name=bind_host,
-        port=0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=_s(timeouts.connect_timeout),
-    )
+    """Start a replica group's TCPStore on a free port of ``bind_host``; returns it (keep it
+    alive as long as the group runs) and its ``host:port`` for the group's other ranks.
+
+    torch's TCPStore server listens on every interface whatever ``host_name`` says; handed a
+    socket already bound (``master_listen_fd``), it listens on that one. The store owns the
+    descriptor from then on (libuv closes it with the store)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        bind_host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+        store = TCPStore(
+            host_name=bind_host,
+            port=sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_s(timeouts.connect_timeout),
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
     return store, f"{bind_host}:{store.port}"
 
 
@@ -114,9 +150,12 @@ def make_manager(
     lighthouse_addr: str,
     state_dict: Callable[[], Any],
     load_state_dict: Callable[[Any], None],
+    member_id: str | None = None,
 ) -> tuple[Manager, ProcessGroupGloo]:
     """torchft's Manager for ``rank`` of replica group ``replica_id``, with its reconfigurable
-    gloo process group (returned too, so a fault hook can abort it).
+    gloo process group (returned too, so a fault hook can abort it). ``member_id``: the
+    ``replica_id`` the Manager gives the quorum service (the tree quorum admits only the ids it
+    handed out, ``TreeQuorum.admit``); None: ``replica_{replica_id}``, for torchft's Lighthouse.
 
     The quorum is synchronous (``use_async_quorum=False``): ``start_quorum`` returns only once the
     group has joined and, if it was behind, loaded a peer's state. A replacement therefore trains
@@ -149,7 +188,7 @@ def make_manager(
         store_addr=host,
         store_port=int(port),
         lighthouse_addr=lighthouse_addr,
-        replica_id=f"replica_{replica_id}",
+        replica_id=member_id or f"replica_{replica_id}",
         hostname=cfg.bind_host,
         # Beat well inside the Lighthouse's timeout so a live group is never dropped.
         heartbeat_interval=_s(min(0.1, t.lighthouse_heartbeat_timeout / 5)),

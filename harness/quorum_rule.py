@@ -17,12 +17,26 @@ rule (the service around it, ``harness.tree_quorum``, only does I/O):
 
 The new input, :func:`drop_failed`: the supervision tree learns of a group's death in
 milliseconds, long before its heartbeats go stale. Every replica id of that group (torchft ids
-look like ``"replica_{r}:{uuid}"``) is then *fenced*: removed from the heartbeats and the pending
+look like ``"replica_{r}:{uuid}"``, or ``"replica_{r}.{incarnation}.{tag}.{r}:{uuid}"`` when
+tagged, below) is then *fenced*: removed from the heartbeats and the pending
 participants, ignored in the previous quorum (so the survivors alone make a fast quorum), and
 never admitted again (a late heartbeat or a zombie's request cannot revive it). A replacement
 process gets a fresh uuid from its Manager, so it is a new id and joins normally. The previous
 quorum is kept as issued for the quorum-id comparison, so the survivors' first quorum after a
 death always gets a new id (torchft then rebuilds the process group without the dead group).
+
+Admission (new, not in torchft: its Lighthouse lets anyone in). Our Managers are named
+``member_id(secret, r, incarnation)`` = ``"replica_{r}.{incarnation}.{tag}.{r}"``, where ``tag``
+is the first 16 hex digits of HMAC-SHA256(secret, ``"{r}.{incarnation}"``) and only the job (the
+controller) holds the secret. torchft's Manager appends ``":{uuid4}"`` before the id reaches the
+quorum protocol; the trailing ``.{r}`` is there because torchft derives a group's global rank
+from the trailing digits of the id it was given. :func:`refusal` says why an id is not let in:
+no valid tag (unless the service admits untagged ids from an allow-list of hosts), a fenced id,
+or an *older incarnation* of a replica whose newer incarnation was admitted (:func:`admit`) or
+has been seen. :func:`step_refusal` refuses absurd steps: negative, beyond ``max_step`` (the
+job's last step), or more than ``max_step_lead`` past the highest step any admitted member has
+reported. Heartbeats older than the heartbeat timeout are pruned on every :func:`tick`, so the
+state stays bounded by the live members.
 
 Everything here is a pure function of (state, time, options); times are ``time.monotonic()``
 seconds. Not guaranteed: nothing here knows about wall-clock time or I/O.
@@ -30,7 +44,10 @@ seconds. Not guaranteed: nothing here knows about wall-clock time or I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import hmac
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -42,6 +59,11 @@ class QuorumOpts:
     min_replicas: int = 1
     join_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 5.0
+    #: Refuse a step above this (the job's last step); None: no absolute bound.
+    max_step: int | None = None
+    #: Refuse a step more than this above the highest step any admitted member has reported
+    #: (the first member after a start is bounded only by ``max_step``); None: no bound.
+    max_step_lead: int | None = 1_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,15 +114,100 @@ class QuorumState:
     prev_quorum: Quorum | None = None
     quorum_id: int = 0
     fenced: frozenset[str] = frozenset()
+    #: replica group -> its newest incarnation admitted or seen (older ones are refused)
+    incarnations: Mapping[int, int] = field(default_factory=lambda: _frozen({}))
+    #: the highest step an admitted member has reported; -1 before any
+    highest_step: int = -1
+
+
+# --- member ids and admission --------------------------------------------------------------------
+
+_MEMBER_ID = re.compile(r"replica_(\d+)\.(\d+)\.([0-9a-f]{16})\.(\d+)(?::.*)?", re.DOTALL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemberId:
+    """What a tagged replica id says: its group, the group's incarnation, and the tag."""
+
+    replica: int
+    incarnation: int
+    tag: str
+
+
+def member_tag(secret: bytes, replica: int, incarnation: int) -> str:
+    """The tag only the holder of ``secret`` can compute for this incarnation of a group."""
+    mac = hmac.new(secret, f"{replica}.{incarnation}".encode(), hashlib.sha256)
+    return mac.hexdigest()[:16]
+
+
+def member_id(secret: bytes, replica: int, incarnation: int) -> str:
+    """The ``replica_id`` to give the Manager of incarnation ``incarnation`` of group
+    ``replica`` (see the module doc for why it ends in the replica number)."""
+    return f"replica_{replica}.{incarnation}.{member_tag(secret, replica, incarnation)}.{replica}"
+
+
+def parse_member_id(replica_id: str) -> MemberId | None:
+    """The tagged form of ``replica_id`` (with or without torchft's ``:uuid``), or None."""
+    m = _MEMBER_ID.fullmatch(replica_id)
+    if m is None or m.group(1) != m.group(4):
+        return None
+    return MemberId(replica=int(m.group(1)), incarnation=int(m.group(2)), tag=m.group(3))
+
+
+def refusal(
+    state: QuorumState, replica_id: str, secret: bytes | None, *, untagged_ok: bool = False
+) -> str | None:
+    """Why ``replica_id`` may not heartbeat or join, or None if it may. ``secret``: the job's
+    (None: tags are not checked, every id is untagged); ``untagged_ok``: an id without a tag is
+    let in (the caller checked the peer against its allow-list of hosts)."""
+    if replica_id in state.fenced:
+        return f"{replica_id} was declared failed"
+    parsed = parse_member_id(replica_id) if secret is not None else None
+    if parsed is None:
+        if untagged_ok:
+            return None
+        return f"{replica_id!r} carries no valid member tag: not a member this job started"
+    expected = member_tag(secret, parsed.replica, parsed.incarnation)  # type: ignore[arg-type]
+    if not hmac.compare_digest(parsed.tag, expected):
+        return f"{replica_id!r}: wrong member tag"
+    newest = state.incarnations.get(parsed.replica, -1)
+    if parsed.incarnation < newest:
+        return (
+            f"{replica_id!r} is incarnation {parsed.incarnation} of replica {parsed.replica}, "
+            f"which was replaced by incarnation {newest}"
+        )
+    return None
+
+
+def step_refusal(state: QuorumState, member: Member, opts: QuorumOpts) -> str | None:
+    """Why ``member``'s step is absurd, or None. An absurd step would make every other member
+    heal from it (torchft heals from the highest step in the quorum)."""
+    step = member.step
+    if step < 0:
+        return f"step {step} is negative"
+    if opts.max_step is not None and step > opts.max_step:
+        return f"step {step} is beyond the job's last step {opts.max_step}"
+    if (
+        opts.max_step_lead is not None
+        and state.highest_step >= 0
+        and step > state.highest_step + opts.max_step_lead
+    ):
+        return (
+            f"step {step} is more than {opts.max_step_lead} past the highest step reported "
+            f"by any member ({state.highest_step})"
+        )
+    return None
 
 
 # --- inputs --------------------------------------------------------------------------------------
 
 
 def heartbeat(state: QuorumState, replica_id: str, now: float) -> QuorumState:
-    """Record a heartbeat from ``replica_id`` (ignored if it is fenced)."""
+    """Record a heartbeat from ``replica_id`` (ignored if it is fenced). The caller has checked
+    :func:`refusal`; a tagged id of a newer incarnation fences the older ones."""
     if replica_id in state.fenced:
         return state
+    state = _note_incarnation(state, replica_id)
     return replace(state, heartbeats=_frozen({**state.heartbeats, replica_id: now}))
 
 
@@ -110,26 +217,60 @@ def join(state: QuorumState, member: Member, now: float) -> QuorumState:
     rid = member.replica_id
     if rid in state.fenced:
         return state
+    state = _note_incarnation(state, rid)
     return replace(
         state,
         heartbeats=_frozen({**state.heartbeats, rid: now}),
         participants=_frozen({**state.participants, rid: Joined(joined=now, member=member)}),
+        highest_step=max(state.highest_step, member.step),
     )
 
 
-def ids_of_replica(replica: int) -> str:
-    """The id prefix torchft gives every Manager of our replica group ``replica``."""
-    return f"replica_{replica}:"
+def _note_incarnation(state: QuorumState, replica_id: str) -> QuorumState:
+    parsed = parse_member_id(replica_id)
+    if parsed is None or parsed.incarnation <= state.incarnations.get(parsed.replica, -1):
+        return state
+    return admit(state, parsed.replica, parsed.incarnation)[0]
 
 
-def drop_failed(state: QuorumState, prefix: str) -> tuple[QuorumState, frozenset[str]]:
-    """The supervision tree says the group whose ids start with ``prefix`` is dead: fence every
-    known id with that prefix (heartbeats, pending participants, previous quorum). Returns the new
-    state and the ids fenced by this call (empty if none were known)."""
+def admit(state: QuorumState, replica: int, incarnation: int) -> tuple[QuorumState, frozenset[str]]:
+    """Incarnation ``incarnation`` of group ``replica`` is the current one: every known id of an
+    older incarnation (or an untagged id) of that group is fenced. Returns the new state and
+    the ids fenced. An older ``incarnation`` than the current one changes nothing."""
+    if incarnation <= state.incarnations.get(replica, -1):
+        return state, frozenset()
+
+    def older(rid: str) -> bool:
+        parsed = parse_member_id(rid)
+        if parsed is None:
+            return rid.startswith(ids_of_replica(replica))
+        return parsed.replica == replica and parsed.incarnation < incarnation
+
+    state = replace(state, incarnations=_frozen({**state.incarnations, replica: incarnation}))
+    return _fence(state, older)
+
+
+def ids_of_replica(replica: int) -> tuple[str, ...]:
+    """The id prefixes of every Manager of our replica group ``replica``: untagged
+    (``replica_{r}:{uuid}``) and tagged (``replica_{r}.{incarnation}.{tag}.{r}:{uuid}``)."""
+    return (f"replica_{replica}:", f"replica_{replica}.")
+
+
+def drop_failed(
+    state: QuorumState, prefix: str | tuple[str, ...]
+) -> tuple[QuorumState, frozenset[str]]:
+    """The supervision tree says the group whose ids start with ``prefix`` (one, or any of a
+    tuple) is dead: fence every known id with that prefix (heartbeats, pending participants,
+    previous quorum). Returns the new state and the ids fenced by this call (empty if none were
+    known)."""
+    return _fence(state, lambda rid: rid.startswith(prefix))
+
+
+def _fence(state: QuorumState, match: Callable[[str], bool]) -> tuple[QuorumState, frozenset[str]]:
     known = set(state.heartbeats) | set(state.participants)
     if state.prev_quorum is not None:
         known |= set(state.prev_quorum.replica_ids)
-    dropped = frozenset(rid for rid in known if rid.startswith(prefix))
+    dropped = frozenset(rid for rid in known if match(rid))
     if not dropped:
         return state, dropped
     new = replace(
@@ -213,11 +354,22 @@ def issue(state: QuorumState, members: tuple[Member, ...]) -> tuple[QuorumState,
     return new, quorum
 
 
+def prune(state: QuorumState, now: float, opts: QuorumOpts) -> QuorumState:
+    """Forget heartbeats older than the heartbeat timeout (they count for nothing in
+    :func:`compute`; keeping them would let the state grow with every id ever seen)."""
+    stale = [rid for rid, t in state.heartbeats.items() if now - t >= opts.heartbeat_timeout_s]
+    if not stale:
+        return state
+    keep = {rid: t for rid, t in state.heartbeats.items() if rid not in stale}
+    return replace(state, heartbeats=_frozen(keep))
+
+
 def tick(
     state: QuorumState, now: float, opts: QuorumOpts
 ) -> tuple[QuorumState, Quorum | None, str]:
-    """``_quorum_tick``: compute, and issue if a quorum is met. Returns the new state, the issued
-    quorum (or None) and the reason."""
+    """``_quorum_tick``: prune stale heartbeats, compute, and issue if a quorum is met. Returns
+    the new state, the issued quorum (or None) and the reason."""
+    state = prune(state, now, opts)
     members, reason = compute(state, now, opts)
     if members is None:
         return state, None, reason

@@ -54,7 +54,8 @@ class Trainer:
     hosts it on a free port (read :attr:`store_addr` and give it to the group's other ranks).
     ``run_dir`` is where checkpoints go when ``cfg.checkpoint.dir`` is None (None: no
     checkpoints). On start the newest valid checkpoint (if any) is loaded; a group that is behind
-    its peers then heals from them on its first quorum.
+    its peers then heals from them on its first quorum. ``member_id``: the name the quorum
+    service admitted for this incarnation of the group (``harness.quorum.make_manager``).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class Trainer:
         lighthouse_addr: str,
         emit: Emit,
         run_dir: str | None = None,
+        member_id: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.replica_id = replica_id
@@ -106,6 +108,7 @@ class Trainer:
             lighthouse_addr=lighthouse_addr,
             state_dict=self.state_dict,
             load_state_dict=self.load_state_dict,
+            member_id=member_id,
         )
         self._ckpt_dir = self._checkpoint_root(run_dir)
         self._resume()

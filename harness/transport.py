@@ -7,9 +7,19 @@ Selectable by name: importing this module registers ``"dataplane"`` with
 
 How the state dict travels: its tensor leaves are the registered tensors (in pytree flatten
 order); everything else (the tree structure, ints such as torchft's step, the data position)
-is pickled into one extra fixed-size byte tensor, the "blob", published in the same snapshot,
-so tensors and non-tensor leaves always belong to the same step. The blob is a peer's pickle,
-trusted as torchft's HTTP transport trusts it (``weights_only=False``).
+is encoded as JSON into one extra fixed-size byte tensor, the "blob", published in the same
+snapshot, so tensors and non-tensor leaves always belong to the same step.
+
+The blob comes from a peer, and a peer can be anyone who got into the quorum: it is decoded
+without any code execution (no pickle, and not ``torch.utils._pytree.treespec_loads``, whose
+enum hook imports modules the JSON names). What it may hold, checked on receipt (anything else
+raises :class:`BlobError` and the heal fails): containers ``dict``/``OrderedDict`` (keys ``str``
+or ``int``), ``list`` and ``tuple``; leaves ``None``, ``bool``, ``int``, ``float``, ``str`` and
+the tensors. A state with other containers or leaves (a namedtuple, a ``torch.dtype``) is
+refused when it is sent, naming the path. This is stricter than torchft's own transports,
+which unpickle what a peer sends: ``HTTPTransport`` loads with ``torch.load(weights_only=False)``
+and ``PGTransport`` ``pickle.loads`` its metadata, so with them a member of the quorum can run
+code in every healing trainer (we cannot change that from outside torchft).
 
 Layout changes (e.g. Adam moments appear after the first step) are handled in
 ``metadata()``, which torchft calls at the start of every quorum, before any send: if the
@@ -19,15 +29,16 @@ handle.
 
 from __future__ import annotations
 
-import pickle
+import json
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten_with_path, tree_unflatten, treespec_leaf
 from torchft.checkpointing.transport import CheckpointTransport
 
 from runtime.dataplane import Handle, LayoutMismatch, RegisteredState, read_into, register
@@ -149,7 +160,11 @@ class DataplaneTransport(CheckpointTransport[T]):
             backend=self._read_backend,
         )
         (n,) = _LEN.unpack(bytes(blob[: _LEN.size].numpy()))
-        paths, others, spec = pickle.loads(bytes(blob[_LEN.size : _LEN.size + n].numpy()))
+        if n > blob.numel() - _LEN.size:
+            raise BlobError(f"blob length {n} exceeds the blob ({blob.numel()} bytes)")
+        paths, others, spec = decode_blob(bytes(blob[_LEN.size : _LEN.size + n].numpy()))
+        if sum(v is _TENSOR for v in others) != len(dest):
+            raise BlobError(f"blob names {len(others)} leaves, not the {len(dest)} tensors sent")
         tensors = iter(dest)
         values = [next(tensors) if v is _TENSOR else v for v in others]
         _check_paths(paths, others, local_paths)
@@ -162,23 +177,105 @@ class DataplaneTransport(CheckpointTransport[T]):
                 self._reg = None
 
 
+class BlobError(ValueError):
+    """A blob that is not a well-formed description of a state (see the module doc); nothing in
+    it was executed."""
+
+
 class _TensorSlot:
-    """Placeholder for a tensor leaf inside the pickled blob."""
+    """Placeholder for a tensor leaf in the decoded blob."""
 
-    def __reduce__(self):
-        return (_tensor_slot, ())
-
-
-def _tensor_slot() -> _TensorSlot:
-    return _TENSOR
+    def __repr__(self) -> str:
+        return "<tensor>"
 
 
 _TENSOR = _TensorSlot()
+_SCALARS = (type(None), bool, int, float, str)
+# Container types a blob may name, by the name it uses: nothing else can be built from one.
+_NODES: dict[str, type] = {"dict": dict, "odict": OrderedDict, "list": list, "tuple": tuple}
+_NODE_NAMES = {t: name for name, t in _NODES.items()}
+_MAX_DEPTH = 64
 
 
-def _encode_blob(paths, values, spec) -> bytes:
-    others = [_TENSOR if isinstance(v, torch.Tensor) else v for v in values]
-    return pickle.dumps((paths, others, spec))
+def _encode_blob(paths: list[tuple[str, ...]], values: list[Any], spec: TreeSpec) -> bytes:
+    leaves: list[Any] = []
+    tensors: list[int] = []
+    for i, (path, v) in enumerate(zip(paths, values, strict=True)):
+        if isinstance(v, torch.Tensor):
+            tensors.append(i)
+            leaves.append(None)
+        elif type(v) in _SCALARS:
+            leaves.append(v)
+        else:
+            raise BlobError(f"{''.join(path)}: a {type(v).__name__} leaf cannot be sent")
+    doc = {"paths": paths, "leaves": leaves, "tensors": tensors, "spec": _spec_to_json(spec)}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _spec_to_json(spec: TreeSpec) -> Any:
+    if spec.is_leaf():
+        return None
+    name = _NODE_NAMES.get(spec.type)
+    if name is None:
+        raise BlobError(f"a {spec.type.__name__} container cannot be sent")
+    keys = None
+    if name in ("dict", "odict"):
+        keys = list(spec.context)
+        if not all(type(k) in (str, int) for k in keys):
+            raise BlobError(f"{name} keys must be str or int: {keys!r}")
+    return [name, keys, [_spec_to_json(c) for c in spec.children()]]
+
+
+def _spec_from_json(node: Any, depth: int = 0) -> TreeSpec:
+    if node is None:
+        return treespec_leaf()
+    if depth > _MAX_DEPTH:
+        raise BlobError(f"blob nests deeper than {_MAX_DEPTH}")
+    if not (isinstance(node, list) and len(node) == 3 and isinstance(node[2], list)):
+        raise BlobError(f"malformed tree node {str(node)[:80]!r}")
+    name, keys, children = node
+    if name not in _NODES:
+        raise BlobError(f"a blob may not build {str(name)[:40]!r}")
+    specs = [_spec_from_json(c, depth + 1) for c in children]
+    if name in ("dict", "odict"):
+        if not (
+            isinstance(keys, list)
+            and len(keys) == len(specs)
+            and all(type(k) in (str, int) for k in keys)
+        ):
+            raise BlobError(f"malformed {name} keys {str(keys)[:80]!r}")
+    elif keys is not None:
+        raise BlobError(f"a {name} has no keys")
+    return TreeSpec(_NODES[name], keys, specs)
+
+
+def decode_blob(raw: bytes) -> tuple[list[tuple[str, ...]], list[Any], TreeSpec]:
+    """``(paths, leaves, spec)`` from a peer's blob, tensor leaves as a placeholder. Runs no code
+    named by the blob; raises :class:`BlobError` for anything but the module doc's format."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise BlobError(f"blob is not JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"paths", "leaves", "tensors", "spec"}:
+        raise BlobError("blob is not a state description")
+    paths, leaves, tensors = doc["paths"], doc["leaves"], doc["tensors"]
+    if not (
+        isinstance(paths, list)
+        and isinstance(leaves, list)
+        and isinstance(tensors, list)
+        and len(paths) == len(leaves)
+        and all(isinstance(p, list) and all(isinstance(k, str) for k in p) for p in paths)
+        and all(type(v) in _SCALARS for v in leaves)
+        and all(type(i) is int and 0 <= i < len(leaves) for i in tensors)
+    ):
+        raise BlobError("malformed paths, leaves or tensor positions")
+    spec = _spec_from_json(doc["spec"])
+    if spec.num_leaves != len(leaves):
+        raise BlobError(f"tree has {spec.num_leaves} leaves, blob {len(leaves)}")
+    others = list(leaves)
+    for i in tensors:
+        others[i] = _TENSOR
+    return [tuple(p) for p in paths], others, spec
 
 
 def _check_paths(src_paths, src_values, local_paths) -> None:

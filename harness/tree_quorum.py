@@ -16,17 +16,35 @@ the rule needs are decoded. Field numbers of torchft-nightly 2026.10.26, found b
 Manager's request: replica_id 1, address 2, store_address 3, step 4, world_size 5, shrink_only 6,
 data 7, commit_failures 8, reconfigure_handles 9.
 
-Threads only (a gRPC thread pool and one ticker thread); no torch import. Not guaranteed: a
-request whose deadline passes before a quorum includes it fails with DEADLINE_EXCEEDED and its
-join stays pending until the next quorum, as in torchft.
+Who gets in (torchft's Lighthouse lets in anyone who can reach its port): by default only
+members this job started. The service holds the job's secret; :meth:`TreeQuorum.admit` names
+an incarnation of a replica group (``harness.quorum_rule.member_id``: the Manager's
+``replica_id`` carries an HMAC tag of the group and incarnation), and a heartbeat or quorum
+request whose id has no valid tag, or belongs to an incarnation older than the newest admitted
+or seen, is refused with PERMISSION_DENIED. With ``allow_hosts`` (for members the job did not
+start, whose ids carry no tag) an untagged id is let in only from a peer address in that list.
+A quorum request with an absurd step (negative, past ``max_step``, or far past every member's)
+is refused with OUT_OF_RANGE. Heartbeats older than the heartbeat timeout are pruned.
+
+Not guaranteed: the tag is a bearer token sent in clear over insecure gRPC, so anyone who can
+read the job's traffic can replay it (the listener should bind a private address); it only
+authenticates the quorum protocol, not torchft's ManagerServer or checkpoint servers (see
+``harness.quorum``). Threads only (a gRPC thread pool and one ticker thread); no torch import.
+A request whose deadline passes before a quorum includes it fails with DEADLINE_EXCEEDED and
+its join stays pending until the next quorum, as in torchft.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import secrets
+import socket
 import threading
 import time
+import urllib.parse
 from collections import deque
+from collections.abc import Iterable, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -173,6 +191,13 @@ class TreeQuorum:
     ``address`` (``http://host:port``) is what Managers get as ``lighthouse_addr``. Every method
     is thread-safe. ``max_requests`` bounds concurrent RPCs (each waiting quorum request holds a
     thread): keep it above twice the number of replica groups.
+
+    Admission (module doc): ``secret`` is the job's (default: a fresh random one; pass the old
+    service's :attr:`secret` and :attr:`incarnations` to a restarted one so the running members
+    stay admitted). ``allow_hosts``: also let in untagged ids, but only from these addresses
+    (names are resolved once, here); None lets in tagged ids only. ``max_step``: the job's last
+    step (a higher one is absurd); ``max_step_lead``: how far past the highest step seen a
+    member may claim to be.
     """
 
     def __init__(
@@ -185,15 +210,27 @@ class TreeQuorum:
         heartbeat_timeout_s: float = 5.0,
         quorum_tick_s: float = 0.01,
         max_requests: int = 64,
+        secret: bytes | None = None,
+        incarnations: Mapping[int, int] | None = None,
+        allow_hosts: Iterable[str] | None = None,
+        max_step: int | None = None,
+        max_step_lead: int | None = 1_000_000,
     ) -> None:
         self.opts = rule.QuorumOpts(
             min_replicas=min_replicas,
             join_timeout_s=join_timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            max_step=max_step,
+            max_step_lead=max_step_lead,
         )
+        #: The job's secret: whoever holds it can name members (keep it in the controller).
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
         self._cond = threading.Condition()  # guards everything below; waiters are the long polls
         self._state = rule.QuorumState()
+        for replica, incarnation in (incarnations or {}).items():
+            self._state, _ = rule.admit(self._state, replica, incarnation)
         # Issued quorums, newest last, with a sequence number so a waiter sees each one once.
         self._issued: deque[tuple[int, rule.Quorum, float]] = deque(maxlen=256)
         self._seq = 0
@@ -224,6 +261,31 @@ class TreeQuorum:
 
     # --- inputs from the controller --------------------------------------------------------
 
+    def admit(self, replica: int, incarnation: int | None = None) -> str:
+        """Incarnation ``incarnation`` (default: the next one) of group ``replica`` is starting:
+        return the ``replica_id`` its Managers must use. Every older incarnation of the group is
+        fenced from now on (its requests are refused). Call it before starting the group."""
+        with self._cond:
+            if incarnation is None:
+                incarnation = self._state.incarnations.get(replica, -1) + 1
+            self._state, dropped = rule.admit(self._state, replica, incarnation)
+            if dropped:
+                log.info(
+                    "tree quorum: replica %d incarnation %d fenced %s",
+                    replica,
+                    incarnation,
+                    sorted(dropped),
+                )
+            self._tick_locked()
+            self._cond.notify_all()  # fenced waiters end
+        return rule.member_id(self.secret, replica, incarnation)
+
+    @property
+    def incarnations(self) -> dict[int, int]:
+        """Each replica group's newest incarnation admitted or seen."""
+        with self._cond:
+            return dict(self._state.incarnations)
+
     def replica_failed(self, replica: int) -> list[str]:
         """Replica group ``replica`` is dead (the supervision tree saw it): fence all its torchft
         ids and re-run the rule at once, so the survivors' pending quorum is issued without it.
@@ -251,6 +313,11 @@ class TreeQuorum:
                 "fenced": sorted(s.fenced),
                 "reason": self._reason,
             }
+
+    def last_quorum(self) -> rule.Quorum | None:
+        """The last quorum issued, each member as it sent itself (``Member.raw``), or None."""
+        with self._cond:
+            return self._issued[-1][1] if self._issued else None
 
     def shutdown(self) -> None:
         """Stop serving; waiting quorum requests end with UNAVAILABLE. Idempotent."""
@@ -284,13 +351,22 @@ class TreeQuorum:
 
     # --- gRPC handlers -----------------------------------------------------------------------
 
+    def _refusal(self, replica_id: str, context: grpc.ServicerContext) -> str | None:
+        """Why this caller may not take part (called with the lock held), or None."""
+        untagged_ok = self._allow is not None and _peer_host(context.peer()) in self._allow
+        return rule.refusal(self._state, replica_id, self.secret, untagged_ok=untagged_ok)
+
     def _heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             replica_id = decode_heartbeat_request(request)
         except (WireError, UnicodeDecodeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         with self._cond:
-            self._state = rule.heartbeat(self._state, replica_id, time.monotonic())
+            refused = self._refusal(replica_id, context)
+            if refused is None:
+                self._state = rule.heartbeat(self._state, replica_id, time.monotonic())
+        if refused is not None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         return b""
 
     def _quorum(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -306,6 +382,14 @@ class TreeQuorum:
         with self._cond:
             if rid in self._state.fenced:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rid} was declared failed")
+            refused = self._refusal(rid, context)
+            if refused is not None:
+                log.warning("tree quorum: refused %r from %s: %s", rid, context.peer(), refused)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+            refused = rule.step_refusal(self._state, member, self.opts)
+            if refused is not None:
+                log.warning("tree quorum: refused %r from %s: %s", rid, context.peer(), refused)
+                context.abort(grpc.StatusCode.OUT_OF_RANGE, refused)
             self._state = rule.join(self._state, member, time.monotonic())
             seen = self._seq
             self._tick_locked()
@@ -322,6 +406,9 @@ class TreeQuorum:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "tree quorum shut down")
                 if rid in self._state.fenced:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rid} was declared failed")
+                refused = self._refusal(rid, context)  # a newer incarnation was admitted
+                if refused is not None:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
                 if not context.is_active():
                     return b""  # the caller is gone; nobody reads this
                 left = deadline - time.monotonic()
@@ -332,3 +419,31 @@ class TreeQuorum:
     def _notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+def _resolve(hosts: Iterable[str]) -> frozenset[str]:
+    """Every address the given host names or addresses resolve to, normalized."""
+    out: set[str] = set()
+    for host in hosts:
+        for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+            out.add(_normal(str(info[4][0])))
+    return frozenset(out)
+
+
+def _normal(addr: str) -> str:
+    ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def _peer_host(peer: str) -> str | None:
+    """The address in a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), or None."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        return _normal(urllib.parse.unquote(host))
+    except ValueError:
+        return None

@@ -3,6 +3,8 @@ another straight into the replacement's own tensors."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import subprocess
 import sys
 from datetime import timedelta
@@ -75,6 +77,61 @@ def test_send_in_one_process_receive_in_place_in_another() -> None:
         with pytest.raises(Exception, match="timed out waiting for step 10"):
             receiver.recv_checkpoint(0, metadata, 10, timedelta(seconds=1))
         receiver.shutdown()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+class _Evil:
+    """A pickle that runs a shell command when loaded."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"echo pwned > {self.marker}",))
+
+
+def _evil_sender_main(marker: str, step: int) -> None:
+    """A quorum member that publishes a real snapshot whose blob is a malicious pickle."""
+    import harness.transport as transport
+
+    evil = pickle.dumps(((), [_Evil(marker)], None))
+    transport._encode_blob = lambda paths, values, spec: evil  # what an attacker sends
+    user = user_state(1)
+    t = transport.make_dataplane_transport(None, timedelta(seconds=30), lambda: user)
+    print(t.metadata(), flush=True)
+    t.send_checkpoint([1], step, {"user": {"default": user}}, timedelta(seconds=30))
+    sys.stdin.read()
+    t.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_malicious_blob_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    from harness.transport import BlobError, DataplaneTransport
+
+    marker = tmp_path / "pwned"
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_transport import "
+        f"_evil_sender_main; _evil_sender_main({str(marker)!r}, 3)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        metadata = proc.stdout.readline().strip()
+        assert metadata.startswith("{"), metadata
+        mine = user_state(0)
+        receiver = DataplaneTransport(state_dict=lambda: mine, timeout=timedelta(seconds=30))
+        with pytest.raises(Exception) as refused:
+            receiver.recv_checkpoint(0, metadata, 3, timedelta(seconds=30))
+        receiver.shutdown()
+        assert not marker.exists(), "the peer's pickle ran a command in the healing process"
+        assert isinstance(refused.value, BlobError) and "not JSON" in str(refused.value)
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)

@@ -10,6 +10,7 @@ tightly; bounds are generous against the configured heartbeat timeout.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -63,7 +64,10 @@ def _ask_all(addr: str, rids: list[str], timeout_s: float, **kw: Any) -> dict[st
 def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> None:
     # Heartbeats last 60 s and stragglers are waited for 60 s: only replica_failed can release the
     # survivors within their 5 s request timeout.
-    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=60.0)
+    # Untagged ids, as from Managers the job did not start: let in from loopback only.
+    tq = TreeQuorum(
+        min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=60.0, allow_hosts=["127.0.0.1"]
+    )
     a, b, c = "replica_0:aa", "replica_1:bb", "replica_2:cc"
     try:
         # All three heartbeat first, so the first quorum waits for all of them (as a job's start).
@@ -114,6 +118,207 @@ def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> 
         joiner.join()
         for rid in (a, b2, c):
             assert [m.replica_id for m in again[rid].participants] == [a, b2, c]
+    finally:
+        tq.shutdown()
+
+
+# --- who gets in ---------------------------------------------------------------------------------
+
+
+def _refused(addr: str, rid: str, **kw: Any) -> str:
+    """A heartbeat and a quorum request from ``rid``: both must fail; the quorum's error text."""
+    from torchft._torchft import LighthouseClient
+
+    client = LighthouseClient(addr=addr, connect_timeout=timedelta(seconds=5))
+    with pytest.raises(Exception):  # noqa: B017 - torchft raises a plain RuntimeError
+        client.heartbeat(rid)
+    out = _ask_all(addr, [rid], 5.0, **kw)
+    assert isinstance(out[rid], Exception), f"{rid} got a quorum: {out[rid]}"
+    return str(out[rid])
+
+
+@pytest.mark.timeout(60)
+def test_a_fake_member_is_refused_and_never_in_a_real_members_quorum() -> None:
+    # The attack: a member claiming a huge step with its own address becomes every real
+    # member's heal source (torchft heals from the highest step), and heals unpickle.
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=60.0)
+    try:
+        real = tq.admit(0) + ":u0"
+        tag = real.split(".")[2]
+        fakes = [
+            "replica_1:fake",  # untagged, as a stock torchft Manager names itself
+            f"replica_1.0.{'f' * 16}.1:fake",  # a forged tag
+            f"replica_1.0.{tag}.1:fake",  # a real tag copied onto another replica
+            f"replica_0.1.{tag}.0:fake",  # ... or onto a later incarnation
+        ]
+        evil = dict(step=10**12, world_size=1, address="http://127.0.0.1:1/evil")
+        # The fakes ask while the real member asks: it must get a quorum of itself alone.
+        out: dict[str, Any] = {}
+        threads = [
+            threading.Thread(target=_ask, args=(tq.address, f, out, 5.0), kwargs=evil)
+            for f in fakes
+        ]
+        for t in threads:
+            t.start()
+        mine = _ask_all(tq.address, [real], 10.0, step=3, world_size=1)[real]
+        for t in threads:
+            t.join()
+        assert not isinstance(mine, Exception), mine
+        assert [m.replica_id for m in mine.participants] == [real]
+        assert max(m.step for m in mine.participants) == 3
+        for f in fakes:
+            assert isinstance(out[f], Exception), f"{f} got a quorum"
+            assert "PERMISSION_DENIED" in str(out[f]) or "tag" in str(out[f])
+            _refused(tq.address, f, **evil)
+        status = tq.status()
+        assert status["heartbeating"] == [real] and status["members"] == [real]
+    finally:
+        tq.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_incarnation_is_refused_once_a_newer_one_is_admitted() -> None:
+    tq = TreeQuorum(min_replicas=2, join_timeout_s=60.0, heartbeat_timeout_s=60.0)
+    try:
+        other = tq.admit(0) + ":o"
+        old = tq.admit(1) + ":a"
+        first = _ask_all(tq.address, [other, old], 5.0, step=1, world_size=1)
+        assert [m.replica_id for m in first[old].participants] == sorted([other, old])
+        # The old incarnation waits for its next quorum (min_replicas 2: not without `other`)
+        # when the job starts a new incarnation of its group: the wait ends, refused.
+        out: dict[str, Any] = {}
+        waiter = threading.Thread(target=_ask, args=(tq.address, old, out, 20.0))
+        waiter.start()
+        while tq.status()["participants"] != [old]:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        new = tq.admit(1) + ":b"
+        waiter.join()
+        assert isinstance(out[old], Exception) and time.monotonic() - t0 < 10
+        _refused(tq.address, old, step=1, world_size=1)
+        # A fresh torchft uuid does not help the old incarnation either.
+        assert "replaced by incarnation 1" in _refused(tq.address, old.split(":")[0] + ":c")
+        # The new one asks first (`other` alone would make a fast quorum of the previous one).
+        again: dict[str, Any] = {}
+        joiner = threading.Thread(target=_ask, args=(tq.address, new, again, 5.0))
+        joiner.start()
+        while tq.status()["participants"] != [new]:
+            time.sleep(0.01)
+        again.update(_ask_all(tq.address, [other], 5.0, step=1, world_size=1))
+        joiner.join()
+        assert [m.replica_id for m in again[new].participants] == sorted([other, new])
+        assert tq.incarnations == {0: 0, 1: 1}
+    finally:
+        tq.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_untagged_ids_only_from_allowed_hosts() -> None:
+    # The fallback for Managers the job did not start: their address must be on the list.
+    for allowed, let_in in ((["127.0.0.2"], False), (["localhost"], True)):
+        tq = TreeQuorum(min_replicas=1, heartbeat_timeout_s=60.0, allow_hosts=allowed)
+        try:
+            if let_in:
+                out = _ask_all(tq.address, ["replica_0:x"], 5.0, step=1, world_size=1)
+                assert [m.replica_id for m in out["replica_0:x"].participants] == ["replica_0:x"]
+            else:
+                assert "no valid member tag" in _refused(tq.address, "replica_0:x")
+        finally:
+            tq.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
+    # The job restarts its quorum service with the old one's secret and incarnations
+    # (harness.launch): the running members stay in, the fenced incarnation stays out.
+    tq = TreeQuorum(min_replicas=1, heartbeat_timeout_s=60.0)
+    old = tq.admit(0) + ":a"
+    current = tq.admit(0) + ":b"
+    secret, incarnations = tq.secret, tq.incarnations
+    tq.shutdown()
+    tq = TreeQuorum(
+        min_replicas=1, heartbeat_timeout_s=60.0, secret=secret, incarnations=incarnations
+    )
+    try:
+        out = _ask_all(tq.address, [current], 5.0, step=4, world_size=1)
+        assert [m.replica_id for m in out[current].participants] == [current]
+        assert "replaced by incarnation 1" in _refused(tq.address, old)
+    finally:
+        tq.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_ghost_heartbeats_do_not_block_quorum() -> None:
+    from torchft._torchft import LighthouseClient
+
+    timeout_s = 1.0
+    stop = threading.Event()
+
+    def haunt(addr: str, ghosts: list[str]) -> None:  # beats as long as the test runs
+        client = LighthouseClient(addr=addr, connect_timeout=timedelta(seconds=5))
+        while not stop.is_set():
+            for g in ghosts:
+                with contextlib.suppress(Exception):
+                    client.heartbeat(g)
+            stop.wait(0.05)
+
+    # 1. Ghosts the job did not start keep beating: they never count as alive, so two real
+    #    members are not "2 of 5 healthy" (split brain) and get their quorum at once.
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=timeout_s)
+    ghosts = ["replica_7:g", "replica_8:g", "replica_9:g"]
+    haunter = threading.Thread(target=haunt, args=(tq.address, ghosts))
+    haunter.start()
+    try:
+        time.sleep(0.3)
+        a, b = tq.admit(0) + ":a", tq.admit(1) + ":b"
+        client = LighthouseClient(addr=tq.address, connect_timeout=timedelta(seconds=5))
+        for rid in (a, b):  # both alive before either asks: the first quorum has both
+            client.heartbeat(rid)
+        out = _ask_all(tq.address, [a, b], 3.0, step=1, world_size=1)
+        for rid in (a, b):
+            assert not isinstance(out[rid], Exception), out[rid]
+            assert [m.replica_id for m in out[rid].participants] == [a, b]
+        assert tq.status()["heartbeating"] == [a, b]
+    finally:
+        stop.set()
+        haunter.join()
+        tq.shutdown()
+
+    # 2. Where untagged members are let in (an allow-listed host), three ghosts that beat once
+    #    and never join stop counting once they are older than the heartbeat timeout.
+    tq = TreeQuorum(
+        min_replicas=1,
+        join_timeout_s=60.0,
+        heartbeat_timeout_s=timeout_s,
+        allow_hosts=["::1", "127.0.0.1"],
+    )
+    try:
+        client = LighthouseClient(addr=tq.address, connect_timeout=timedelta(seconds=5))
+        for g in ghosts:
+            client.heartbeat(g)
+        assert tq.status()["heartbeating"] == ghosts
+        time.sleep(timeout_s + 0.2)
+        a = "replica_0:a"
+        out = _ask_all(tq.address, [a], 3.0, step=1, world_size=1)
+        assert [m.replica_id for m in out[a].participants] == [a]
+        assert tq.status()["heartbeating"] == [a]
+    finally:
+        tq.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_an_absurd_step_is_refused() -> None:
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=60.0, max_step=1000)
+    try:
+        b = tq.admit(1) + ":b"
+        for step in (10**12, 1001, -1):
+            refused = _ask_all(tq.address, [b], 5.0, step=step)[b]
+            assert isinstance(refused, Exception), f"step {step} was let in"
+            assert f"step {step} is" in str(refused)
+        assert tq.status()["participants"] == []
+        # A refused step does not shut the member out: with a sane one it gets in.
+        out = _ask_all(tq.address, [b], 5.0, step=7, world_size=1)
+        assert [(m.replica_id, m.step) for m in out[b].participants] == [(b, 7)]
     finally:
         tq.shutdown()
 
@@ -169,6 +374,7 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
         min_replicas=cfg.min_replica_size,
         join_timeout_s=t.lighthouse_join_timeout,
         heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+        allow_hosts=[cfg.bind_host],  # plain trainer processes: untagged ids
     )
     cfg_dict = config_to_dict(cfg)
 
@@ -193,14 +399,15 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
         procs[1].wait(timeout=30)  # reaped: the moment a supervision tree knows
         if tell_quorum:
             assert tq.replica_failed(1), "replica 1 had no ids in the quorum"
-        t_replace = time.time()
-        procs.append(start(1, "b"))
-        # When did the survivors get a quorum without the dead group? (The service's view; the
-        # replacement needs seconds to import torch, so it cannot be in this one.)
+        # When did the survivors get a quorum without the dead group? (The service's view.) The
+        # replacement starts only then: one that joined sooner (its start takes ~1.5 s here)
+        # would be in that quorum, and the survivors would not be seen training without it.
         while not _without(tq.status()["members"], dead):
             assert time.monotonic() < deadline, "no quorum without the dead group"
             time.sleep(0.002)
         t_survivor_quorum = time.time()
+        t_replace = time.time()
+        procs.append(start(1, "b"))
         live = [procs[0], procs[2], procs[3]]
         _wait_commits(tmp_path / "g1b.jsonl", 5, live, deadline)
         for path in ("g0.jsonl", "g2.jsonl"):  # the survivors trained on alongside it

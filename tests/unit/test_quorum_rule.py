@@ -279,3 +279,81 @@ def test_heartbeat_and_varints() -> None:
 def test_malformed_requests_are_rejected(bad: bytes) -> None:
     with pytest.raises(WireError):
         decode_quorum_request(bad)
+
+
+# --- admission: only members the job started ----------------------------------------------------
+
+SECRET = b"the job's secret"
+
+
+def test_member_ids_carry_a_tag_only_the_secret_makes() -> None:
+    rid = rule.member_id(SECRET, 3, 7)
+    assert rid.startswith("replica_3.7.") and rid.endswith(".3")  # torchft reads trailing digits
+    parsed = rule.parse_member_id(rid + ":0b205ace-178d-4b4d-84fd-48057cfecc1c")
+    assert parsed == rule.MemberId(replica=3, incarnation=7, tag=rule.member_tag(SECRET, 3, 7))
+    assert rule.member_tag(b"another secret", 3, 7) != parsed.tag
+    assert rule.parse_member_id("replica_3:uuid") is None
+    # The replica number is said twice; both must agree.
+    assert rule.parse_member_id(rid[:-1] + "4") is None
+
+
+def test_refusal_lets_in_only_valid_tags_of_the_newest_incarnation() -> None:
+    state = rule.QuorumState()
+    good = rule.member_id(SECRET, 1, 0) + ":u"
+    assert rule.refusal(state, good, SECRET) is None
+    assert "no valid member tag" in rule.refusal(state, "replica_1:u", SECRET)
+    forged = f"replica_1.0.{'0' * 16}.1:u"
+    assert "wrong member tag" in rule.refusal(state, forged, SECRET)
+    # A real tag copied onto another replica or incarnation is wrong there.
+    tag = rule.parse_member_id(good).tag
+    assert "wrong member tag" in rule.refusal(state, f"replica_2.0.{tag}.2:u", SECRET)
+    assert "wrong member tag" in rule.refusal(state, f"replica_1.1.{tag}.1:u", SECRET)
+    # Untagged ids only where the caller vouches for the peer (its allow-list of hosts).
+    assert rule.refusal(state, "replica_1:u", SECRET, untagged_ok=True) is None
+    assert rule.refusal(state, "replica_1:u", None, untagged_ok=True) is None
+    assert rule.refusal(state, good, None) is not None  # no secret, no allow-list: nobody
+
+
+def test_a_newer_incarnation_fences_the_older_one() -> None:
+    old, new = rule.member_id(SECRET, 1, 0) + ":a", rule.member_id(SECRET, 1, 1) + ":b"
+    other = rule.member_id(SECRET, 0, 0) + ":c"
+    state = joined(rule.QuorumState(), old, other)
+    state, dropped = rule.admit(state, 1, 1)
+    assert dropped == {old} and old not in state.heartbeats and other in state.heartbeats
+    assert "declared failed" in rule.refusal(state, old, SECRET)
+    # Any id of the old incarnation, even one never seen (a restarted Manager of a zombie).
+    unseen = rule.member_id(SECRET, 1, 0) + ":z"
+    assert "replaced by incarnation 1" in rule.refusal(state, unseen, SECRET)
+    assert rule.refusal(state, new, SECRET) is None
+    assert rule.admit(state, 1, 0) == (state, frozenset())  # never backwards
+
+
+def test_seeing_a_newer_incarnation_fences_the_older_one_too() -> None:
+    # A restarted quorum service has not been told; the newer id's first request tells it.
+    old, new = rule.member_id(SECRET, 1, 4) + ":a", rule.member_id(SECRET, 1, 5) + ":b"
+    state = rule.heartbeat(joined(rule.QuorumState(), old), new, T)
+    assert state.incarnations == {1: 5} and old not in state.participants
+    assert rule.refusal(state, old, SECRET) is not None
+
+
+def test_stale_heartbeats_are_pruned() -> None:
+    state = rule.QuorumState()
+    for ghost in ("ghost_a", "ghost_b", "ghost_c"):
+        state = rule.heartbeat(state, ghost, T)
+    later = T + OPTS.heartbeat_timeout_s
+    state, quorum, _ = rule.tick(rule.join(state, member("a"), later), later, OPTS)
+    assert dict(state.heartbeats) == {"a": later}
+    assert quorum is not None and quorum.replica_ids == ("a",)
+
+
+def test_absurd_steps_are_refused() -> None:
+    opts = rule.QuorumOpts(max_step=100, max_step_lead=10)
+    state = rule.QuorumState()
+    assert "negative" in rule.step_refusal(state, member("a", step=-1), opts)
+    assert "beyond the job's last step 100" in rule.step_refusal(state, member("a", step=101), opts)
+    assert rule.step_refusal(state, member("a", step=50), opts) is None  # the first: any sane step
+    state = rule.join(state, member("a", step=50), T)
+    assert rule.step_refusal(state, member("b", step=60), opts) is None
+    assert "more than 10 past" in rule.step_refusal(state, member("b", step=61), opts)
+    default = rule.QuorumOpts()
+    assert rule.step_refusal(state, member("b", step=10**12), default) is not None
