@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-import harness.transport  # noqa: F401 - registers the "dataplane" checkpoint transport
+import harness.transport  # noqa: F401 - preloaded with the actors, so a fork need not import it
 from harness.config import config_from_dict
 from harness.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint

@@ -1,7 +1,7 @@
 """torchft glue: the Lighthouse, each replica group's store, and each rank's Manager.
 
 This is the one module of the harness that imports torchft (besides ``harness/transport.py``,
-which registers the "dataplane" checkpoint transport through :func:`register_transport`).
+the "dataplane" checkpoint transport, named in :data:`TRANSPORTS`).
 
 Roles (torchft's, unchanged):
 
@@ -41,6 +41,7 @@ dataplane transport.
 from __future__ import annotations
 
 import gc
+import importlib
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -60,22 +61,35 @@ from harness.config import JobConfig, TimeoutConfig
 #: cross-group process group, ``state_dict_fn`` returns the state a healing peer needs.
 TransportFactory = Callable[[ProcessGroupGloo, timedelta, Callable[[], Any]], CheckpointTransport]
 
-_TRANSPORTS: dict[str, TransportFactory] = {
-    "torchft_http": lambda pg, timeout, sd: HTTPTransport(timeout=timeout, num_chunks=0),
-    "torchft_pg": lambda pg, timeout, sd: PGTransport(
-        pg, timeout=timeout, device=torch.device("cpu"), state_dict=sd
-    ),
+
+def http_transport(pg: ProcessGroupGloo, timeout: timedelta, sd: Callable[[], Any]) -> Any:
+    return HTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def pg_transport(pg: ProcessGroupGloo, timeout: timedelta, sd: Callable[[], Any]) -> Any:
+    return PGTransport(pg, timeout=timeout, device=torch.device("cpu"), state_dict=sd)
+
+
+#: Checkpoint transports by the config's ``transport`` name, each a ``"module:function"``
+#: factory. Named rather than registered on import: a transport's module loads only when a job
+#: chooses it, and no module has to import this one to add itself.
+TRANSPORTS: dict[str, str] = {
+    "torchft_http": "harness.quorum:http_transport",
+    "torchft_pg": "harness.quorum:pg_transport",
+    "dataplane": "harness.transport:make_dataplane_transport",
 }
 
 
-def register_transport(name: str, factory: TransportFactory) -> None:
-    """Make checkpoint transport ``name`` (the config's ``transport``) build with ``factory``.
-    Re-registering a name replaces it."""
-    _TRANSPORTS[name] = factory
-
-
 def transport_names() -> list[str]:
-    return sorted(_TRANSPORTS)
+    return sorted(TRANSPORTS)
+
+
+def transport_factory(name: str) -> TransportFactory:
+    """The factory of transport ``name``; ValueError naming the known ones."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(transport_names())}")
+    module, _, func = TRANSPORTS[name].partition(":")
+    return getattr(importlib.import_module(module), func)
 
 
 def _s(seconds: float) -> timedelta:
@@ -164,15 +178,9 @@ def make_manager(
     step-0 sync is skipped (``init_sync=False``); a group that joins late still heals.
     """
     t = cfg.timeouts
-    if cfg.transport == "dataplane" and "dataplane" not in _TRANSPORTS:
-        import harness.transport  # noqa: F401 - registers "dataplane" on import
-    if cfg.transport not in _TRANSPORTS:
-        raise ValueError(
-            f"transport = {cfg.transport!r} is not registered here; registered: "
-            f"{', '.join(transport_names())} (import harness.transport to add 'dataplane')"
-        )
+    factory = transport_factory(cfg.transport)
     pg = ProcessGroupGloo(timeout=_s(t.process_group_timeout))
-    transport = _TRANSPORTS[cfg.transport](pg, _s(t.manager_timeout), state_dict)
+    transport = factory(pg, _s(t.manager_timeout), state_dict)
     host, port = store_addr.rsplit(":", 1)
     manager = Manager(
         pg=pg,

@@ -2,8 +2,8 @@
 ``send_checkpoint`` publishes a snapshot (training continues at once), ``recv_checkpoint`` is
 ``read_into`` the replacement's already-built tensors.
 
-Selectable by name: importing this module registers ``"dataplane"`` with
-``harness.quorum.register_transport`` (config ``transport = "dataplane"``).
+Selectable by name: ``harness.quorum.TRANSPORTS`` names :func:`make_dataplane_transport` as
+``"dataplane"`` (config ``transport = "dataplane"``).
 
 How the state dict travels: its tensor leaves are the registered tensors (in pytree flatten
 order); everything else (the tree structure, ints such as torchft's step, the data position)
@@ -305,14 +305,3 @@ def make_dataplane_transport(
         read_backend=read_backend,
         bind=bind,
     )
-
-
-def _register_with_quorum() -> None:
-    try:
-        from harness.quorum import register_transport
-    except ImportError:  # quorum glue not present: the factory is still usable directly
-        return
-    register_transport("dataplane", make_dataplane_transport)
-
-
-_register_with_quorum()

@@ -138,8 +138,10 @@ def test_a_malicious_blob_is_refused_and_runs_nothing(tmp_path: Path) -> None:
 
 
 def test_dataplane_is_selectable_by_name() -> None:
-    pytest.importorskip("harness.quorum")
-    import harness.transport  # noqa: F401  (registers "dataplane")
-    from harness.quorum import transport_names
+    from harness.quorum import transport_factory, transport_names
+    from harness.transport import make_dataplane_transport
 
     assert "dataplane" in transport_names()
+    assert transport_factory("dataplane") is make_dataplane_transport
+    with pytest.raises(ValueError, match="unknown transport 'carrier_pigeon'; known: dataplane"):
+        transport_factory("carrier_pigeon")
