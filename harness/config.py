@@ -20,6 +20,10 @@ The timeout ordering, and why each rule exists (all values in seconds):
   checked here because step time is only known at run time.
 * ``process_group_timeout <= quorum_timeout``: a collective on a broken quorum fails (and the step
   aborts) before the next quorum request would time out.
+* ``host_timeout < controller_silence``: the controller declares a silent host lost (and
+  re-places its groups) before that host's agent fences itself; the other order would make a
+  short controller stall kill every worker of the job. Between the two, a cut-off host's stale
+  incarnation may still run, but cannot commit: the tree quorum admits only the newest one.
 
 Numbers are also checked against what could ever run (one walk over every field, see
 :func:`_check_numbers`): every float is finite (a NaN timeout never fires, an infinite duration
@@ -112,6 +116,8 @@ class TimeoutConfig:
     process_group_timeout: float = 5.0
     manager_timeout: float = 10.0
     connect_timeout: float = 10.0
+    host_timeout: float = 3.0  # a host agent silent this long is lost (its groups re-placed)
+    controller_silence: float = 10.0  # an agent that hears nothing this long fences itself
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +166,9 @@ class JobConfig:
     steps: int = 100
     min_replica_size: int = 1
     bind_host: str = "127.0.0.1"
+    # Where hosts come from: "local" child processes of the controller, or "netns" test hosts,
+    # each in its own network namespace with its own address (root only; runtime/netns.py).
+    launcher: Literal["local", "netns"] = "local"
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -303,6 +312,14 @@ def validate(cfg: JobConfig) -> None:
         "heartbeat_timeout",
         t.heartbeat_timeout,
         "a live worker must send several heartbeats before it is declared hung",
+    )
+    _smaller(
+        "host_timeout",
+        t.host_timeout,
+        "controller_silence",
+        t.controller_silence,
+        "a silent host must be declared lost before its agent fences itself, or a short "
+        "controller stall would stop every worker of the job",
     )
     _smaller(
         "heartbeat_timeout",

@@ -66,7 +66,9 @@ from harness.recovery import RecoveryTracker
 from runtime.controller import Controller, HostAgentHandle
 from runtime.failure import Cause, Failure
 from runtime.journal import JOB_RESTART, JOB_START, Journal
+from runtime.launchers import Launcher, LocalLauncher
 from runtime.mesh import ActorMesh, ProcMesh
+from runtime.netns import NetnsLauncher, TestNetwork
 from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
 
 
@@ -103,6 +105,7 @@ class Job:
         self.groups: dict[int, ReplicaGroup] = {}
         self._cfg_dict = config_to_dict(cfg)
         self._controller: Controller | None = None
+        self.network: TestNetwork | None = None  # with launcher = "netns"
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._started = False
@@ -132,17 +135,22 @@ class Job:
 
     # -- start: the tree per policy -------------------------------------------------------------
     def start(self) -> None:
+        launcher = self._make_launcher()
         t = self.cfg.timeouts
         spec = ControllerSpec(
             bind_host=self.cfg.bind_host,
             heartbeat=HeartbeatSpec(interval_s=t.heartbeat_interval, timeout_s=t.heartbeat_timeout),
+            agent_heartbeat=HeartbeatSpec(
+                interval_s=min(0.2, t.host_timeout / 5), timeout_s=t.host_timeout
+            ),
+            controller_silence_s=t.controller_silence,
             connect_timeout_s=t.connect_timeout,
             # Imported once per agent, before it forks: a replacement then starts without
             # paying for torch, torchft, the model code, or the dynamo import that the first
             # optimizer construction triggers (~1-3 s each on this machine).
             preload=("torch", "torch._dynamo", "harness.actors", *self._model_modules()),
         )
-        self._controller = Controller(spec, journal=self.journal)
+        self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.journal.emit(
@@ -158,6 +166,21 @@ class Job:
         self.progress.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
         )
+
+    def _make_launcher(self) -> Launcher:
+        """Where the hosts come from (``cfg.launcher``). Test hosts in network namespaces get
+        a network of their own, and the controller (and the stores and quorum it serves) binds
+        that network's gateway address."""
+        if self.cfg.launcher == "local":
+            return LocalLauncher()
+        self.network = TestNetwork(self.host_names()).up()
+        self.cfg = dataclasses.replace(self.cfg, bind_host=self.network.gateway)
+        self._cfg_dict = config_to_dict(self.cfg)
+        self.progress.say(
+            f"test hosts in network namespaces: {self.network.subnet}, controller at "
+            f"{self.network.gateway}"
+        )
+        return NetnsLauncher(self.network)
 
     def _build_tree(self) -> Any:
         r = self.cfg.recovery
@@ -460,6 +483,8 @@ class Job:
     def stop(self) -> None:
         """Let trainers finish their step, then stop every process and agent."""
         if self._controller is None:
+            if self.network is not None:
+                self.network.down()
             return
         with self._lock:
             self._stopping = True
@@ -476,4 +501,6 @@ class Job:
         self.controller.shutdown(grace_s=1.0)
         if self._tree is not None:
             self._tree.shutdown()
+        if self.network is not None:
+            self.network.down()
         self.progress.close()

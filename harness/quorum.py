@@ -56,6 +56,7 @@ from torchft.checkpointing.pg_transport import PGTransport
 from torchft.checkpointing.transport import CheckpointTransport
 
 from harness.config import JobConfig, TimeoutConfig
+from runtime.actor import host_address
 
 #: ``factory(pg, timeout, state_dict_fn) -> CheckpointTransport``; ``pg`` is the rank's
 #: cross-group process group, ``state_dict_fn`` returns the state a healing peer needs.
@@ -197,7 +198,9 @@ def make_manager(
         store_port=int(port),
         lighthouse_addr=lighthouse_addr,
         replica_id=member_id or f"replica_{replica_id}",
-        hostname=cfg.bind_host,
+        # Where the other groups reach this rank's ManagerServer (and heal from it): this
+        # worker's host address (the controller's bind address when there is no host agent).
+        hostname=host_address(cfg.bind_host),
         # Beat well inside the Lighthouse's timeout so a live group is never dropped.
         heartbeat_interval=_s(min(0.1, t.lighthouse_heartbeat_timeout / 5)),
         checkpoint_transport=transport,

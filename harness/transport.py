@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten_with_path, tree_unflatten, treespec_leaf
 from torchft.checkpointing.transport import CheckpointTransport
 
+from runtime.actor import host_address
 from runtime.dataplane import Handle, LayoutMismatch, RegisteredState, read_into, register
 
 T = TypeVar("T")
@@ -294,7 +295,7 @@ def make_dataplane_transport(
     *,
     backend: str = "auto",
     read_backend: str = "auto",
-    bind: str = "127.0.0.1",
+    bind: str | None = None,
 ) -> DataplaneTransport:
     """Factory with ``harness.quorum``'s ``(pg, timeout, state_dict)`` signature; ``pg`` is
     unused (bytes never go through the process group)."""
@@ -303,5 +304,5 @@ def make_dataplane_transport(
         timeout=timeout,
         backend=backend,
         read_backend=read_backend,
-        bind=bind,
+        bind=bind or host_address(),  # where healing peers on other hosts reach us
     )

@@ -59,10 +59,18 @@ def is_supervised(cls: type, name: str) -> bool:
 
 
 class WorkerContext:
-    """What an actor can reach in its process: its coordinates and the controller link."""
+    """What an actor can reach in its process: its coordinates, the controller link, and its
+    host's address (where other hosts reach this process's listeners)."""
 
-    def __init__(self, proc_id: str, coords: dict[str, int], send: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        proc_id: str,
+        coords: dict[str, int],
+        send: Callable[[Any], None],
+        host_address: str = "127.0.0.1",
+    ) -> None:
         self.proc_id = proc_id
+        self.host_address = host_address
         self.coords = dict(coords)
         self._send = send
         self.actors: dict[str, Actor] = {}
@@ -89,6 +97,11 @@ def current_context() -> WorkerContext:
 def set_coords(coords: dict[str, int]) -> None:
     """System call: a warm spare adopted by a mesh takes that mesh's coordinates."""
     current_context().coords = dict(coords)
+
+
+def host_address(default: str = "127.0.0.1") -> str:
+    """The address other hosts reach this worker's host at (``default`` outside a worker)."""
+    return _context.host_address if _context is not None else default
 
 
 def current_actors() -> dict[str, Actor]:

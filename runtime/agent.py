@@ -1,18 +1,26 @@
 """The host agent: one per host. Forks, reaps and watches the worker processes of its host.
 
-Run as ``python -m runtime.agent``; it reads its configuration (including the job secret) as
-one JSON line on stdin, imports the preload modules (torch) once, binds its listener, prints
-``PORT <n>`` and serves. It is single-threaded on purpose: it forks workers from its only thread,
-so a worker starts with torch already imported in milliseconds and no lock held by another
-thread. Everything is one ``selectors`` loop:
+An agent dials in to the controller (``runtime.channel`` handshake over the job secret), says
+which host it is (``HelloAgent``), gets its configuration (``AgentConfig``), imports the preload
+modules (torch) once and answers ``AgentReady`` with the address other hosts reach it at. Local
+agents are started by the controller's launcher (``python -m runtime.agent``, the boot settings
+and the secret as one JSON line on stdin); an agent on another machine is started by hand or by a
+scheduler (``ftharness agent --controller HOST:PORT --secret-file PATH --name NAME``).
 
-* the listener and authenticated connections (non-blocking handshake, then frames);
+It is single-threaded on purpose: it forks workers from its only thread, so a worker starts
+with torch already imported in milliseconds and no lock held by another thread. Everything is
+one ``selectors`` loop:
+
+* the controller connection (frames in; frames out through a buffer, never blocking);
 * SIGCHLD through a wakeup pipe: ``waitpid`` reaps a dead worker the moment it dies;
-* one heartbeat socketpair per worker: a worker silent for ``heartbeat.timeout_s`` is hung;
-* timers: SIGKILL after a stop's grace period, heartbeats to the controller.
+* one heartbeat socketpair per worker: a worker silent for ``heartbeat_timeout_s`` is hung;
+* timers: SIGKILL after a stop's grace period, heartbeats to the controller, and the
+  controller's silence: past ``controller_silence_s`` without a frame from it (a network
+  partition, a dead controller) the agent fences itself: it stops every worker and exits, so a
+  cut-off host never trains on alone.
 
-The agent dies with the controller (PR_SET_PDEATHSIG) and also exits, killing its workers, when
-the controller connection closes. It is a child subreaper, so nothing below it escapes.
+A local agent also dies with the controller (PR_SET_PDEATHSIG). It is a child subreaper, so
+nothing below it escapes.
 """
 
 from __future__ import annotations
@@ -32,14 +40,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+import tenacity
 
 from runtime import channel, process
-from runtime.channel import FrameDecoder, FrameError
+from runtime.channel import FrameError
 from runtime.messages import (
     AgentBeat,
+    AgentConfig,
     AgentReady,
+    ControllerBeat,
     Exited,
-    HelloController,
+    HelloAgent,
     Hung,
     Shutdown,
     Spawn,
@@ -55,16 +66,6 @@ MAX_BACKLOG = 4 << 20
 
 
 @dataclass
-class _Peer:
-    sock: socket.socket
-    handshake: channel.ServerHandshake
-    deadline: float
-    authed: bool = False
-    decoder: FrameDecoder = field(default_factory=FrameDecoder)
-    out: bytearray = field(default_factory=bytearray)  # not yet accepted by the kernel
-
-
-@dataclass
 class _Worker:
     proc_id: str
     pid: int
@@ -76,50 +77,48 @@ class _Worker:
 
 
 class Agent:
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.host = cfg["host"]
-        self.secret = bytes.fromhex(cfg["secret"])
-        self.controller_addr = (cfg["controller_host"], int(cfg["controller_port"]))
-        self.hb_interval = float(cfg["heartbeat_interval_s"])
-        self.hb_timeout = float(cfg["heartbeat_timeout_s"])
-        self.agent_hb_interval = float(cfg["agent_heartbeat_interval_s"])
-        self.connect_timeout = float(cfg["connect_timeout_s"])
-        self.preload = list(cfg.get("preload", []))
+    def __init__(self, boot: Boot, conn: channel.Connection, cfg: AgentConfig, address: str):
+        self.host = boot.name
+        self.secret = boot.secret
+        self.controller_addr = boot.controller
+        self.address = address
+        self.cfg = cfg
+        self.hb_interval = cfg.heartbeat_interval_s
+        self.hb_timeout = cfg.heartbeat_timeout_s
+        self.connect_timeout = cfg.connect_timeout_s
         self.sel = selectors.DefaultSelector()
-        self.listener = channel.listen(cfg.get("bind_host", "127.0.0.1"), 0)
-        self.listener.setblocking(False)
-        self.peers: dict[int, _Peer] = {}
+        self.conn = conn
         self.workers: dict[int, _Worker] = {}  # by pid
-        self.controller: _Peer | None = None
+        self.out = bytearray()  # frames not yet accepted by the kernel
         self.wake_r, self.wake_w = socket.socketpair()
         self.next_agent_beat = 0.0
-        self.running = True
+        self.last_heard = time.monotonic()
+        self.gloo_ifname = _interface_of(address)
 
     # -- set-up ---------------------------------------------------------------------------
     def install(self) -> None:
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
+        self.conn.sock.setblocking(False)
         signal.set_wakeup_fd(self.wake_w.fileno())
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: self._stop_all_and_exit(0))
-        self.sel.register(self.listener, selectors.EVENT_READ, ("listener", None))
+        self.sel.register(self.conn.sock, selectors.EVENT_READ, ("controller", None))
         self.sel.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
 
     # -- main loop ------------------------------------------------------------------------
     def serve(self) -> None:
-        while self.running:
+        while True:
             for key, mask in self.sel.select(timeout=self._tick()):
                 kind, obj = key.data
                 try:
-                    if kind == "listener":
-                        self._accept()
-                    elif kind == "wake":
+                    if kind == "wake":
                         self._drain_wake()
-                    elif kind == "peer":
+                    elif kind == "controller":
                         if mask & selectors.EVENT_WRITE:
-                            self._flush(obj)
-                        if mask & selectors.EVENT_READ and obj.sock.fileno() >= 0:
-                            self._on_peer(obj)
+                            self._flush()
+                        if mask & selectors.EVENT_READ:
+                            self._on_controller()
                     elif kind == "hb":
                         self._on_heartbeat(obj)
                 except Exception:
@@ -128,104 +127,63 @@ class Agent:
             self._timers()
 
     def _tick(self) -> float:
-        return max(0.005, min(self.hb_interval, self.agent_hb_interval) / 2)
+        return max(0.005, min(self.hb_interval, self.cfg.agent_heartbeat_interval_s) / 2)
 
-    # -- connections ----------------------------------------------------------------------
-    def _accept(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-        except BlockingIOError:
-            return
-        sock.setblocking(False)
-        hs = channel.ServerHandshake(self.secret)
-        peer = _Peer(sock, hs, time.monotonic() + self.connect_timeout)
-        try:
-            sock.send(hs.challenge)
-        except OSError:
-            sock.close()
-            return
-        self.peers[sock.fileno()] = peer
-        self.sel.register(sock, selectors.EVENT_READ, ("peer", peer))
+    # -- the controller connection --------------------------------------------------------
+    def _lost_controller(self, why: str) -> None:
+        log.warning("agent %s: %s; stopping workers", self.host, why)
+        self._stop_all_and_exit(3)
 
-    def _drop(self, peer: _Peer, why: str) -> None:
-        log.warning("agent %s: dropping peer: %s", self.host, why)
-        self.peers.pop(peer.sock.fileno(), None)
-        with contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(peer.sock)
-        peer.sock.close()
-        if peer is self.controller:
-            log.warning("agent %s: controller connection lost; stopping workers", self.host)
-            self._stop_all_and_exit(3)
-
-    def _on_peer(self, peer: _Peer) -> None:
+    def _on_controller(self) -> None:
         try:
-            data = peer.sock.recv(1 << 16)
+            data = self.conn.sock.recv(1 << 16)
         except BlockingIOError:
             return
         except OSError as exc:
-            self._drop(peer, f"recv failed: {exc}")
+            self._lost_controller(f"recv failed: {exc}")
             return
         if not data:
-            self._drop(peer, "connection closed")
+            self._lost_controller("controller connection closed")
             return
-        if not peer.authed:
-            # Nothing the peer sends is decoded until it has proved the secret.
-            try:
-                proof = peer.handshake.feed(data)
-            except channel.AuthError:
-                self._drop(peer, "failed authentication")
-                return
-            if proof is None:
-                return
-            peer.authed = True
-            self._send_raw(peer, proof)
-            data = peer.handshake.leftover
-        peer.decoder.feed(data)
+        self.last_heard = time.monotonic()
+        self.conn.decoder.feed(data)
         try:
-            for msg in peer.decoder.messages():
-                self._handle(peer, msg)
+            for msg in self.conn.decoder.messages():
+                self._handle(msg)
         except FrameError as exc:
-            self._drop(peer, f"bad frame: {exc}")
+            self._lost_controller(f"bad frame from the controller: {exc}")
 
-    def _send(self, peer: _Peer | None, msg: Any) -> None:
-        if peer is not None:
-            self._send_raw(peer, channel.encode(msg))
-
-    def _send_raw(self, peer: _Peer, data: bytes) -> None:
-        """Queue ``data`` and send what the socket takes now, never blocking: a stopped
+    def _send(self, msg: Any) -> None:
+        """Queue a frame and send what the socket takes now, never blocking: a stopped
         (SIGSTOPped) controller must not stop this loop from reaping and watching workers.
-        A peer that lets more than MAX_BACKLOG pile up is dropped."""
-        if peer.sock.fileno() < 0:
-            return
-        peer.out += data
-        if len(peer.out) > MAX_BACKLOG:
-            self._drop(peer, f"peer not reading: over {MAX_BACKLOG} bytes queued")
-            return
-        self._flush(peer)
+        A controller that lets more than MAX_BACKLOG pile up counts as gone."""
+        self.out += self.conn.sealer.seal(channel.encode(msg))
+        if len(self.out) > MAX_BACKLOG:
+            self._lost_controller(f"controller not reading: over {MAX_BACKLOG} bytes queued")
+        self._flush()
 
-    def _flush(self, peer: _Peer) -> None:
+    def _flush(self) -> None:
         try:
-            while peer.out:
-                n = peer.sock.send(peer.out)
-                del peer.out[:n]
+            while self.out:
+                n = self.conn.sock.send(self.out)
+                del self.out[:n]
         except BlockingIOError:
             pass
         except OSError as exc:
-            self._drop(peer, f"send failed: {exc}")
+            self._lost_controller(f"send failed: {exc}")
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.out else 0)
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.out else 0)
         with contextlib.suppress(KeyError, ValueError):
-            self.sel.modify(peer.sock, events, ("peer", peer))
+            self.sel.modify(self.conn.sock, events, ("controller", None))
 
     # -- commands -------------------------------------------------------------------------
-    def _handle(self, peer: _Peer, msg: Any) -> None:
+    def _handle(self, msg: Any) -> None:
         match msg:
-            case HelloController():
-                self.controller = peer
-                self._send(peer, AgentReady(self.host, os.getpid()))
+            case ControllerBeat():
+                pass  # last_heard is updated for every frame
             case Spawn(proc_id, coords, log_path, cold):
                 pid = self._fork_worker(proc_id, coords, log_path, cold)
-                self._send(peer, Spawned(proc_id, pid))
+                self._send(Spawned(proc_id, pid))
             case StopProc(proc_id, grace_s):
                 for w in self.workers.values():
                     if w.proc_id == proc_id:
@@ -249,10 +207,8 @@ class Agent:
                 signal.set_wakeup_fd(-1)
                 for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
-                for sock in (self.listener, self.wake_r, self.wake_w, parent_hb):
+                for sock in (self.conn.sock, self.wake_r, self.wake_w, parent_hb):
                     sock.close()
-                for p in self.peers.values():
-                    p.sock.close()
                 for w in self.workers.values():
                     w.hb.close()
                 if log_path:
@@ -260,6 +216,8 @@ class Agent:
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
                     os.close(fd)
+                if self.gloo_ifname:  # collectives between hosts use the advertised network
+                    os.environ["GLOO_SOCKET_IFNAME"] = self.gloo_ifname
                 if cold:
                     self._exec_cold_worker(proc_id, coords, child_hb)
                 from runtime.worker import worker_main
@@ -272,6 +230,7 @@ class Agent:
                     heartbeat_sock=child_hb,
                     heartbeat_interval_s=self.hb_interval,
                     connect_timeout_s=self.connect_timeout,
+                    host_address=self.address,
                 )
                 code = 0
             except BaseException:
@@ -298,7 +257,8 @@ class Agent:
             "heartbeat_fd": hb.fileno(),
             "heartbeat_interval_s": self.hb_interval,
             "connect_timeout_s": self.connect_timeout,
-            "preload": self.preload,
+            "host_address": self.address,
+            "preload": list(self.cfg.preload),
             "sys_path": sys.path,
         }
         read_fd, write_fd = os.pipe()
@@ -366,7 +326,7 @@ class Agent:
             # that is not a worker is such an orphan, and must not outlive its worker.
             orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
             process.signal_all(orphans, signal.SIGKILL)
-            self._send(self.controller, Exited(w.proc_id, pid, status, time.time()))
+            self._send(Exited(w.proc_id, pid, status, time.time()))
 
     def _timers(self) -> None:
         now = time.monotonic()
@@ -380,33 +340,94 @@ class Agent:
             if not w.hung_reported and w.kill_at is None and silent > self.hb_timeout:
                 w.hung_reported = True
                 t_last = time.time() - silent
-                self._send(self.controller, Hung(w.proc_id, w.pid, silent, t_last))
-        for peer in list(self.peers.values()):
-            if not peer.authed and now > peer.deadline:
-                self._drop(peer, "handshake timed out")
-        if self.controller is not None and now >= self.next_agent_beat:
-            self.next_agent_beat = now + self.agent_hb_interval
-            self._send(self.controller, AgentBeat(time.time()))
+                self._send(Hung(w.proc_id, w.pid, silent, t_last))
+        silent = now - self.last_heard
+        if silent > self.cfg.controller_silence_s:
+            self._lost_controller(f"no frame from the controller for {silent:.1f} s (fencing)")
+        if now >= self.next_agent_beat:
+            self.next_agent_beat = now + self.cfg.agent_heartbeat_interval_s
+            self._send(AgentBeat(time.time()))
+
+
+@dataclass(frozen=True)
+class Boot:
+    """What an agent needs before it can dial in."""
+
+    name: str
+    controller: tuple[str, int]
+    secret: bytes
+    parent_pid: int | None = None  # a local agent dies with its controller
+    sys_path: tuple[str, ...] = ()
+    advertise: str | None = None  # the address other hosts reach this one at (default: see dial)
+
+
+def dial(boot: Boot, timeout_s: float) -> channel.Connection:
+    """Connect to the controller and authenticate, retrying while it is not up yet (an agent
+    started before its controller), for at most ``timeout_s``."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(channel.ChannelError),
+        stop=tenacity.stop_after_delay(timeout_s),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+        reraise=True,
+    )
+    return retrying(channel.connect, boot.controller, boot.secret, min(10.0, timeout_s))
+
+
+def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
+    """Dial in, configure, preload, serve until the controller goes away; never returns."""
+    process.become_subreaper()
+    if boot.parent_pid is not None:
+        # SIGTERM, not SIGKILL, when the controller dies: the handler kills every worker's
+        # whole tree (workers' own children included) before the agent exits.
+        process.die_with_parent(boot.parent_pid, signal.SIGTERM)
+    for path in reversed(boot.sys_path):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    conn = dial(boot, dial_timeout_s)
+    conn.send(HelloAgent(boot.name, os.getpid()))
+    conn.sock.settimeout(dial_timeout_s)
+    cfg = conn.recv()
+    conn.sock.settimeout(None)
+    if not isinstance(cfg, AgentConfig):
+        raise channel.ChannelError(f"the controller answered {cfg!r:.80}")
+    for mod in cfg.preload:
+        importlib.import_module(mod)
+    # The address other hosts reach us at: the one our connection to the controller leaves
+    # from (the interface that routes to the job's network), unless configured.
+    address = boot.advertise or conn.sock.getsockname()[0]
+    agent = Agent(boot, conn, cfg, address)
+    agent.install()
+    agent._send(AgentReady(boot.name, os.getpid(), address))
+    agent.serve()
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface holding ``address`` (for GLOO_SOCKET_IFNAME); None on loopback."""
+    if address.startswith("127.") or address == "::1":
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
 
 
 def main() -> None:
+    """``python -m runtime.agent``: the boot settings as one JSON line on stdin (the local
+    launcher's way; the secret never appears in argv)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    cfg = json.loads(sys.stdin.readline())
-    process.become_subreaper()
-    # SIGTERM, not SIGKILL, when the controller dies: the handler kills every worker's whole
-    # tree (workers' own children included) before the agent exits.
-    process.die_with_parent(int(cfg["parent_pid"]), signal.SIGTERM)
-    for path in reversed(cfg.get("sys_path", [])):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    for mod in cfg.get("preload", []):
-        importlib.import_module(mod)
-    agent = Agent(cfg)
-    agent.install()
-    print(f"PORT {agent.listener.getsockname()[1]}", flush=True)
-    # From here on, stdout is for worker logs: point it at stderr so the port pipe is not filled.
-    os.dup2(2, 1)
-    agent.serve()
+    raw = json.loads(sys.stdin.readline())
+    os.dup2(2, 1)  # stdout is for worker logs and diagnostics
+    run(
+        Boot(
+            name=raw["name"],
+            controller=(raw["controller_host"], int(raw["controller_port"])),
+            secret=bytes.fromhex(raw["secret"]),
+            parent_pid=raw.get("parent_pid"),
+            sys_path=tuple(raw.get("sys_path", ())),
+            advertise=raw.get("advertise"),
+        ),
+        float(raw.get("dial_timeout_s", 60.0)),
+    )
 
 
 if __name__ == "__main__":

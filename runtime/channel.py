@@ -1,21 +1,23 @@
 """The authenticated, framed control channel between controller, host agents and workers.
 
-Wire format, after a mutual challenge-response handshake over a per-job secret:
-
-    frame := length (4 bytes, big-endian) || pickle(message)
-
-Handshake (no byte of the peer is decoded before it succeeds):
+Handshake (no byte of the peer is decoded before it succeeds), over a per-job secret:
 
     server -> client   nonce_s (32 random bytes)
     client -> server   HMAC(secret, "client" || nonce_s) (32) || nonce_c (32)
     server -> client   HMAC(secret, "server" || nonce_c) (32)
 
-The server compares the client's digest with ``hmac.compare_digest`` and drops the connection
-on a mismatch; only then are frames unpickled. Frames larger than ``MAX_FRAME`` or that do not
-unpickle drop the connection (``FrameError``); the caller logs and carries on serving others.
+Both sides then derive one session key per direction from the secret and both nonces, and every
+frame carries a MAC over its sequence number and payload:
 
-Not guaranteed: confidentiality (frames are not encrypted; bind loopback or a private network)
-and protection against an on-path attacker after the handshake.
+    frame := length (4 bytes, big-endian) || pickle(message) || BLAKE2b-128(key, seq || payload)
+
+A receiver checks the MAC before it unpickles anything: a frame altered, replayed, reordered or
+injected on the path (the sequence number is implicit, so a replayed frame fails too) drops the
+connection (``FrameError``), as does one larger than ``MAX_FRAME`` or one that does not unpickle;
+the caller logs and carries on serving others.
+
+Not guaranteed: confidentiality (frames are not encrypted: weights and configs cross in clear;
+use a private network), and protection against a peer that holds the job secret.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
+TAG_BYTES = 16
 MAX_FRAME = 64 * 1024 * 1024
 _LEN = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
 
 
 class ChannelError(Exception):
@@ -73,21 +77,56 @@ def server_proof(secret: bytes, client_nonce: bytes) -> bytes:
     return _digest(secret, b"server", client_nonce)
 
 
+def session_keys(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> tuple[bytes, bytes]:
+    """(client -> server key, server -> client key) of one connection."""
+    material = nonce_s + nonce_c
+    return _digest(secret, b"c2s", material), _digest(secret, b"s2c", material)
+
+
+def _tag(key: bytes, seq: int, payload: bytes) -> bytes:
+    h = hashlib.blake2b(_SEQ.pack(seq), key=key, digest_size=TAG_BYTES)
+    h.update(payload)
+    return h.digest()
+
+
 def encode(message: Any) -> bytes:
+    """The pickled payload of ``message`` (checked against ``MAX_FRAME``), ready to seal."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(payload) > MAX_FRAME:
         raise OversizeMessage(f"message of {len(payload)} bytes exceeds MAX_FRAME={MAX_FRAME}")
-    return _LEN.pack(len(payload)) + payload
+    return payload
+
+
+class Sealer:
+    """Frames payloads for one direction of one connection: length, payload and, with a key,
+    the MAC of (sequence number, payload). Not thread-safe: seal in the order frames are sent.
+    ``key=None`` frames without a MAC (only for measuring what the MAC costs)."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self._key = key
+        self._seq = 0
+
+    def seal(self, payload: bytes) -> bytes:
+        frame = _LEN.pack(len(payload)) + payload
+        if self._key is None:
+            return frame
+        tag = _tag(self._key, self._seq, payload)
+        self._seq += 1
+        return frame + tag
 
 
 class FrameDecoder:
-    """Incremental frame parser: ``feed(bytes)`` then iterate ``messages()``.
+    """Incremental frame parser: ``feed(bytes)`` then iterate ``messages()``; with a key, each
+    frame's MAC is checked (in sequence) before its payload is unpickled.
 
     Used by blocking readers (threads) and by the single-threaded agent's non-blocking loop.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
         self._buf = bytearray()
+        self._key = key
+        self._tag_bytes = TAG_BYTES if key is not None else 0
+        self._seq = 0
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -97,10 +136,18 @@ class FrameDecoder:
             (n,) = _LEN.unpack_from(self._buf)
             if n > MAX_FRAME:
                 raise FrameError(f"frame length {n} exceeds MAX_FRAME={MAX_FRAME}")
-            if len(self._buf) < _LEN.size + n:
+            end = _LEN.size + n
+            if len(self._buf) < end + self._tag_bytes:
                 return
-            payload = bytes(self._buf[_LEN.size : _LEN.size + n])
-            del self._buf[: _LEN.size + n]
+            payload = bytes(self._buf[_LEN.size : end])
+            tag = bytes(self._buf[end : end + self._tag_bytes])
+            del self._buf[: end + self._tag_bytes]
+            if self._key is not None:
+                if not hmac.compare_digest(tag, _tag(self._key, self._seq, payload)):
+                    raise FrameError(
+                        f"frame {self._seq} failed authentication (altered or replayed)"
+                    )
+                self._seq += 1
             try:
                 yield pickle.loads(payload)
             except Exception as exc:
@@ -146,6 +193,7 @@ class ServerHandshake:
         self.challenge = os.urandom(NONCE_BYTES)
         self._buf = bytearray()
         self.leftover = b""  # bytes after the client's reply: the first frames, already sent
+        self.keys: tuple[bytes, bytes] | None = None  # (send, receive) once authenticated
 
     def feed(self, data: bytes) -> bytes | None:
         """The server proof once the client's reply is complete and correct, else None."""
@@ -160,21 +208,27 @@ class ServerHandshake:
         expected = client_proof(self._secret, self.challenge)
         if not hmac.compare_digest(reply[:DIGEST_BYTES], expected):
             raise AuthError("client failed authentication")
-        return server_proof(self._secret, reply[DIGEST_BYTES:])
+        nonce_c = reply[DIGEST_BYTES:]
+        c2s, s2c = session_keys(self._secret, self.challenge, nonce_c)
+        self.keys = (s2c, c2s)
+        return server_proof(self._secret, nonce_c)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
-    """Authenticate a freshly accepted client (blocking, bounded by ``timeout``)."""
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> tuple[bytes, bytes]:
+    """Authenticate a freshly accepted client (blocking, bounded by ``timeout``); returns the
+    session's (send, receive) keys."""
     with _handshake_bounds(sock, timeout):
         hs = ServerHandshake(secret)
         sock.sendall(hs.challenge)
         proof = hs.feed(_recv_exactly(sock, ServerHandshake.REPLY_BYTES))
-        assert proof is not None
+        assert proof is not None and hs.keys is not None
         sock.sendall(proof)
+        return hs.keys
 
 
-def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None:
-    """Prove the secret to a server and check that it holds it too."""
+def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> tuple[bytes, bytes]:
+    """Prove the secret to a server and check that it holds it too; returns the session's
+    (send, receive) keys."""
     with _handshake_bounds(sock, timeout):
         nonce_s = _recv_exactly(sock, NONCE_BYTES)
         nonce_c = os.urandom(NONCE_BYTES)
@@ -185,16 +239,24 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None
             raise AuthError("server closed the connection: our secret was rejected") from exc
         if not hmac.compare_digest(proof, server_proof(secret, nonce_c)):
             raise AuthError("server failed authentication")
+        return session_keys(secret, nonce_s, nonce_c)
 
 
 class Connection:
-    """A blocking, authenticated, thread-safe-for-send message connection."""
+    """A blocking, authenticated, thread-safe-for-send message connection. ``keys`` are the
+    (send, receive) session keys from the handshake; ``(None, None)`` only in benchmarks."""
 
-    def __init__(self, sock: socket.socket, peer: str = "?") -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: str = "?",
+        keys: tuple[bytes | None, bytes | None] = (None, None),
+    ) -> None:
         self.sock = sock
         self.peer = peer
         self._send_lock = threading.Lock()
-        self._decoder = FrameDecoder()
+        self.sealer = Sealer(keys[0])
+        self.decoder = FrameDecoder(keys[1])
         self._pending: Iterator[Any] | None = None
         self.closed = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -202,14 +264,14 @@ class Connection:
     def send(self, message: Any) -> None:
         self.send_encoded(encode(message))
 
-    def send_encoded(self, data: bytes) -> None:
-        """Send a frame made by :func:`encode` (so that a caller can encode on its own thread
-        and hand the bytes to a sender thread)."""
+    def send_encoded(self, payload: bytes) -> None:
+        """Send a payload made by :func:`encode` (so that a caller can encode on its own thread
+        and hand the bytes to a sender thread); it is sealed here, in sending order."""
         with self._send_lock:
             if self.closed:
                 raise ChannelError(f"send on closed connection to {self.peer}")
             try:
-                self.sock.sendall(data)
+                self.sock.sendall(self.sealer.seal(payload))
             except OSError as exc:
                 self.closed = True
                 raise ChannelError(f"send to {self.peer} failed: {exc}") from exc
@@ -227,8 +289,8 @@ class Connection:
                 raise ChannelError(f"recv from {self.peer} failed: {exc}") from exc
             if not data:
                 raise ChannelError(f"connection to {self.peer} closed")
-            self._decoder.feed(data)
-            self._pending = self._decoder.messages()
+            self.decoder.feed(data)
+            self._pending = self.decoder.messages()
 
     def close(self) -> None:
         with self._send_lock:
@@ -244,11 +306,12 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float) -> Connecti
     except OSError as exc:
         raise ChannelError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
     try:
-        client_handshake(sock, secret, timeout)
+        keys = client_handshake(sock, secret, timeout)
     except ChannelError:
         sock.close()
         raise
-    return Connection(sock, peer=f"{address[0]}:{address[1]}")
+    sock.settimeout(None)
+    return Connection(sock, peer=f"{address[0]}:{address[1]}", keys=keys)
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -33,18 +32,21 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from runtime import channel, process
+from runtime import channel
 from runtime.actor import RemoteError
 from runtime.failure import Cause, Failure, SupervisionError, decode_wait_status
-from runtime.host import HostAgentHandle, start_local_agent
+from runtime.host import HostAgentHandle
 from runtime.journal import FAILURE, PROC_START, Journal
+from runtime.launchers import Launcher, LocalLauncher
 from runtime.mesh import ProcMesh, ProcRef
 from runtime.messages import (
     AgentBeat,
+    AgentConfig,
     AgentReady,
+    ControllerBeat,
     Event,
     Exited,
-    HelloController,
+    HelloAgent,
     HelloWorker,
     Hung,
     Request,
@@ -76,12 +78,15 @@ class Controller:
         journal: Journal | None = None,
         on_failure: Handler | None = None,
         secret: bytes | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.spec = spec or ControllerSpec()
+        self.launcher: Launcher = launcher or LocalLauncher()
         self.journal = journal
         self.on_failure = on_failure
         self.secret = secret or channel.new_secret()
         self.hosts: dict[str, HostAgentHandle] = {}
+        self._expected: dict[str, cf.Future] = {}  # hosts whose agent is to dial in
         self.procs: dict[str, ProcRecord] = {}
         self.failures: list[Failure] = []
         self.fatal: Failure | None = None
@@ -108,26 +113,28 @@ class Controller:
             self._thread(target, name)
 
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
-        """A long-lived control-plane thread. None may die silently: an uncaught exception in
-        one is a failure value at the root (the job stops with its traceback), since the
-        thread's duty (reaping, heartbeats, supervision) would otherwise stop unnoticed."""
+        """A long-lived control-plane thread (see :meth:`_guarded`)."""
+        threading.Thread(
+            target=self._guarded, args=(target, name, *args), daemon=True, name=f"ftharness-{name}"
+        ).start()
 
-        def run() -> None:
-            try:
-                target(*args)
-            except BaseException as exc:
-                if self._closed:
-                    return
-                log.exception("controller thread %s died", name)
-                self._stop_job(
-                    Failure(
-                        cause=Cause.EXCEPTION,
-                        detail=f"controller thread {name} died: {exc!r}",
-                        traceback=traceback.format_exc(),
-                    )
+    def _guarded(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        """Run a long-lived duty. None may die silently: an uncaught exception in one is a
+        failure value at the root (the job stops with its traceback), since the duty (reaping,
+        heartbeats, supervision) would otherwise stop unnoticed."""
+        try:
+            target(*args)
+        except BaseException as exc:
+            if self._closed:
+                return
+            log.exception("controller thread %s died", name)
+            self._stop_job(
+                Failure(
+                    cause=Cause.EXCEPTION,
+                    detail=f"controller thread {name} died: {exc!r}",
+                    traceback=traceback.format_exc(),
                 )
-
-        threading.Thread(target=run, daemon=True, name=f"ftharness-{name}").start()
+            )
 
     def __enter__(self) -> Controller:
         return self
@@ -143,44 +150,92 @@ class Controller:
 
     # -- hosts --------------------------------------------------------------------------------
     def spawn_host(self, name: str | None = None) -> HostAgentHandle:
-        """Start a host agent (a separate process); returns once it is connected and ready."""
+        """Start a host agent through the launcher; returns once it has dialled in, preloaded
+        and is ready."""
         name = name or f"host{len(self.hosts)}"
         if name in self.hosts and not self.hosts[name].lost:
             raise ValueError(f"host {name!r} already exists")
         return self._spawner.submit(self._start_agent, name).result()
 
-    def _start_agent(self, name: str) -> HostAgentHandle:
-        h = HostAgentHandle(self, name, self._spare_pool(lambda: h))
-        cfg = {
-            "secret": self.secret.hex(),
+    def boot_settings(self, name: str) -> dict[str, Any]:
+        """What an agent needs to dial in (``runtime.agent.Boot``), the secret included: hand it
+        over on stdin or in a 0600 file, never on a command line."""
+        return {
+            "name": name,
             "controller_host": self.address[0],
             "controller_port": self.address[1],
-            "bind_host": self.spec.bind_host,
-            "parent_pid": os.getpid(),
+            "secret": self.secret.hex(),
             "sys_path": [p for p in sys.path if p],
-            "preload": list(self.spec.preload),
-            "heartbeat_interval_s": self.spec.heartbeat.interval_s,
-            "heartbeat_timeout_s": self.spec.heartbeat.timeout_s,
-            "agent_heartbeat_interval_s": self.spec.agent_heartbeat.interval_s,
-            "connect_timeout_s": self.spec.connect_timeout_s,
+            "dial_timeout_s": self.spec.connect_timeout_s + 30.0,
         }
-        h.popen, port = start_local_agent(name, cfg, self.spec.connect_timeout_s + 30.0)
-        h.address = (self.spec.bind_host, port)
-        h.conn = channel.connect(h.address, self.secret, self.spec.connect_timeout_s)
-        h.conn.send(HelloController())
-        h.conn.sock.settimeout(self.spec.connect_timeout_s)  # a stopped agent must not hang us
+
+    def expect_hosts(self, names: list[str]) -> dict[str, cf.Future]:
+        """Futures that resolve when each named agent has dialled in and is ready."""
+        with self._lock:
+            for name in names:
+                fut = self._expected.get(name)
+                if fut is None or fut.done():
+                    self._expected[name] = cf.Future()
+            return {name: self._expected[name] for name in names}
+
+    def wait_for_hosts(self, names: list[str], timeout_s: float) -> list[HostAgentHandle]:
+        """Block until every named agent has dialled in; ChannelError naming the missing ones
+        after ``timeout_s``."""
+        futs = self.expect_hosts([n for n in names if n not in self.hosts or self.hosts[n].lost])
+        cf.wait(list(futs.values()), timeout=timeout_s)
+        missing = sorted(n for n, f in futs.items() if not f.done())
+        if missing:
+            raise channel.ChannelError(
+                f"host agent(s) {', '.join(missing)} did not dial in to "
+                f"{self.address[0]}:{self.address[1]} within {timeout_s:g} s"
+            )
+        return [self.hosts[n] for n in names]
+
+    def _start_agent(self, name: str) -> HostAgentHandle:
+        fut = self.expect_hosts([name])[name]
+        self.launcher.start(name, self.boot_settings(name))
+        timeout = self.spec.connect_timeout_s + 30.0
         try:
-            msg = h.conn.recv()
-        finally:
-            h.conn.sock.settimeout(None)
-        if not isinstance(msg, AgentReady):
-            h.kill()
-            raise channel.ChannelError(f"agent {name} answered {msg!r:.80}")
+            return fut.result(timeout=timeout)
+        except cf.TimeoutError:
+            self.launcher.kill(name)
+            raise channel.ChannelError(
+                f"host agent {name} did not dial in within {timeout:g} s"
+            ) from None
+
+    def _adopt_agent(self, conn: channel.Connection, hello: HelloAgent) -> None:
+        """An agent dialled in: configure it, wait until it is ready, then serve it on this
+        thread until it goes away."""
+        with self._lock:
+            fut = self._expected.get(hello.host)
+            known = self.hosts.get(hello.host)
+        if fut is None and (known is None or not known.lost):
+            raise channel.FrameError(f"unexpected host agent {hello.host!r}")
+        spec = self.spec
+        conn.send(
+            AgentConfig(
+                preload=tuple(spec.preload),
+                heartbeat_interval_s=spec.heartbeat.interval_s,
+                heartbeat_timeout_s=spec.heartbeat.timeout_s,
+                agent_heartbeat_interval_s=spec.agent_heartbeat.interval_s,
+                controller_silence_s=spec.controller_silence_s,
+                connect_timeout_s=spec.connect_timeout_s,
+            )
+        )
+        conn.sock.settimeout(spec.connect_timeout_s + 30.0)  # preloading torch takes seconds
+        ready = conn.recv()
+        conn.sock.settimeout(None)
+        if not isinstance(ready, AgentReady):
+            raise channel.FrameError(f"agent {hello.host} answered {ready!r:.80}")
+        h = HostAgentHandle(self, hello.host, self._spare_pool(lambda: h), self.launcher)
+        h.conn, h.pid, h.address = conn, ready.pid, ready.address
         h.last_beat = time.monotonic()
         with self._lock:
-            self.hosts[name] = h
-        self._thread(self._agent_loop, f"agent-{name}", h)
-        return h
+            self.hosts[hello.host] = h
+            self._expected.pop(hello.host, None)
+        if fut is not None:
+            fut.set_result(h)
+        self._guarded(self._agent_loop, f"agent-{hello.host}", h)
 
     def _spare_pool(self, host: Callable[[], HostAgentHandle]) -> SparePool:
         def fork(n: int, log_dir: str | None) -> list[ProcRecord]:
@@ -227,7 +282,7 @@ class Controller:
             h.lost = True
             victims = [p for p in self.procs.values() if p.host is h]
         h.pool.closed = True
-        h.kill()  # a frozen agent must not keep half its tree alive
+        h.kill()  # out of band where the launcher can: a frozen agent must not train on
         now = time.time()
         for rec in victims:
             self._fail(
@@ -360,21 +415,27 @@ class Controller:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve_worker, args=(sock,), daemon=True).start()
+            threading.Thread(target=self._serve_peer, args=(sock,), daemon=True).start()
 
-    def _serve_worker(self, sock: Any) -> None:
+    def _serve_peer(self, sock: Any) -> None:
+        """A connection to the listener: a worker, or a host agent dialling in."""
         try:
-            channel.server_handshake(sock, self.secret, self.spec.connect_timeout_s)
+            keys = channel.server_handshake(sock, self.secret, self.spec.connect_timeout_s)
         except channel.ChannelError as exc:
             log.warning("controller: dropping peer: %s", exc)
             sock.close()
             return
-        conn = channel.Connection(sock, peer="worker")
+        conn = channel.Connection(sock, peer="peer", keys=keys)
         rec: ProcRecord | None = None
         try:
+            sock.settimeout(self.spec.connect_timeout_s)  # the first frame, or drop it
             hello = conn.recv()
+            sock.settimeout(None)
+            if isinstance(hello, HelloAgent):
+                self._adopt_agent(conn, hello)
+                return
             if not isinstance(hello, HelloWorker):
-                raise channel.FrameError(f"expected HelloWorker, got {hello!r:.80}")
+                raise channel.FrameError(f"expected HelloWorker or HelloAgent, got {hello!r:.80}")
             with self._lock:
                 rec = self.procs.get(hello.proc_id)
             if rec is None:
@@ -400,9 +461,9 @@ class Controller:
                     raise
                 except Exception:  # a bug here must not silently cut the worker off
                     log.exception("controller: handling %r from %s", msg, rec.ref.proc_id)
-        except channel.ChannelError as exc:
-            if isinstance(exc, channel.FrameError):
-                log.warning("controller: dropping worker connection: %s", exc)
+        except (channel.ChannelError, OSError) as exc:
+            if not isinstance(exc, channel.ChannelError) or isinstance(exc, channel.FrameError):
+                log.warning("controller: dropping connection: %s", exc)
             conn.close()
             if rec is not None:
                 rec.conn = None
@@ -610,6 +671,9 @@ class Controller:
             time.sleep(hb.interval_s / 2)
             now = time.monotonic()
             for h in list(self.hosts.values()):
+                if not h.lost and h.conn is not None:
+                    with contextlib.suppress(channel.ChannelError):
+                        h.conn.send(ControllerBeat(time.time()))
                 if not h.lost and now - h.last_beat > hb.timeout_s:
                     self._host_lost(h, f"no agent heartbeat for {now - h.last_beat:.2f} s")
 
@@ -628,15 +692,10 @@ class Controller:
                 with contextlib.suppress(channel.ChannelError):
                     h.conn.send(Shutdown(grace_s))
         for h in list(self.hosts.values()):
-            if h.popen is None:
-                continue
-            try:
-                h.popen.wait(timeout=grace_s + 3.0)
-            except subprocess.TimeoutExpired:
-                process.terminate_tree(h.popen.pid, 0.5)
-                h.popen.wait(timeout=5.0)
+            self.launcher.stop(h.name, grace_s + 3.0)
             if h.conn is not None:
                 h.conn.close()
+        self.launcher.close()
         self._queue.put(None)
         with contextlib.suppress(OSError):
             self._listener.close()

@@ -1,24 +1,18 @@
-"""Hosts: a host agent as the controller sees it, and how a local one is started.
+"""Hosts: a host agent as the controller sees it.
 
-A host is an agent process (``runtime.agent``) plus the authenticated connection the controller
-holds to it. Today every agent is started here as a child process of the controller
-(:func:`start_local_agent`, the embedded default); where hosts come from is the seam later
-launchers (network namespaces, SLURM) plug into.
+A host is an agent process (``runtime.agent``) that dialled in to the controller, plus that
+authenticated connection. Where hosts come from is ``runtime.launchers``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import select
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from runtime import channel, process
+from runtime import channel
+from runtime.launchers import Launcher
 from runtime.mesh import ProcMesh
 from runtime.spares import SparePool
 
@@ -37,12 +31,13 @@ class HostAgentHandle:
     """A running host agent: spawn worker meshes on it, keep warm spares, or kill it (a host
     eviction). ``lost`` is set once, when the controller declares the host lost."""
 
-    def __init__(self, spawner: _Spawner, name: str, pool: SparePool) -> None:
+    def __init__(self, spawner: _Spawner, name: str, pool: SparePool, launcher: Launcher) -> None:
         self._spawner = spawner
+        self._launcher = launcher
         self.name = name
-        self.popen: subprocess.Popen | None = None
+        self.pid = 0  # the agent's pid on its own machine
         self.conn: channel.Connection | None = None
-        self.address: tuple[str, int] | None = None
+        self.address = ""  # where other hosts reach this one
         self.last_beat = time.monotonic()
         self.lost = False
         self.pool = pool
@@ -50,11 +45,6 @@ class HostAgentHandle:
 
     def next_proc_id(self) -> str:
         return f"{self.name}/p{next(self._n)}"
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
 
     @property
     def spares(self) -> list[Any]:
@@ -86,32 +76,7 @@ class HostAgentHandle:
         in the background. Returns once the first ``n`` are ready."""
         self.pool.keep(n, log_dir)
 
-    def kill(self) -> None:
-        """SIGKILL the agent and every process under it at once (a host eviction)."""
-        if self.popen is not None:
-            process.signal_all(process.tree(self.popen.pid), 9)
-
-
-def start_local_agent(
-    name: str, cfg: Mapping[str, Any], startup_timeout_s: float
-) -> tuple[subprocess.Popen, int]:
-    """Start ``python -m runtime.agent`` as a child process. Its configuration, the job secret
-    included, goes in on stdin (never argv, which other users can read); the agent answers
-    ``PORT <n>`` on stdout once it listens. Returns the process and the port."""
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "runtime.agent"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd=os.getcwd(),
-    )
-    assert popen.stdin is not None and popen.stdout is not None
-    popen.stdin.write((json.dumps({**cfg, "host": name}) + "\n").encode())
-    popen.stdin.close()
-    ready, _, _ = select.select([popen.stdout], [], [], startup_timeout_s)
-    line = popen.stdout.readline().decode() if ready else ""
-    if not line.startswith("PORT "):
-        popen.kill()
-        raise channel.ChannelError(
-            f"host agent {name} did not start within {startup_timeout_s} s (said {line!r})"
-        )
-    return popen, int(line.split()[1])
+    def kill(self) -> bool:
+        """Take the whole host down at once (a host eviction), through its launcher; False if
+        the launcher cannot reach it (its agent then fences itself, see runtime.agent)."""
+        return self._launcher.kill(self.name)

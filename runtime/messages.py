@@ -3,10 +3,10 @@
 Three links carry them (``runtime.channel`` frames each message as one pickle, after the
 authenticated handshake):
 
-* controller -> host agent: :class:`HelloController`, :class:`Spawn`, :class:`StopProc`,
-  :class:`Shutdown`;
-* host agent -> controller: :class:`AgentReady`, :class:`Spawned`, :class:`Exited`,
-  :class:`Hung`, :class:`AgentBeat`;
+* host agent -> controller: :class:`HelloAgent` (the agent dials in: its first frame), then
+  :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`;
+* controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
+  :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`;
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame),
   :class:`SpawnActor`, :class:`CallEndpoint` and :class:`SysCall` (requests, each with a
   ``call_id``), and back :class:`Result` and :class:`Event` (a journal record).
@@ -25,8 +25,22 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
-class HelloController:
-    """The controller's first frame on an agent connection: the agent answers AgentReady."""
+class AgentConfig:
+    """How the agent runs: what it imports before forking, its workers' heartbeats, its own,
+    and how long the controller may stay silent before the agent fences itself (stops its
+    workers and exits: a partitioned host must not keep training on its own)."""
+
+    preload: tuple[str, ...]
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    agent_heartbeat_interval_s: float
+    controller_silence_s: float
+    connect_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerBeat:
+    t: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +72,21 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
-class AgentReady:
+class HelloAgent:
+    """The agent of host ``host`` dialled in (``pid`` on its own machine)."""
+
     host: str
     pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentReady:
+    """Preloaded and serving. ``address``: where other hosts reach this one (the local address
+    of its connection to the controller, unless configured)."""
+
+    host: str
+    pid: int
+    address: str
 
 
 @dataclass(frozen=True, slots=True)

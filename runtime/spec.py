@@ -75,7 +75,16 @@ class ControllerSpec:
     call_timeout_s: float = 60.0  # default for an endpoint call's .get()
     spawn_timeout_s: float = 60.0  # a worker up and connected after the agent forks it
     preload: tuple[str, ...] = ("torch",)  # imported once by each agent, before it forks workers
+    # An agent that hears nothing from the controller this long fences itself (stops its
+    # workers, exits): a partitioned host must not train on alone.
+    controller_silence_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.call_timeout_s <= 0 or self.spawn_timeout_s <= 0:
             raise SpecError("controller timeouts must be > 0")
+        if self.controller_silence_s <= self.agent_heartbeat.interval_s:
+            raise SpecError(
+                f"controller_silence_s ({self.controller_silence_s}) must be larger than the "
+                f"interval the controller beats at ({self.agent_heartbeat.interval_s}): "
+                "otherwise every agent fences itself between two beats"
+            )

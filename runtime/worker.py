@@ -66,6 +66,7 @@ def worker_main(
     heartbeat_sock: socket.socket,
     heartbeat_interval_s: float,
     connect_timeout_s: float,
+    host_address: str = "127.0.0.1",
     start_heartbeat: bool = True,
 ) -> None:
     """Serve actors until told to stop; never returns normally (the caller ``os._exit``s)."""
@@ -79,7 +80,7 @@ def worker_main(
 
     conn = connect(controller_addr, secret, connect_timeout_s)
     outbox = _Outbox(conn)
-    ctx = actor_mod.WorkerContext(proc_id, coords, outbox.put)
+    ctx = actor_mod.WorkerContext(proc_id, coords, outbox.put, host_address)
     actor_mod._set_context(ctx)
     inbox: queue.Queue[SpawnActor | CallEndpoint] = queue.Queue()
 
@@ -216,6 +217,7 @@ def main() -> None:
         heartbeat_sock=hb,
         heartbeat_interval_s=cfg["heartbeat_interval_s"],
         connect_timeout_s=cfg["connect_timeout_s"],
+        host_address=cfg["host_address"],
         start_heartbeat=False,
     )
 

@@ -10,6 +10,7 @@ publish, so they live with the source's snapshot and are fetched with it.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from dataclasses import asdict, dataclass, field
 from functools import cache
@@ -145,10 +146,16 @@ def plan_chunks(metas: tuple[TensorMeta, ...], chunk_bytes: int) -> tuple[Chunk,
 
 @cache
 def host_id() -> str:
-    """This host's identity: hostname plus the kernel boot id (changes on reboot)."""
+    """This host's identity: hostname, the kernel boot id (changes on reboot) and the network
+    namespace. Shared memory is used only between processes with the same id: test hosts in
+    their own network namespaces on one machine count as different hosts, as real ones are."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "unknown"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"

@@ -20,6 +20,7 @@ from runtime.controller import Controller
 from runtime.failure import Cause, SupervisionError
 from runtime.journal import Journal, read_journal
 from runtime.mesh import MeshError
+from runtime.messages import HelloAgent, HelloWorker
 from runtime.spec import ControllerSpec, HeartbeatSpec, Restart, Strategy, SupervisorSpec
 
 FAST = ControllerSpec(
@@ -264,30 +265,57 @@ def assert_dropped(sock: socket.socket) -> None:
 def test_unauthenticated_and_garbage_peers_are_dropped(ctl, caplog):
     host = ctl.spawn_host()
     actors = host.spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo)
-    for address in (host.address, ctl.address):
-        # 1. a client with the wrong secret
-        with pytest.raises(channel.AuthError):
-            channel.connect(address, b"wrong secret", timeout=5)
-        # 2. a client that sends garbage instead of a handshake
-        s = socket.create_connection(address, timeout=5)
-        s.recv(32)
-        s.sendall(b"\x80\x04garbage-pickle" * 8)
-        assert_dropped(s)
-    # 3. an authenticated peer sending a malformed and an oversized frame
-    for bad in (b"\x00\x00\x00\x05notpk", b"\xff\xff\xff\xff"):
-        conn = channel.connect(host.address, ctl.secret, timeout=5)
+    # agents dial in: a host agent listens on no port at all, so there is nothing to attack
+    agent_listens = [
+        c for c in psutil.Process(host.pid).net_connections("tcp") if c.status == "LISTEN"
+    ]
+    assert agent_listens == []
+    address = ctl.address
+    # 1. a client with the wrong secret
+    with pytest.raises(channel.AuthError):
+        channel.connect(address, b"wrong secret", timeout=5)
+    # 2. a client that sends garbage instead of a handshake
+    s = socket.create_connection(address, timeout=5)
+    s.recv(32)
+    s.sendall(b"\x80\x04garbage-pickle" * 8)
+    assert_dropped(s)
+    # 3. an authenticated peer sending a malformed (bad MAC) and an oversized frame
+    for bad in (b"\x00\x00\x00\x05notpk" + bytes(channel.TAG_BYTES), b"\xff\xff\xff\xff"):
+        conn = channel.connect(address, ctl.secret, timeout=5)
         conn.sock.sendall(bad)
         assert_dropped(conn.sock)
-    # 4. an authenticated peer sending a well-formed message the agent does not know
-    conn = channel.connect(host.address, ctl.secret, timeout=5)
+    # 4. an authenticated peer sending a well-formed message that is neither hello
+    conn = channel.connect(address, ctl.secret, timeout=5)
     conn.send(("ping",))
     assert_dropped(conn.sock)
-    # everybody keeps serving: the workers, the agent's handshake, and the agent's forks
+    # 5. a host agent nobody expects
+    conn = channel.connect(address, ctl.secret, timeout=5)
+    conn.send(HelloAgent("intruder", 1))
+    assert_dropped(conn.sock)
+    # everybody keeps serving: the workers, the controller's handshake, and the agent's forks
     assert actors.ping.call_one(9).get(timeout=20)["x"] == 9
-    channel.connect(host.address, ctl.secret, timeout=5).close()
+    channel.connect(address, ctl.secret, timeout=5).close()
     more = host.spawn_procs({"ranks": 1}).spawn("echo2", runtime_actors.Echo)
     assert more.ping.call_one(7).get(timeout=20)["x"] == 7
     assert ctl.failures == []
+    assert "intruder" not in ctl.hosts
+
+
+def test_a_tampered_frame_drops_the_peer(ctl):
+    """Every frame carries a MAC under the session key: a frame altered on the path (here: one
+    payload byte flipped in a well-formed frame) is never unpickled and the peer is dropped."""
+    conn = channel.connect(ctl.address, ctl.secret, timeout=5)
+    frame = bytearray(conn.sealer.seal(channel.encode(HelloWorker("nobody", 1))))
+    frame[10] ^= 0x01
+    conn.sock.sendall(bytes(frame))
+    assert_dropped(conn.sock)
+    # a replayed frame fails too: the sequence number is part of the MAC
+    conn = channel.connect(ctl.address, ctl.secret, timeout=5)
+    frame = conn.sealer.seal(channel.encode(("ping",)))
+    other = channel.connect(ctl.address, ctl.secret, timeout=5)
+    other.sock.sendall(frame)  # another session's frame
+    assert_dropped(other.sock)
+    conn.close()
 
 
 ORPHAN_SCRIPT = textwrap.dedent(

@@ -1,0 +1,116 @@
+"""Where hosts come from: a launcher starts a host's agent, which then dials in to the controller.
+
+The controller only knows the :class:`Launcher` interface; which one a job uses is its config's
+``launcher``:
+
+* :class:`LocalLauncher` (the embedded default): each agent is a child process of the controller
+  on this machine, started with ``python -m runtime.agent`` and its boot settings (the secret
+  among them) on stdin.
+* ``runtime.netns.NetnsLauncher``: each host is a Linux network namespace with its own address
+  on a bridge, for testing multi-host behaviour (partitions, delay, loss) on one machine.
+* :class:`ExternalLauncher`: agents are started by someone else (by hand, a scheduler) with
+  ``ftharness agent --controller HOST:PORT --secret-file PATH --name NAME``; the controller only
+  waits for them to dial in.
+
+``kill`` is the out-of-band way to take a whole host down at once (what a scheduler's cancel or
+a power-off does): a launcher that cannot do it says so by returning False, and the agent's own
+fencing (it stops its workers when the controller has been silent too long) and the quorum's
+incarnation fencing are then what keep a lost host from training on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from runtime import process
+
+
+class Launcher(Protocol):
+    def start(self, name: str, boot: Mapping[str, Any]) -> None:
+        """Start host ``name``'s agent with these boot settings (see ``runtime.agent.Boot``);
+        return at once: the agent dials in when it is up."""
+        ...
+
+    def kill(self, name: str) -> bool:
+        """Take the whole host down now (the agent and everything under it); False if this
+        launcher cannot reach it."""
+        ...
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        """After the agent was told to shut down: wait up to ``timeout_s``, then kill."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalLauncher:
+    """Agents as child processes of the controller (which must call ``start`` from a thread
+    that lives as long as the job: the agent dies with it, PR_SET_PDEATHSIG)."""
+
+    def __init__(self, wrap: list[str] | None = None) -> None:
+        self._wrap = list(wrap or [])  # a command prefix, e.g. ``ip netns exec NS``
+        self._lock = threading.Lock()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def command(self, name: str) -> list[str]:
+        return [*self._wrap, sys.executable, "-m", "runtime.agent"]
+
+    def start(self, name: str, boot: Mapping[str, Any]) -> None:
+        popen = subprocess.Popen(self.command(name), stdin=subprocess.PIPE, cwd=os.getcwd())
+        assert popen.stdin is not None
+        popen.stdin.write((json.dumps({**boot, "parent_pid": os.getpid()}) + "\n").encode())
+        popen.stdin.close()
+        with self._lock:
+            old = self.procs.get(name)
+            self.procs[name] = popen
+        if old is not None:
+            old.poll()  # reap a previous agent of this host
+
+    def kill(self, name: str) -> bool:
+        with self._lock:
+            popen = self.procs.get(name)
+        if popen is None:
+            return False
+        process.signal_all(process.tree(popen.pid), signal.SIGKILL)
+        return True
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        with self._lock:
+            popen = self.procs.get(name)
+        if popen is None:
+            return
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate_tree(popen.pid, 0.5)
+            popen.wait(timeout=5.0)
+
+    def close(self) -> None:
+        with self._lock:
+            procs = list(self.procs.values())
+        for popen in procs:
+            if popen.poll() is None:
+                process.terminate_tree(popen.pid, 0.5)
+
+
+class ExternalLauncher:
+    """Agents started elsewhere: nothing to start, nothing this process can kill."""
+
+    def start(self, name: str, boot: Mapping[str, Any]) -> None:
+        return None
+
+    def kill(self, name: str) -> bool:
+        return False
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

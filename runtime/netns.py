@@ -1,0 +1,238 @@
+"""Test hosts with their own network, on one machine: a Linux network namespace per host.
+
+:class:`TestNetwork` makes a bridge with the controller's address (``10.251.X.1/24``) and, per
+host, a namespace with a veth pair whose inside end is ``eth0`` with the host's own address
+(``10.251.X.11``, ``.12``, ...), ``lo`` up. Everything it creates carries one short prefix and
+is removed by :meth:`TestNetwork.down` (also after a crash of an earlier run, by prefix).
+:class:`NetnsLauncher` starts each host's agent inside its namespace and, in its own UTS
+namespace, with the host's address as its hostname: torchft advertises ``gethostname()`` for
+its process-group stores, and on a real cluster that name resolves to the host's address.
+
+Network faults act on a host's link from outside, as a switch would: :meth:`partition` takes
+the host-side veth down (nothing in or out), :meth:`impair` puts ``tc netem`` delay and loss on
+both ends. Needs root (CAP_NET_ADMIN) and iproute2; :func:`available` says why not otherwise.
+Only addresses inside namespaces this module created are ever used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+from runtime.launchers import LocalLauncher
+
+SUBNET_BASE = "10.251"  # 10.251.X.0/24, X chosen free at creation
+PREFIX = "fth"
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or qdisc operation failed (the command and its stderr are attached)."""
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    return _run(["ip", *args], check=check)
+
+
+def _run(cmd: list[str], check: bool = True) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def available() -> tuple[bool, str]:
+    """Whether test hosts can be made here, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root (CAP_NET_ADMIN)"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return False, f"{tool} (iproute2 / util-linux) is not installed"
+    return True, ""
+
+
+@dataclass(frozen=True)
+class TestHost:
+    name: str
+    netns: str
+    address: str
+    veth: str  # the host-side end, on the bridge
+
+
+class TestNetwork:
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, hosts: list[str]) -> None:
+        ok, why = available()
+        if not ok:
+            raise NetnsError(why)
+        self.tag = f"{PREFIX}{secrets.token_hex(2)}"  # e.g. fth3f9a; interface names <= 15 chars
+        self.subnet = self._free_subnet()
+        net = ipaddress.ip_network(self.subnet)
+        self.gateway = str(net.network_address + 1)
+        self.bridge = f"{self.tag}br"
+        self.hosts = {
+            name: TestHost(
+                name, f"{self.tag}-{name}", str(net.network_address + 11 + i), f"{self.tag}v{i}"
+            )
+            for i, name in enumerate(hosts)
+        }
+        self._lock = threading.Lock()
+        self.partitioned: set[str] = set()
+        self._up = False
+
+    @staticmethod
+    def _free_subnet() -> str:
+        used = _ip("-4", "-o", "addr", "show")
+        for x in range(1 + secrets.randbelow(200), 256):
+            if f" {SUBNET_BASE}.{x}." not in used:
+                return f"{SUBNET_BASE}.{x}.0/24"
+        raise NetnsError(f"no free {SUBNET_BASE}.X.0/24 subnet")
+
+    def up(self) -> TestNetwork:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for h in self.hosts.values():
+                _ip("netns", "add", h.netns)
+                _ip("link", "add", h.veth, "type", "veth", "peer", "name", f"{h.veth}p")
+                _ip("link", "set", f"{h.veth}p", "netns", h.netns)
+                _ip("link", "set", h.veth, "master", self.bridge)
+                _ip("link", "set", h.veth, "up")
+                _ip("-n", h.netns, "link", "set", f"{h.veth}p", "name", "eth0")
+                _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
+                _ip("-n", h.netns, "link", "set", "eth0", "up")
+                _ip("-n", h.netns, "link", "set", "lo", "up")
+        except Exception:
+            self.down()
+            raise
+        self._up = True
+        return self
+
+    def pids(self, host: str) -> list[int]:
+        out = _ip("netns", "pids", self.hosts[host].netns, check=False)
+        return [int(p) for p in out.split()]
+
+    def kill_all(self, host: str) -> None:
+        """SIGKILL every process in the host's namespace."""
+        for pid in self.pids(host):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def partition(self, host: str) -> None:
+        """Cut the host off: its link goes down, nothing reaches it or leaves it."""
+        with self._lock:
+            self.partitioned.add(host)
+        _ip("link", "set", self.hosts[host].veth, "down")
+
+    def heal(self, host: str) -> None:
+        with self._lock:
+            self.partitioned.discard(host)
+        _ip("link", "set", self.hosts[host].veth, "up")
+
+    def impair(self, host: str, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
+        """``tc netem`` on both ends of the host's link: ``delay_ms`` each way, ``loss_pct``
+        of packets dropped each way."""
+        netem = ["netem"]
+        if delay_ms:
+            netem += ["delay", f"{delay_ms:g}ms"]
+        if loss_pct:
+            netem += ["loss", f"{loss_pct:g}%"]
+        h = self.hosts[host]
+        _run(["tc", "qdisc", "replace", "dev", h.veth, "root", *netem])
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                h.netns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                "eth0",
+                "root",
+                *netem,
+            ]
+        )
+
+    def clear(self, host: str) -> None:
+        h = self.hosts[host]
+        _run(["tc", "qdisc", "del", "dev", h.veth, "root"], check=False)
+        _run(
+            ["ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+            check=False,
+        )
+
+    def down(self) -> None:
+        """Kill everything inside, delete the namespaces (their veths go with them) and the
+        bridge. Safe to call twice."""
+        for h in self.hosts.values():
+            with contextlib.suppress(Exception):
+                self.kill_all(h.name)
+            _ip("netns", "del", h.netns, check=False)
+            _ip("link", "del", h.veth, check=False)
+        _ip("link", "del", self.bridge, check=False)
+        self._up = False
+
+    def __enter__(self) -> TestNetwork:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def remove_leftovers() -> list[str]:
+    """Delete namespaces and bridges an earlier, crashed run of this module left behind
+    (everything named with the ``fth`` prefix and a 4-hex tag). Returns what it removed."""
+    removed = []
+    for line in _ip("netns", "list", check=False).splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith(PREFIX) and "-" in ns:
+            _ip("netns", "del", ns, check=False)
+            removed.append(ns)
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).splitlines():
+        name = line.split(":")[1].strip() if ":" in line else ""
+        if name.startswith(PREFIX) and name.endswith("br"):
+            _ip("link", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+class NetnsLauncher(LocalLauncher):
+    """Each host's agent inside its namespace, named (hostname) by its address. ``kill`` is
+    out-of-band (every process of the namespace, and its link goes down until the host is
+    started again), except while the host is partitioned: then it is unreachable, like a real
+    host behind a cut link, and only the agent's own fencing stops its workers."""
+
+    def __init__(self, net: TestNetwork) -> None:
+        super().__init__()
+        self.net = net
+
+    def command(self, name: str) -> list[str]:
+        h = self.net.hosts[name]
+        script = 'hostname "$1" && shift && exec "$@"'
+        return [
+            "ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", script, "sh",
+            h.address, sys.executable, "-m", "runtime.agent",
+        ]  # fmt: skip
+
+    def start(self, name: str, boot: dict) -> None:
+        if name not in self.net.partitioned:
+            _ip("link", "set", self.net.hosts[name].veth, "up")
+        super().start(name, boot)
+
+    def kill(self, name: str) -> bool:
+        if name in self.net.partitioned:
+            return False
+        self.net.kill_all(name)
+        _ip("link", "set", self.net.hosts[name].veth, "down", check=False)
+        return True
