@@ -358,7 +358,10 @@ def _topology_of(cfg: Any) -> Topology:
             return int(cfg.get(name, default))
         return int(getattr(cfg, name, default))
 
-    return Topology.from_counts(get("replicas", 3), get("ranks", 1), get("hosts", 1))
+    launcher = cfg.get("launcher", "local") if isinstance(cfg, Mapping) else cfg.launcher
+    return Topology.from_counts(
+        get("replicas", 3), get("ranks", 1), get("hosts", 1), networked=launcher == "netns"
+    )
 
 
 def _schedule(w: _Where, t: dict[str, Any]) -> ScheduleSpec:

@@ -49,6 +49,7 @@ _CATALOGUE_MODULES = (
     "faults.host",
     "faults.service",
     "faults.straggler",
+    "faults.network",
 )
 
 
@@ -93,6 +94,7 @@ class FaultContext(Protocol):
     journal: Journal
     replicas: int
     ranks: int
+    networked: bool  # hosts have links of their own (network faults need it)
 
     def hosts(self) -> list[str]: ...
 
@@ -109,6 +111,19 @@ class FaultContext(Protocol):
     def kill_quorum_service(self) -> None: ...
 
     def committed_step(self) -> int: ...
+
+    def partition_host(self, host: str) -> None:
+        """Cut the host's link: nothing reaches it or leaves it (needs hosts with a network of
+        their own, ``launcher = "netns"``; ValueError otherwise)."""
+        ...
+
+    def reconnect_host(self, host: str) -> None: ...
+
+    def impair_link(self, host: str, delay_ms: float, loss_pct: float) -> None:
+        """Delay (each way) and drop packets on the host's link (netns hosts only)."""
+        ...
+
+    def clear_link(self, host: str) -> None: ...
 
 
 class Fault(Protocol):

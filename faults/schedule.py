@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from faults.fault import Target, fault_class
-from faults.targets import TargetSpec, Topology, resolve_kind, select_target
+from faults.targets import TargetError, TargetSpec, Topology, resolve_kind, select_target
 
 ScheduleKind = Literal["interval", "poisson", "at_steps", "at_times"]
 SCHEDULE_KINDS: tuple[str, ...] = ("interval", "poisson", "at_steps", "at_times")
@@ -139,6 +139,12 @@ def plan(
     else:
         slots = [(t, None) for t in fault_times(spec, time_rng, horizon_s)]
 
+    for kind in kinds:
+        if getattr(fault_class(kind), "needs_network", False) and not topology.networked:
+            raise TargetError(
+                f"{kind} needs hosts with a network of their own: set the job's "
+                "launcher = 'netns' (test hosts in network namespaces; root only)"
+            )
     out = []
     for i, (at_s, at_step) in enumerate(slots):
         kind = kind_rng.choices(kinds, weights)[0]

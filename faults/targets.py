@@ -32,6 +32,7 @@ class Topology:
     ranks: int
     hosts: tuple[str, ...]
     replica_hosts: tuple[str, ...]
+    networked: bool = False  # each host has a link of its own (network faults can act on it)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1 or not self.hosts:
@@ -40,7 +41,9 @@ class Topology:
             raise TargetError("replica_hosts must name one host per replica group")
 
     @classmethod
-    def from_counts(cls, replicas: int, ranks: int, hosts: int) -> Topology:
+    def from_counts(
+        cls, replicas: int, ranks: int, hosts: int, networked: bool = False
+    ) -> Topology:
         """Hosts named ``host0..hostN-1``, groups placed round-robin (the harness's default
         placement). Use :meth:`from_context` once the job runs."""
         names = tuple(f"host{i}" for i in range(max(1, hosts)))
@@ -49,6 +52,7 @@ class Topology:
             ranks=ranks,
             hosts=names,
             replica_hosts=tuple(names[r % len(names)] for r in range(replicas)),
+            networked=networked,
         )
 
     @classmethod
@@ -58,6 +62,7 @@ class Topology:
             ranks=ctx.ranks,
             hosts=tuple(ctx.hosts()),
             replica_hosts=tuple(ctx.replica_host(r) for r in range(ctx.replicas)),
+            networked=ctx.networked,
         )
 
 

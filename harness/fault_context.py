@@ -41,6 +41,8 @@ class RunningJob(Protocol):
 
     def restart_tree_quorum(self) -> None: ...
 
+    network: Any  # the job's TestNetwork with launcher = "netns", else None
+
 
 class JobFaultContext:
     def __init__(self, job: RunningJob) -> None:
@@ -48,6 +50,10 @@ class JobFaultContext:
         self.journal: Journal = job.journal
         self.replicas: int = job.cfg.replicas
         self.ranks: int = job.cfg.ranks
+
+    @property
+    def networked(self) -> bool:
+        return self._job.network is not None
 
     def hosts(self) -> list[str]:
         return self._job.host_names()
@@ -93,6 +99,24 @@ class JobFaultContext:
 
     def committed_step(self) -> int:
         return self._job.tracker.committed_step
+
+    def _network(self, what: str) -> Any:
+        net = self._job.network
+        if net is None:
+            raise ValueError(f"{what} needs hosts with a network of their own (launcher = 'netns')")
+        return net
+
+    def partition_host(self, host: str) -> None:
+        self._network("a network partition").partition(host)
+
+    def reconnect_host(self, host: str) -> None:
+        self._network("a network partition").heal(host)
+
+    def impair_link(self, host: str, delay_ms: float, loss_pct: float) -> None:
+        self._network("network delay or loss").impair(host, delay_ms, loss_pct)
+
+    def clear_link(self, host: str) -> None:
+        self._network("network delay or loss").clear(host)
 
     def healthy_replicas(self) -> list[int]:
         """Replica groups not in the middle of a recovery."""

@@ -18,6 +18,7 @@ supervisor that owns the process.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
@@ -77,7 +78,9 @@ class WorkerContext:
         self.lock = threading.Lock()
 
     def emit(self, event: str, fields: dict[str, Any]) -> None:
-        self._send(Event(event, fields))
+        """Send a journal record, stamped with the time it happened here (``t``): it may reach
+        the controller much later (a slow or cut network), and order is by event time."""
+        self._send(Event(event, {"t": time.time(), **fields}))
 
 
 _context: WorkerContext | None = None

@@ -491,7 +491,7 @@ class Controller:
                     exc_type, message, tb = value
                     fut.set_exception(RemoteError(exc_type, message, tb, dict(rec.ref.coords)))
             case Event(event, fields):
-                self.emit(event, **{**fields, "host": rec.host.name})
+                self.emit(event, **{**fields, "host": rec.host.name, "proc": rec.ref.proc_id})
             case _:
                 raise channel.FrameError(f"malformed message {msg!r:.80}")
 

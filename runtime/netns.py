@@ -8,9 +8,10 @@ is removed by :meth:`TestNetwork.down` (also after a crash of an earlier run, by
 namespace, with the host's address as its hostname: torchft advertises ``gethostname()`` for
 its process-group stores, and on a real cluster that name resolves to the host's address.
 
-Network faults act on a host's link from outside, as a switch would: :meth:`partition` takes
-the host-side veth down (nothing in or out), :meth:`impair` puts ``tc netem`` delay and loss on
-both ends. Needs root (CAP_NET_ADMIN) and iproute2; :func:`available` says why not otherwise.
+Network faults act on a host's link, as a switch would: :meth:`partition` takes the host-side
+veth down (nothing in or out), :meth:`impair` adds delay (``tc netem``, where the kernel has
+it: :func:`netem_available`) and packet loss (iptables' ``statistic`` match). Needs root
+(CAP_NET_ADMIN), iproute2 and iptables; :func:`available` says why not otherwise.
 Only addresses inside namespaces this module created are ever used.
 """
 
@@ -52,10 +53,24 @@ def available() -> tuple[bool, str]:
     """Whether test hosts can be made here, and if not, why."""
     if os.geteuid() != 0:
         return False, "network namespaces need root (CAP_NET_ADMIN)"
-    for tool in ("ip", "tc", "unshare"):
+    for tool in ("ip", "tc", "unshare", "iptables"):
         if shutil.which(tool) is None:
-            return False, f"{tool} (iproute2 / util-linux) is not installed"
+            return False, f"{tool} (iproute2 / util-linux / iptables) is not installed"
     return True, ""
+
+
+def netem_available() -> bool:
+    """Whether the kernel has the netem qdisc (network delay needs it)."""
+    probe = f"{PREFIX}probe{os.getpid() % 10000}"
+    _run(["ip", "link", "add", probe, "type", "veth", "peer", "name", f"{probe}p"], check=False)
+    try:
+        done = subprocess.run(
+            ["tc", "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms"],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+        return done.returncode == 0
+    finally:
+        _run(["ip", "link", "del", probe], check=False)
 
 
 @dataclass(frozen=True)
@@ -139,38 +154,32 @@ class TestNetwork:
         _ip("link", "set", self.hosts[host].veth, "up")
 
     def impair(self, host: str, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
-        """``tc netem`` on both ends of the host's link: ``delay_ms`` each way, ``loss_pct``
-        of packets dropped each way."""
-        netem = ["netem"]
-        if delay_ms:
-            netem += ["delay", f"{delay_ms:g}ms"]
-        if loss_pct:
-            netem += ["loss", f"{loss_pct:g}%"]
+        """``delay_ms`` added each way (``tc netem`` on both ends of the host's link) and
+        ``loss_pct`` of packets dropped each way (iptables' ``statistic`` match inside the
+        host's namespace, which works on kernels without netem too)."""
         h = self.hosts[host]
-        _run(["tc", "qdisc", "replace", "dev", h.veth, "root", *netem])
-        _run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                h.netns,
-                "tc",
-                "qdisc",
-                "replace",
-                "dev",
-                "eth0",
-                "root",
-                *netem,
-            ]
-        )
+        if delay_ms:
+            if not netem_available():
+                raise NetnsError(
+                    "network delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), "
+                    f"which this kernel ({os.uname().release}) does not have"
+                )
+            netem = ["netem", "delay", f"{delay_ms:g}ms"]
+            _run(["tc", "qdisc", "replace", "dev", h.veth, "root", *netem])
+            _run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", "eth0",
+                  "root", *netem])  # fmt: skip
+        if loss_pct:
+            drop = ["-m", "statistic", "--mode", "random", "--probability", f"{loss_pct / 100:g}"]
+            for chain in ("INPUT", "OUTPUT"):
+                _run(["ip", "netns", "exec", h.netns, "iptables", "-A", chain, *drop, "-j", "DROP"])
 
     def clear(self, host: str) -> None:
         h = self.hosts[host]
         _run(["tc", "qdisc", "del", "dev", h.veth, "root"], check=False)
-        _run(
-            ["ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
-            check=False,
-        )
+        _run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+             check=False)  # fmt: skip
+        for chain in ("INPUT", "OUTPUT"):
+            _run(["ip", "netns", "exec", h.netns, "iptables", "-F", chain], check=False)
 
     def down(self) -> None:
         """Kill everything inside, delete the namespaces (their veths go with them) and the

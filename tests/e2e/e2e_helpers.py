@@ -55,7 +55,10 @@ def events(run_dir, name: str | None = None) -> list[dict]:
 def check_invariants(records: list[dict]) -> None:
     """The protocol's invariants, from the journal: per group, committed steps only go forward
     (within an incarnation of the job), losses are finite, no data position is trained twice,
-    and every step committed by several groups has one checksum."""
+    and every step committed by several groups has one checksum. Records are taken in the order
+    they happened (``t``, stamped where they happened), not the order they reached the journal:
+    a record can arrive late from a host behind a slow or cut link."""
+    records = sorted(records, key=lambda r: r["t"])
     incarnation = 0
     last_step: dict[tuple, int] = {}
     positions: dict[tuple, set] = defaultdict(set)

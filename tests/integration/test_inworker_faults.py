@@ -167,6 +167,7 @@ class WorkerContext:
         self.journal = journal
         self.replicas = replicas
         self.ranks = 1
+        self.networked = False
         self.workers = {r: python(WORKER, stdin=True) for r in range(replicas)}
         try:
             for w in self.workers.values():

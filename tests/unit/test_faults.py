@@ -94,6 +94,20 @@ class FakeContext:
         self.calls.append(("kill_quorum_service",))
         self.service.kill()
 
+    networked = True  # the network faults only record their calls here
+
+    def partition_host(self, host: str) -> None:
+        self.calls.append(("partition_host", host))
+
+    def reconnect_host(self, host: str) -> None:
+        self.calls.append(("reconnect_host", host))
+
+    def impair_link(self, host: str, delay_ms: float, loss_pct: float) -> None:
+        self.calls.append(("impair_link", host, delay_ms, loss_pct))
+
+    def clear_link(self, host: str) -> None:
+        self.calls.append(("clear_link", host))
+
     def committed_step(self) -> int:
         return self.step
 
@@ -338,3 +352,42 @@ def test_due_faults_keeps_plan_order():
     assert due_faults(plan, 0, elapsed_s=10.0, committed_step=4) == []  # b waits for a
     assert [f.fault_id for f in due_faults(plan, 0, 10.0, 5)] == ["a", "b"]
     assert [f.fault_id for f in due_faults(plan, 1, 0.5, 5)] == []
+
+
+def test_network_faults_act_on_the_hosts_link_and_heal_it(tmp_path) -> None:
+    journal = Journal(tmp_path / "j.jsonl", job="t")
+    ctx = FakeContext(journal)
+    try:
+        host = Target(host="host1")
+        rng = random.Random(0)
+        part = make_fault("network_partition", hold_s=6.0)
+        part.fire(ctx, host, rng)
+        part.heal(ctx, host)
+        make_fault("network_delay", delay_ms=50).fire(ctx, host, rng)
+        make_fault("packet_loss", loss_pct=3).fire(ctx, host, rng)
+        make_fault("packet_loss").heal(ctx, host)
+        assert ctx.calls == [
+            ("set_host_cooldown", "host1", 6.0),  # no new agent while it is cut off
+            ("partition_host", "host1"),
+            ("reconnect_host", "host1"),
+            ("impair_link", "host1", 50, 0.0),
+            ("impair_link", "host1", 0.0, 3),
+            ("clear_link", "host1"),
+        ]
+        with pytest.raises(ValueError, match="needs a host target"):
+            part.fire(ctx, Target(replica=0), rng)
+    finally:
+        ctx.close()
+        journal.close()
+
+
+def test_network_faults_need_hosts_with_their_own_network() -> None:
+    from faults.schedule import ScheduleSpec, plan
+    from faults.targets import TargetError, TargetSpec, Topology
+
+    spec = ScheduleSpec(kind="at_steps", at_steps=(5,))
+    with pytest.raises(TargetError, match="launcher = 'netns'"):
+        plan(spec, {"network_partition": 1.0}, TargetSpec(), Topology.from_counts(2, 1, 2), seed=1)
+    networked = Topology.from_counts(2, 1, 2, networked=True)
+    (f,) = plan(spec, {"network_partition": 1.0}, TargetSpec(), networked, seed=1)
+    assert f.target.host in ("host0", "host1")
