@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -36,14 +35,11 @@ from runtime import channel
 from runtime.actor import RemoteError
 from runtime.failure import Cause, Failure, SupervisionError, decode_wait_status
 from runtime.host import HostAgentHandle
+from runtime.hosts import HostTable
 from runtime.journal import FAILURE, PROC_START, Journal
 from runtime.launchers import Launcher, LocalLauncher
 from runtime.mesh import ProcMesh, ProcRef
 from runtime.messages import (
-    AgentBeat,
-    AgentConfig,
-    AgentReady,
-    ControllerBeat,
     Event,
     Exited,
     HelloAgent,
@@ -51,7 +47,6 @@ from runtime.messages import (
     Hung,
     Request,
     Result,
-    Shutdown,
     Spawn,
     Spawned,
     StopProc,
@@ -85,8 +80,8 @@ class Controller:
         self.journal = journal
         self.on_failure = on_failure
         self.secret = secret or channel.new_secret()
-        self.hosts: dict[str, HostAgentHandle] = {}
-        self._expected: dict[str, cf.Future] = {}  # hosts whose agent is to dial in
+        self.host_table = HostTable(self)
+        self.hosts = self.host_table.hosts  # by name
         self.procs: dict[str, ProcRecord] = {}
         self.failures: list[Failure] = []
         self.fatal: Failure | None = None
@@ -99,7 +94,7 @@ class Controller:
             queue.Queue()
         )
         self._owner = threading.local()
-        self._closed = False
+        self.closed = False
         self._listener = channel.listen(self.spec.bind_host, 0)
         self.address = self._listener.getsockname()[:2]
         # Agents are started from this one long-lived thread: PR_SET_PDEATHSIG fires when the
@@ -115,17 +110,17 @@ class Controller:
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
         """A long-lived control-plane thread (see :meth:`_guarded`)."""
         threading.Thread(
-            target=self._guarded, args=(target, name, *args), daemon=True, name=f"ftharness-{name}"
+            target=self.guarded, args=(target, name, *args), daemon=True, name=f"ftharness-{name}"
         ).start()
 
-    def _guarded(self, target: Callable[..., None], name: str, *args: Any) -> None:
+    def guarded(self, target: Callable[..., None], name: str, *args: Any) -> None:
         """Run a long-lived duty. None may die silently: an uncaught exception in one is a
         failure value at the root (the job stops with its traceback), since the duty (reaping,
         heartbeats, supervision) would otherwise stop unnoticed."""
         try:
             target(*args)
         except BaseException as exc:
-            if self._closed:
+            if self.closed:
                 return
             log.exception("controller thread %s died", name)
             self._stop_job(
@@ -155,92 +150,17 @@ class Controller:
         name = name or f"host{len(self.hosts)}"
         if name in self.hosts and not self.hosts[name].lost:
             raise ValueError(f"host {name!r} already exists")
-        return self._spawner.submit(self._start_agent, name).result()
-
-    def boot_settings(self, name: str) -> dict[str, Any]:
-        """What an agent needs to dial in (``runtime.agent.Boot``), the secret included: hand it
-        over on stdin or in a 0600 file, never on a command line."""
-        return {
-            "name": name,
-            "controller_host": self.address[0],
-            "controller_port": self.address[1],
-            "secret": self.secret.hex(),
-            "sys_path": [p for p in sys.path if p],
-            "dial_timeout_s": self.spec.connect_timeout_s + 30.0,
-        }
-
-    def expect_hosts(self, names: list[str]) -> dict[str, cf.Future]:
-        """Futures that resolve when each named agent has dialled in and is ready."""
-        with self._lock:
-            for name in names:
-                fut = self._expected.get(name)
-                if fut is None or fut.done():
-                    self._expected[name] = cf.Future()
-            return {name: self._expected[name] for name in names}
+        return self._spawner.submit(self.host_table.start, name).result()
 
     def wait_for_hosts(self, names: list[str], timeout_s: float) -> list[HostAgentHandle]:
-        """Block until every named agent has dialled in; ChannelError naming the missing ones
-        after ``timeout_s``."""
-        futs = self.expect_hosts([n for n in names if n not in self.hosts or self.hosts[n].lost])
-        cf.wait(list(futs.values()), timeout=timeout_s)
-        missing = sorted(n for n, f in futs.items() if not f.done())
-        if missing:
-            raise channel.ChannelError(
-                f"host agent(s) {', '.join(missing)} did not dial in to "
-                f"{self.address[0]}:{self.address[1]} within {timeout_s:g} s"
-            )
-        return [self.hosts[n] for n in names]
+        """Block until agents started elsewhere (``ftharness agent``) have dialled in;
+        ChannelError naming the missing ones after ``timeout_s``."""
+        return self.host_table.wait_for(names, timeout_s)
 
-    def _start_agent(self, name: str) -> HostAgentHandle:
-        fut = self.expect_hosts([name])[name]
-        self.launcher.start(name, self.boot_settings(name))
-        timeout = self.spec.connect_timeout_s + 30.0
-        try:
-            return fut.result(timeout=timeout)
-        except cf.TimeoutError:
-            self.launcher.kill(name)
-            raise channel.ChannelError(
-                f"host agent {name} did not dial in within {timeout:g} s"
-            ) from None
-
-    def _adopt_agent(self, conn: channel.Connection, hello: HelloAgent) -> None:
-        """An agent dialled in: configure it, wait until it is ready, then serve it on this
-        thread until it goes away."""
-        with self._lock:
-            fut = self._expected.get(hello.host)
-            known = self.hosts.get(hello.host)
-        if fut is None and (known is None or not known.lost):
-            raise channel.FrameError(f"unexpected host agent {hello.host!r}")
-        spec = self.spec
-        conn.send(
-            AgentConfig(
-                preload=tuple(spec.preload),
-                heartbeat_interval_s=spec.heartbeat.interval_s,
-                heartbeat_timeout_s=spec.heartbeat.timeout_s,
-                agent_heartbeat_interval_s=spec.agent_heartbeat.interval_s,
-                controller_silence_s=spec.controller_silence_s,
-                connect_timeout_s=spec.connect_timeout_s,
-            )
-        )
-        conn.sock.settimeout(spec.connect_timeout_s + 30.0)  # preloading torch takes seconds
-        ready = conn.recv()
-        conn.sock.settimeout(None)
-        if not isinstance(ready, AgentReady):
-            raise channel.FrameError(f"agent {hello.host} answered {ready!r:.80}")
-        h = HostAgentHandle(self, hello.host, self._spare_pool(lambda: h), self.launcher)
-        h.conn, h.pid, h.address = conn, ready.pid, ready.address
-        h.last_beat = time.monotonic()
-        with self._lock:
-            self.hosts[hello.host] = h
-            self._expected.pop(hello.host, None)
-        if fut is not None:
-            fut.set_result(h)
-        self._guarded(self._agent_loop, f"agent-{hello.host}", h)
-
-    def _spare_pool(self, host: Callable[[], HostAgentHandle]) -> SparePool:
+    def make_spare_pool(self, host: Callable[[], HostAgentHandle]) -> SparePool:
         def fork(n: int, log_dir: str | None) -> list[ProcRecord]:
             h = host()
-            if h.lost or self._closed:
+            if h.lost or self.closed:
                 return []
             return self._request_procs(h, {"idle": n}, {}, log_dir, cold=False, spare=True)[2]
 
@@ -251,38 +171,24 @@ class Controller:
             spawn_timeout_s=self.spec.spawn_timeout_s,
         )
 
-    def _agent_loop(self, h: HostAgentHandle) -> None:
-        assert h.conn is not None
-        while True:
-            try:
-                msg = h.conn.recv()
-            except channel.ChannelError as exc:
-                self._host_lost(h, f"agent connection closed ({exc})")
-                return
-            match msg:
-                case AgentBeat():
-                    h.last_beat = time.monotonic()
-                case Spawned(proc_id, pid):
-                    with self._lock:
-                        rec = self.procs.get(proc_id)
-                    if rec is not None:
-                        rec.pid = pid
-                case Exited(proc_id, _pid, status, t):
-                    self._on_exit(proc_id, status, t)
-                case Hung(proc_id, _pid, silent_s, t_last):
-                    self._on_hung(proc_id, silent_s, t_last)
-                case _:
-                    self._host_lost(h, f"agent sent a malformed message {msg!r:.80}")
-                    return
+    def on_agent_message(self, h: HostAgentHandle, msg: Any) -> None:
+        match msg:
+            case Spawned(proc_id, pid):
+                with self._lock:
+                    rec = self.procs.get(proc_id)
+                if rec is not None:
+                    rec.pid = pid
+            case Exited(proc_id, _pid, status, t):
+                self._on_exit(proc_id, status, t)
+            case Hung(proc_id, _pid, silent_s, t_last):
+                self._on_hung(proc_id, silent_s, t_last)
+            case _:
+                raise channel.FrameError(f"agent {h.name} sent {msg!r:.80}")
 
-    def _host_lost(self, h: HostAgentHandle, why: str) -> None:
+    def on_host_lost(self, h: HostAgentHandle, why: str) -> None:
+        """``h`` was declared lost (by the host table): every process on it failed."""
         with self._lock:
-            if h.lost or self._closed:
-                return
-            h.lost = True
             victims = [p for p in self.procs.values() if p.host is h]
-        h.pool.closed = True
-        h.kill()  # out of band where the launcher can: a frozen agent must not train on
         now = time.time()
         for rec in victims:
             self._fail(
@@ -410,7 +316,7 @@ class Controller:
                 time.sleep(0.005)
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        while not self.closed:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
@@ -432,7 +338,7 @@ class Controller:
             hello = conn.recv()
             sock.settimeout(None)
             if isinstance(hello, HelloAgent):
-                self._adopt_agent(conn, hello)
+                self.host_table.adopt(conn, hello)  # serves the agent on this thread
                 return
             if not isinstance(hello, HelloWorker):
                 raise channel.FrameError(f"expected HelloWorker or HelloAgent, got {hello!r:.80}")
@@ -666,36 +572,21 @@ class Controller:
             raise SupervisionError(self.fatal)
 
     def _monitor_loop(self) -> None:
-        hb = self.spec.agent_heartbeat
-        while not self._closed:
-            time.sleep(hb.interval_s / 2)
-            now = time.monotonic()
-            for h in list(self.hosts.values()):
-                if not h.lost and h.conn is not None:
-                    with contextlib.suppress(channel.ChannelError):
-                        h.conn.send(ControllerBeat(time.time()))
-                if not h.lost and now - h.last_beat > hb.timeout_s:
-                    self._host_lost(h, f"no agent heartbeat for {now - h.last_beat:.2f} s")
+        while not self.closed:
+            time.sleep(self.spec.agent_heartbeat.interval_s / 2)
+            self.host_table.beat_and_check()
 
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Stop every process and agent; nothing is left running after this returns."""
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return
-            self._closed = True
+            self.closed = True
             for rec in self.procs.values():
                 if rec.state in (ProcState.SPAWNING, ProcState.RUNNING, ProcState.FAILED):
                     rec.state = ProcState.STOPPING
-        for h in list(self.hosts.values()):
-            if h.conn is not None and not h.lost:
-                with contextlib.suppress(channel.ChannelError):
-                    h.conn.send(Shutdown(grace_s))
-        for h in list(self.hosts.values()):
-            self.launcher.stop(h.name, grace_s + 3.0)
-            if h.conn is not None:
-                h.conn.close()
-        self.launcher.close()
+        self.host_table.shutdown(grace_s)
         self._queue.put(None)
         with contextlib.suppress(OSError):
             self._listener.close()

@@ -64,8 +64,13 @@ def test_mesh_slicing_by_name():
         Mesh({"a": 2}, {(0,): 1})
 
 
+def _frames(*messages, key=None) -> bytes:
+    sealer = channel.Sealer(key)
+    return b"".join(sealer.seal(channel.encode(m)) for m in messages)
+
+
 def test_frame_decoder_partial_and_bad_frames():
-    data = channel.encode(("hello", 1)) + channel.encode({"x": [1, 2]})
+    data = _frames(("hello", 1), {"x": [1, 2]})
     dec = channel.FrameDecoder()
     got = []
     for i in range(len(data)):  # byte by byte
@@ -80,6 +85,36 @@ def test_frame_decoder_partial_and_bad_frames():
     dec.feed(b"\x00\x00\x00\x03abc")
     with pytest.raises(channel.FrameError, match="undecodable"):
         list(dec.messages())
+
+
+def test_authenticated_frames_refuse_tampering_replay_and_the_wrong_key():
+    key = bytes(range(32))
+    data = _frames(("hello", 1), {"x": [1, 2]}, key=key)
+    dec = channel.FrameDecoder(key)
+    got = []
+    for i in range(len(data)):  # byte by byte, MACs checked in sequence
+        dec.feed(data[i : i + 1])
+        got.extend(dec.messages())
+    assert got == [("hello", 1), {"x": [1, 2]}]
+    flipped = bytearray(data)
+    flipped[6] ^= 1  # one payload bit
+    for bad, _why in (
+        (bytes(flipped), "altered"),
+        (_frames(("hello", 1), key=key) * 2, "replayed"),  # frame 0 (sequence 0) twice
+        (_frames(("hello", 1), key=bytes(32)), "wrong key"),
+    ):
+        dec = channel.FrameDecoder(key)
+        dec.feed(bad)
+        with pytest.raises(channel.FrameError, match="failed authentication"):
+            list(dec.messages())  # a replay yields frame 0, then fails on the copy
+
+
+
+def test_session_keys_differ_per_direction_and_per_connection():
+    secret = b"s" * 32
+    c2s, s2c = channel.session_keys(secret, b"a" * 32, b"b" * 32)
+    again = channel.session_keys(secret, b"a" * 32, b"c" * 32)
+    assert c2s != s2c and (c2s, s2c) != again
 
 
 def _handshake_pair(server_secret: bytes, client_secret: bytes):

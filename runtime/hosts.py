@@ -1,0 +1,208 @@
+"""The controller's hosts: agents that dial in, their liveness both ways, and their loss.
+
+A host's agent is started through the launcher (or by someone else, ``ftharness agent``) and
+dials in to the controller's listener; :meth:`HostTable.adopt` configures it, waits until it has
+preloaded, registers it and then serves its connection on that thread. Liveness runs both ways
+on one timer (:meth:`HostTable.beat_and_check`): the controller beats to every agent (an agent
+that hears nothing for ``controller_silence_s`` fences itself) and declares lost an agent silent
+for the agent heartbeat timeout. What a loss means for the processes on that host is the
+controller's business (``on_host_lost``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from runtime import channel
+from runtime.host import HostAgentHandle
+from runtime.launchers import Launcher
+from runtime.messages import (
+    AgentBeat,
+    AgentConfig,
+    AgentReady,
+    ControllerBeat,
+    HelloAgent,
+    Shutdown,
+)
+from runtime.spares import SparePool
+from runtime.spec import ControllerSpec
+
+
+class HostOwner(Protocol):
+    """What the table needs of its controller."""
+
+    spec: ControllerSpec
+    launcher: Launcher
+    secret: bytes
+    address: tuple[str, int]
+    closed: bool
+
+    def spawn_many(self, requests: Any, *, log_dir: Any = None, cold: bool = False) -> Any: ...
+
+    def make_spare_pool(self, host: Callable[[], HostAgentHandle]) -> SparePool: ...
+
+    def on_agent_message(self, h: HostAgentHandle, msg: Any) -> None: ...
+
+    def on_host_lost(self, h: HostAgentHandle, why: str) -> None: ...
+
+    def guarded(self, target: Callable[..., None], name: str, *args: Any) -> None: ...
+
+
+class HostTable:
+    def __init__(self, owner: HostOwner) -> None:
+        self._owner = owner
+        self._lock = threading.Lock()
+        self.hosts: dict[str, HostAgentHandle] = {}
+        self._expected: dict[str, cf.Future] = {}  # hosts whose agent is to dial in
+
+    # -- starting and dialling in -----------------------------------------------------------
+    def boot_settings(self, name: str) -> dict[str, Any]:
+        """What an agent needs to dial in (``runtime.agent.Boot``), the secret included: hand it
+        over on stdin or in a 0600 file, never on a command line."""
+        import sys
+
+        o = self._owner
+        return {
+            "name": name,
+            "controller_host": o.address[0],
+            "controller_port": o.address[1],
+            "secret": o.secret.hex(),
+            "sys_path": [p for p in sys.path if p],
+            "dial_timeout_s": o.spec.connect_timeout_s + 30.0,
+        }
+
+    def expect(self, names: list[str]) -> dict[str, cf.Future]:
+        """Futures that resolve when each named agent has dialled in and is ready."""
+        with self._lock:
+            for name in names:
+                fut = self._expected.get(name)
+                if fut is None or fut.done():
+                    self._expected[name] = cf.Future()
+            return {name: self._expected[name] for name in names}
+
+    def wait_for(self, names: list[str], timeout_s: float) -> list[HostAgentHandle]:
+        """Block until every named agent has dialled in; ChannelError naming the missing ones
+        after ``timeout_s``."""
+        futs = self.expect([n for n in names if n not in self.hosts or self.hosts[n].lost])
+        cf.wait(list(futs.values()), timeout=timeout_s)
+        missing = sorted(n for n, f in futs.items() if not f.done())
+        if missing:
+            host, port = self._owner.address
+            raise channel.ChannelError(
+                f"host agent(s) {', '.join(missing)} did not dial in to {host}:{port} "
+                f"within {timeout_s:g} s"
+            )
+        return [self.hosts[n] for n in names]
+
+    def start(self, name: str) -> HostAgentHandle:
+        """Start ``name``'s agent through the launcher and wait for it to dial in (call from the
+        controller's long-lived spawner thread: a local agent dies with the thread that forked
+        it)."""
+        fut = self.expect([name])[name]
+        launcher = self._owner.launcher
+        launcher.start(name, self.boot_settings(name))
+        timeout = self._owner.spec.connect_timeout_s + 30.0
+        try:
+            return fut.result(timeout=timeout)
+        except cf.TimeoutError:
+            launcher.kill(name)
+            raise channel.ChannelError(
+                f"host agent {name} did not dial in within {timeout:g} s"
+            ) from None
+
+    def adopt(self, conn: channel.Connection, hello: HelloAgent) -> None:
+        """An agent dialled in: configure it, wait until it is ready, then serve it on this
+        thread until it goes away. Only an expected host, or a lost one coming back, is
+        adopted."""
+        with self._lock:
+            fut = self._expected.get(hello.host)
+            known = self.hosts.get(hello.host)
+        if fut is None and (known is None or not known.lost):
+            raise channel.FrameError(f"unexpected host agent {hello.host!r}")
+        spec = self._owner.spec
+        conn.send(
+            AgentConfig(
+                preload=tuple(spec.preload),
+                heartbeat_interval_s=spec.heartbeat.interval_s,
+                heartbeat_timeout_s=spec.heartbeat.timeout_s,
+                agent_heartbeat_interval_s=spec.agent_heartbeat.interval_s,
+                controller_silence_s=spec.controller_silence_s,
+                connect_timeout_s=spec.connect_timeout_s,
+            )
+        )
+        conn.sock.settimeout(spec.connect_timeout_s + 30.0)  # preloading torch takes seconds
+        ready = conn.recv()
+        conn.sock.settimeout(None)
+        if not isinstance(ready, AgentReady):
+            raise channel.FrameError(f"agent {hello.host} answered {ready!r:.80}")
+        pool = self._owner.make_spare_pool(lambda: h)
+        h = HostAgentHandle(self._owner, hello.host, pool, self._owner.launcher)
+        h.conn, h.pid, h.address = conn, ready.pid, ready.address
+        h.last_beat = time.monotonic()
+        with self._lock:
+            self.hosts[hello.host] = h
+            self._expected.pop(hello.host, None)
+        if fut is not None:
+            fut.set_result(h)
+        self._owner.guarded(self._serve, f"agent-{hello.host}", h)
+
+    def _serve(self, h: HostAgentHandle) -> None:
+        assert h.conn is not None
+        while True:
+            try:
+                msg = h.conn.recv()
+            except channel.ChannelError as exc:
+                self.lost(h, f"agent connection closed ({exc})")
+                return
+            if isinstance(msg, AgentBeat):
+                h.last_beat = time.monotonic()
+                continue
+            try:
+                self._owner.on_agent_message(h, msg)
+            except channel.FrameError as exc:
+                self.lost(h, str(exc))
+                return
+
+    # -- liveness and loss ------------------------------------------------------------------
+    def lost(self, h: HostAgentHandle, why: str) -> None:
+        """Declare ``h`` lost (once): no more spares there, take it down out of band where the
+        launcher can (a frozen agent must not train on), and fail its processes."""
+        with self._lock:
+            if h.lost or self._owner.closed:
+                return
+            h.lost = True
+        h.pool.closed = True
+        h.kill()
+        self._owner.on_host_lost(h, why)
+
+    def beat_and_check(self) -> None:
+        """One tick of liveness: beat to every live agent, and declare lost those silent for
+        longer than the agent heartbeat timeout."""
+        timeout = self._owner.spec.agent_heartbeat.timeout_s
+        now = time.monotonic()
+        for h in list(self.hosts.values()):
+            if h.lost:
+                continue
+            if h.conn is not None:
+                with contextlib.suppress(channel.ChannelError):
+                    h.conn.send(ControllerBeat(time.time()))
+            if now - h.last_beat > timeout:
+                self.lost(h, f"no agent heartbeat for {now - h.last_beat:.2f} s")
+
+    def shutdown(self, grace_s: float) -> None:
+        """Tell every agent to stop its workers and exit; wait for them, then kill what is left."""
+        launcher = self._owner.launcher
+        for h in list(self.hosts.values()):
+            if h.conn is not None and not h.lost:
+                with contextlib.suppress(channel.ChannelError):
+                    h.conn.send(Shutdown(grace_s))
+        for h in list(self.hosts.values()):
+            launcher.stop(h.name, grace_s + 3.0)
+            if h.conn is not None:
+                h.conn.close()
+        launcher.close()
