@@ -1,4 +1,4 @@
-"""The ``ftharness`` command line: run | chaos | report | bench.
+"""The ``ftharness`` command line: run | chaos | report | bench | agent.
 
 Each subcommand's implementation is imported only when it runs, so ``ftharness --help`` stays
 fast (no torch import) and a broken optional part cannot break the others.
@@ -16,6 +16,7 @@ _HANDLERS = {
     "run": "harness.launch:main",
     "chaos": "experiments.runner:main",
     "report": "experiments.report:main",
+    "agent": "runtime.agent:cli",
 }
 _BENCHES = {
     "runtime": (
@@ -110,6 +111,36 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="a run or experiment directory, or a journal file")
     report.add_argument("--html", action="store_true", help="also write dashboard.html")
     report.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    agent = sub.add_parser(
+        "agent",
+        help="run a host agent on this machine for a job whose controller runs elsewhere",
+        description="Start this host's agent: it dials in to the job's controller, proves the "
+        "job secret, and runs the job's workers here until the controller goes away. The secret "
+        "is read from a file that only you may read (mode 0600), or from stdin with "
+        "--secret-file -; never from the command line, which other users can see.",
+    )
+    agent.add_argument("--controller", required=True, metavar="HOST:PORT", help="the controller")
+    agent.add_argument(
+        "--secret-file",
+        required=True,
+        metavar="PATH",
+        help="the job secret (hex), mode 0600; - for stdin",
+    )
+    agent.add_argument("--name", required=True, help="this host's name in the job (e.g. host1)")
+    agent.add_argument(
+        "--advertise",
+        default=None,
+        metavar="ADDR",
+        help="the address other hosts reach this one at (default: the local address of the "
+        "connection to the controller)",
+    )
+    agent.add_argument(
+        "--dial-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep trying to reach the controller",
+    )
 
     bench = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)

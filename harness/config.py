@@ -118,6 +118,7 @@ class TimeoutConfig:
     connect_timeout: float = 10.0
     host_timeout: float = 3.0  # a host agent silent this long is lost (its groups re-placed)
     controller_silence: float = 10.0  # an agent that hears nothing this long fences itself
+    host_join: float = 300.0  # launcher = "external": how long to wait for every agent to dial in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,9 +167,10 @@ class JobConfig:
     steps: int = 100
     min_replica_size: int = 1
     bind_host: str = "127.0.0.1"
-    # Where hosts come from: "local" child processes of the controller, or "netns" test hosts,
-    # each in its own network namespace with its own address (root only; runtime/netns.py).
-    launcher: Literal["local", "netns"] = "local"
+    # Where hosts come from: "local" child processes of the controller; "netns" test hosts, each
+    # in its own network namespace with its own address (root only; runtime/netns.py); or
+    # "external": agents started on other machines with `ftharness agent`, which dial in.
+    launcher: Literal["local", "netns", "external"] = "local"
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from harness.recovery import RecoveryTracker
 from runtime.controller import Controller, HostAgentHandle
 from runtime.failure import Cause, Failure
 from runtime.journal import JOB_RESTART, JOB_START, Journal
-from runtime.launchers import Launcher, LocalLauncher
+from runtime.launchers import ExternalLauncher, Launcher, LocalLauncher
 from runtime.mesh import ActorMesh, ProcMesh
 from runtime.netns import NetnsLauncher, TestNetwork
 from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
@@ -156,9 +157,12 @@ class Job:
         self.journal.emit(
             JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
         )
-        self.progress.say(f"starting {self.cfg.hosts} host agent(s) (each imports torch once)")
-        for name in self.host_names():
-            self._spawn_host(name)
+        if self.cfg.launcher == "external":
+            self._wait_for_external_hosts()
+        else:
+            self.progress.say(f"starting {self.cfg.hosts} host agent(s) (each imports torch once)")
+            for name in self.host_names():
+                self._spawn_host(name)
         if self.recovery_quorum == "tree":
             self._start_tree_quorum()
         self.job_supervisor = self._build_tree()
@@ -173,6 +177,8 @@ class Job:
         that network's gateway address."""
         if self.cfg.launcher == "local":
             return LocalLauncher()
+        if self.cfg.launcher == "external":
+            return ExternalLauncher()
         self.network = TestNetwork(self.host_names()).up()
         self.cfg = dataclasses.replace(self.cfg, bind_host=self.network.gateway)
         self._cfg_dict = config_to_dict(self.cfg)
@@ -419,13 +425,32 @@ class Job:
 
         threading.Thread(target=run, daemon=True, name=f"ftharness-respawn-{name}").start()
 
+    def _wait_for_external_hosts(self) -> None:
+        """Agents on other machines dial in with ``ftharness agent``; the secret they need is
+        written to a file only this user can read."""
+        secret = self.run_dir / "agent.secret"
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.controller.secret.hex() + "\n")
+        host, port = self.controller.address
+        self.progress.say(
+            f"waiting up to {self.cfg.timeouts.host_join:g} s for {self.cfg.hosts} host agent(s); "
+            f"on each host I, with a copy of {secret} (mode 0600), run: ftharness agent "
+            f"--controller {host}:{port} --secret-file {secret.name} --name hostI"
+        )
+        for h in self.controller.wait_for_hosts(self.host_names(), self.cfg.timeouts.host_join):
+            self._keep_spares(h)
+
+    def _keep_spares(self, host: HostAgentHandle) -> None:
+        n = self.cfg.recovery.spares_per_host
+        if n and self.policy == "in_place":
+            host.keep_spares(n, log_dir=str(self.run_dir / "logs"))
+
     def _spawn_host(self, name: str) -> HostAgentHandle:
         """A host agent, with its warm spares (in-place recovery only: a full restart starts
         cold on purpose)."""
         host = self.controller.spawn_host(name)
-        n = self.cfg.recovery.spares_per_host
-        if n and self.policy == "in_place":
-            host.keep_spares(n, log_dir=str(self.run_dir / "logs"))
+        self._keep_spares(host)
         return host
 
     # -- completion -----------------------------------------------------------------------------

@@ -411,6 +411,54 @@ def _interface_of(address: str) -> str | None:
     return None
 
 
+def read_secret(path: str) -> bytes:
+    """The job secret (hex) from ``path`` (``-``: stdin). A file anyone but its owner can read,
+    or that another user owns, is refused: the secret is the job's only credential."""
+    if path == "-":
+        text = sys.stdin.readline()
+    else:
+        st = os.stat(path)
+        if st.st_mode & 0o077:
+            raise PermissionError(
+                f"{path} is readable by others (mode {st.st_mode & 0o777:o}): "
+                f"the job secret must be mode 0600 (chmod 600 {path})"
+            )
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"{path} belongs to another user (uid {st.st_uid})")
+        with open(path) as f:
+            text = f.read()
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"{path}: not a hex secret") from None
+
+
+def cli(args: Any) -> int:
+    """``ftharness agent``: this host's agent for a controller elsewhere."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    host, _, port = args.controller.rpartition(":")
+    if not host or not port.isdigit():
+        print(
+            f"ftharness agent: --controller {args.controller!r}: expected HOST:PORT",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        secret = read_secret(args.secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"ftharness agent: {exc}", file=sys.stderr)
+        return 2
+    boot = Boot(
+        name=args.name, controller=(host, int(port)), secret=secret, advertise=args.advertise
+    )
+    try:
+        run(boot, args.dial_timeout)
+    except channel.ChannelError as exc:
+        print(f"ftharness agent: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> None:
     """``python -m runtime.agent``: the boot settings as one JSON line on stdin (the local
     launcher's way; the secret never appears in argv)."""

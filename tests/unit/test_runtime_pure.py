@@ -109,7 +109,6 @@ def test_authenticated_frames_refuse_tampering_replay_and_the_wrong_key():
             list(dec.messages())  # a replay yields frame 0, then fails on the copy
 
 
-
 def test_session_keys_differ_per_direction_and_per_connection():
     secret = b"s" * 32
     c2s, s2c = channel.session_keys(secret, b"a" * 32, b"b" * 32)
