@@ -34,6 +34,11 @@ _BENCHES = {
         "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
     ),
     "telemetry": ("experiments.bench.telemetry:main", "training-step overhead of the telemetry"),
+    "multihost": (
+        "experiments.bench.multihost:main",
+        "recovery across namespace hosts (partition, eviction), cross-host heal bandwidth "
+        "and the cost of authenticated frames (root)",
+    ),
 }
 
 
