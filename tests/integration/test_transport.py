@@ -42,21 +42,27 @@ def _sender_main(seed: int, step: int) -> None:
     transport.shutdown()
 
 
-@pytest.mark.timeout(90)
-def test_send_in_one_process_receive_in_place_in_another() -> None:
-    from harness.transport import DataplaneTransport
-
+def _start_sender(call: str) -> subprocess.Popen:
+    """A separate process running ``call`` (a sender defined in this module); it prints the
+    data-plane metadata on stdout and serves until its stdin closes."""
     code = (
         f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_transport import "
-        "_sender_main; _sender_main(5, 9)"
+        f"_sender_main, _evil_sender_main; {call}"
     )
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,
         text=True,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
+
+
+@pytest.mark.timeout(90)
+def test_send_in_one_process_receive_in_place_in_another() -> None:
+    from harness.transport import DataplaneTransport
+
+    proc = _start_sender("_sender_main(5, 9)")
     try:
         metadata = proc.stdout.readline().strip()
         assert metadata.startswith("{"), metadata
@@ -111,17 +117,7 @@ def test_a_malicious_blob_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     from harness.transport import BlobError, DataplaneTransport
 
     marker = tmp_path / "pwned"
-    code = (
-        f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_transport import "
-        f"_evil_sender_main; _evil_sender_main({str(marker)!r}, 3)"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        text=True,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    proc = _start_sender(f"_evil_sender_main({str(marker)!r}, 3)")
     try:
         metadata = proc.stdout.readline().strip()
         assert metadata.startswith("{"), metadata
