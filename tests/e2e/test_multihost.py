@@ -36,11 +36,16 @@ def _cfg(*extra: str):
     )
 
 
+def _our_namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {ln.split()[0] for ln in out.splitlines() if ln.startswith(netns.PREFIX)}
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_namespaces():
+    before = _our_namespaces()
     yield
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not [ln for ln in left.splitlines() if ln.startswith(netns.PREFIX)], left
+    assert _our_namespaces() - before == set(), "a test left network namespaces behind"
 
 
 def test_a_job_trains_across_hosts_with_their_own_addresses(tmp_path):
@@ -103,6 +108,14 @@ def test_a_partitioned_host_is_replaced_and_its_stale_incarnation_never_commits(
         if r["event"] == "step.commit" and r.get("proc") in stale and r["t"] > t_fail
     ]
     assert late == [], f"the cut-off incarnation committed after it was replaced: {late[:2]}"
+    # the survivors' collective with the vanished group was aborted at detection, not left to
+    # wait out the process-group timeout (a cut link closes no connection)
+    timed_out = [
+        r
+        for r in records
+        if r["event"] == "step.abort" and r["replica"] != 1 and "Timed out" in r["reason"]
+    ]
+    assert timed_out == [], timed_out[:2]
     healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > t_fail]
     assert healed and all(r["replica"] == 1 for r in healed)
     back = [

@@ -219,3 +219,18 @@ def test_a_stopped_controller_blocks_neither_training_nor_reaping(tmp_path):
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait(10)
+
+
+def test_workers_inherit_the_agents_imports_frozen_out_of_the_collector():
+    """The agent freezes what it imported before forking: a full gc.collect() in a worker (the
+    failure path runs one) must not walk torch's ~300K objects (seconds on a loaded machine,
+    long enough to miss heartbeats and be killed as hung)."""
+    import dataclasses
+
+    c = Controller(dataclasses.replace(FAST, preload=("torch",)), on_failure=lambda f: True)
+    try:
+        (proc_id,) = c.spawn_host("h0").spawn_procs({"rank": 1}).proc_ids
+        frozen = c.run_in_worker(proc_id, "gc:get_freeze_count").result(timeout=30)
+        assert frozen > 50_000
+    finally:
+        c.shutdown(grace_s=0.5)
