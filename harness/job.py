@@ -11,10 +11,14 @@ What happens after a group dies, step by step, and where:
    ``failure`` to the journal and calls the failure listeners wired in :meth:`Job._wire_failures`.
    A supervised endpoint (``train``) that raises ends its process too, so an exception is
    detected the same way.
-2. **Fence.** In that listener, before any supervisor acts: the recovery tracker opens a
-   recovery (phase ``detected``), and with the tree quorum the dead group is dropped from
+2. **Fence.** In those listeners, before any supervisor acts: the recovery tracker opens a
+   recovery (phase ``detected``); with the tree quorum the dead group is dropped from
    membership at once (``TreeQuorum.replica_failed``), so the survivors' next quorum excludes it
-   instead of waiting out a heartbeat timeout. torchft's Lighthouse fences by heartbeat timeout.
+   instead of waiting out a heartbeat timeout (torchft's Lighthouse fences by heartbeat
+   timeout); and a group lost with its host, which closes no connection, has the survivors'
+   collective with it aborted at once (:meth:`Job._unblock_survivors`) rather than left to the
+   process-group timeout. Every start of a group is a new incarnation that the tree quorum
+   admits, fencing the older ones: a cut-off incarnation can never commit or serve weights.
 3. **Stop.** The group's supervisor (``replica<r>``, one_for_all over its ranks) decides on the
    controller's supervision thread (``runtime.policy``: restart, or escalate past the restart
    intensity), and stops the group's remaining ranks (SIGTERM, grace, SIGKILL) on its own
