@@ -19,7 +19,8 @@ snapshot files (``ftdp-PID-tTICKS-RANDOM``), was not there before the run, and P
 the job's processes by the rule above (the start time in its name, clock ticks since boot, is
 compared with the ``proc.start`` record). Other users' segments made meanwhile are not counted.
 
-Zombies are not counted as alive: they hold no memory, only a process-table entry.
+Zombies are not counted as alive (they hold no memory, only a process-table entry); the new
+descendants of the runner that are zombies are listed apart, as ``zombies``.
 Not guaranteed: a process whose parent died and that never appeared in a ``proc.start``
 record is re-parented out of the runner's tree and is not seen.
 
@@ -27,7 +28,7 @@ File format (``postrun.json``)::
 
     {"policy", "run_start", "run_end", "checked_at", "waited_s", "journal_pids",
      "new_descendants_seen", "orphans": [{"pid", "name", "cmdline", "create_time", "source"}],
-     "shm_dir", "shm_left": [name, ...]}
+     "zombies": [same as orphans], "shm_dir", "shm_left": [name, ...]}
 """
 
 from __future__ import annotations
@@ -127,9 +128,13 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _orphans(before: Before, pids: Mapping[int, float]) -> tuple[list[dict[str, Any]], int]:
-    """The job's processes alive now, and how many new descendants were seen (alive or not)."""
+def _orphans(
+    before: Before, pids: Mapping[int, float]
+) -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]]:
+    """The job's processes alive now, how many new descendants were seen (alive or not), and
+    the new descendants that are zombies (dead, not yet reaped by their parent)."""
     found: dict[int, dict[str, Any]] = {}
+    zombies: list[dict[str, Any]] = []
     for pid in pids:
         try:
             p = psutil.Process(pid)
@@ -145,9 +150,13 @@ def _orphans(before: Before, pids: Mapping[int, float]) -> tuple[list[dict[str, 
             p = psutil.Process(pid)
         except psutil.NoSuchProcess:
             continue
-        if pid not in found and _alive(p):
+        if pid in found:
+            continue
+        if _alive(p):
             found[pid] = _describe(p, created, "descendant of the runner")
-    return sorted(found.values(), key=lambda o: o["pid"]), new
+        elif p.is_running():
+            zombies.append(_describe(p, created, "descendant of the runner"))
+    return sorted(found.values(), key=lambda o: o["pid"]), new, zombies
 
 
 def _describe(p: psutil.Process, created: float, source: str) -> dict[str, Any]:
@@ -178,7 +187,7 @@ def check(
     pids = journal_pids(records)
     deadline = time.monotonic() + grace_s
     while True:
-        orphans, new = _orphans(before, pids)
+        orphans, new, zombies = _orphans(before, pids)
         if not orphans or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
@@ -193,6 +202,7 @@ def check(
         "journal_pids": len(pids),
         "new_descendants_seen": new,
         "orphans": orphans,
+        "zombies": zombies,
         "shm_dir": shm_dir,
         "shm_left": left,
     }

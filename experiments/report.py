@@ -155,7 +155,7 @@ def _every_fault_recovered(
     recs = (policy_summary or {}).get("recoveries", [])
     commits = [r for r in records if r.get("event") == STEP_COMMIT]
     problems: list[str] = []
-    through_recovery = 0
+    no_recovery: list[str] = []
     for f in faults:
         fid, kind = f.get("fault_id"), f.get("kind")
         label = f"{fid} ({kind}) at {at(f['t'])}"
@@ -165,7 +165,8 @@ def _every_fault_recovered(
             problems.append(f"{label} did not fire: {error}")
             continue
         mine = [r for r in recs if r.get("fault_id") == fid]
-        through_recovery += bool(mine)
+        if not mine:
+            no_recovery.append(f"{fid} ({kind})")
         for r in mine:
             if r.get("participate_s") is None:
                 phases = r.get("phases") or {}
@@ -193,12 +194,16 @@ def _every_fault_recovered(
             False,
             f"{len(problems)} problem(s) over {len(faults)} faults: {_listed(problems)}",
         )
-    return _result(
-        name, True,
-        f"all {len(faults)} faults recovered: {through_recovery} through recoveries that reached "
-        f"participating, {len(faults) - through_recovery} caused no recovery and the group they "
-        "hit committed after the heal",
-    )  # fmt: skip
+    detail = (
+        f"all {len(faults)} faults recovered: {len(faults) - len(no_recovery)} through "
+        "recoveries that reached participating"
+    )
+    if no_recovery:
+        detail += (
+            f"; {len(no_recovery)} caused no recovery and the group(s) they hit committed after "
+            f"the heal: {_listed(no_recovery)}"
+        )
+    return _result(name, True, detail)
 
 
 def _problems_of(policy: str, problems: Sequence[str], policies: Sequence[str]) -> list[str]:
@@ -286,20 +291,24 @@ def _no_orphans(policy: str, check: Mapping[str, Any] | None) -> Result:
     if check is None:
         return _postrun_missing(name)
     orphans = check.get("orphans") or []
+    zombies = check.get("zombies") or []
     after = f"{check.get('waited_s', 0):.1f} s after the job stopped"
+
+    def shown(procs: Sequence[Mapping[str, Any]]) -> str:
+        return _listed(
+            [f"pid {o['pid']} ({o.get('name')}: {o.get('cmdline') or '?'}; {o.get('source')})"
+             for o in procs]
+        )  # fmt: skip
+
+    note = f" (not alive, but not reaped: {len(zombies)} zombie(s): {shown(zombies)})"
     if orphans:
-        shown = [
-            f"pid {o['pid']} ({o.get('name')}: {o.get('cmdline') or '?'}; {o.get('source')})"
-            for o in orphans
-        ]
-        return _result(
-            name, False, f"{len(orphans)} process(es) still alive {after}: {_listed(shown)}"
-        )
-    return _result(
-        name, True,
+        detail = f"{len(orphans)} process(es) still alive {after}: {shown(orphans)}"
+        return _result(name, False, detail + (note if zombies else ""))
+    detail = (
         f"{after}: none of the {check.get('journal_pids', 0)} pids of proc.start records and none "
-        f"of the {check.get('new_descendants_seen', 0)} new descendants of the runner alive",
-    )  # fmt: skip
+        f"of the {check.get('new_descendants_seen', 0)} new descendants of the runner alive"
+    )
+    return _result(name, True, detail + (note if zombies else ""))
 
 
 def _no_shm_left(policy: str, check: Mapping[str, Any] | None) -> Result:
