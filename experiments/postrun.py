@@ -33,6 +33,7 @@ File format (``postrun.json``)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -160,10 +161,10 @@ def _orphans(
 
 
 def _describe(p: psutil.Process, created: float, source: str) -> dict[str, Any]:
-    try:
-        name, cmdline = p.name(), " ".join(p.cmdline())[:200]
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        name, cmdline = "?", ""
+    name, cmdline = "?", ""
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        name = p.name()
+        cmdline = " ".join(p.cmdline())[:200]  # a zombie has a name but no command line
     return {
         "pid": p.pid,
         "name": name,
