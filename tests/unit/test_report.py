@@ -234,9 +234,32 @@ def test_a_fault_without_recovery_fails_every_fault_recovered(tmp_path):
     assert "rec-1 of replica 1 never reached participating" in r["detail"]
     assert "(last phase: replacement_started)" in r["detail"]
     assert "replica 1 committed no step after the heal" in r["detail"]
+    assert len(r["problems"]) == 2  # every problem, in report.json
     # the journal itself is complete: the job ended while rec-1 was open, and it says so
     j = res["journal_complete[in_place]"]
     assert j["passed"] and "open when the job ended: rec-1 (replica 1" in j["detail"]
+
+
+def test_a_quorum_service_crash_without_tracked_phases_is_judged_by_the_commits(tmp_path):
+    # The tracker wrote no phases for this crash (one service recovery was still open), so the
+    # summary derives one from the failure record; the service has no group of its own to be
+    # seen participating, so the groups committing after the heal are what counts.
+    path = soak_journal(tmp_path / "j.jsonl")
+    j = Journal(path, job="soak", policy="in_place")  # appends
+    service = {"replica": None, "rank": None, "host": None}
+    j.emit("fault.inject", t=107.2, fault_id="f002", kind="lighthouse_crash", target=service)
+    j.emit("fault.heal", t=107.2, fault_id="f002", kind="lighthouse_crash")
+    j.emit("failure", t=107.3, cause="signal", detail="killed by SIGKILL", pid=4100)
+    j.emit("proc.start", t=107.4, host="host0", pid=4101, spare=False)
+    j.emit("step.commit", t=107.9, replica=0, rank=0, step=7, loss=2.0, checksum="7")
+    j.close()
+    records = read_journal(path)
+    derived = [r for r in summarize(records)["policies"]["in_place"]["recoveries"]
+               if r["fault_id"] == "f002"]  # fmt: skip
+    assert [r["derived"] for r in derived] == [True] and derived[0]["participate_s"] is None
+    r = soak_results(tmp_path, CLEAN)["every_fault_recovered[in_place]"]
+    assert r["passed"], r
+    assert "all 3 faults recovered: 2 through recoveries" in r["detail"]  # f002: derived
 
 
 def test_a_fault_that_did_not_fire_is_not_recovered(tmp_path):
