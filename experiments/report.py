@@ -1,8 +1,10 @@
 """The experiment report: hypotheses checked and figures rendered, computed only from the journal.
 
 ``ftharness report RUN_DIR [--html] [--json]`` recomputes everything from the journal file(s)
-under RUN_DIR; the hypotheses come from ``RUN_DIR/experiment.toml`` (the runner saves a copy of
-the experiment there) when it exists. Exit status: 0 all hypotheses hold (or none were set),
+under RUN_DIR (and, for ``no_orphans`` and ``no_shm_left``, the ``postrun.json`` the runner
+wrote next to each journal once its job had stopped: experiments/postrun.py); the hypotheses
+come from ``RUN_DIR/experiment.toml`` (the runner saves a copy of the experiment there) when it
+exists. Exit status: 0 all hypotheses hold (or none were set),
 1 one failed, 2 no journal.
 """
 
@@ -11,17 +13,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tomllib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dashboards import names as N
 from dashboards.metrics import split_by_policy, summarize
+from experiments import postrun as postrun_files
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
-from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
+from runtime.journal import (
+    FAULT_HEAL,
+    FAULT_INJECT,
+    JOB_END,
+    JOB_RESTART,
+    JOB_START,
+    RECOVERY_PHASE,
+    STEP_COMMIT,
+    read_journal,
+)
 
 Record = dict[str, Any]
 Result = dict[str, Any]
@@ -104,6 +117,221 @@ def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
     return _result(name, True, f"checksums equal across replicas at all {len(compared)} steps")
 
 
+# -- the soak hypotheses: nothing lost, nothing left behind -------------------------------------
+
+#: How many problems a failure message names before "and N more".
+_SHOWN = 5
+
+
+def _listed(problems: Sequence[str]) -> str:
+    more = len(problems) - _SHOWN
+    return "; ".join(problems[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _clock(records: Sequence[Record]) -> Any:
+    """Formats a time as seconds since the run's first ``job.start`` (or first record)."""
+    starts = [r["t"] for r in records if r.get("event") == JOB_START]
+    t0 = min(starts) if starts else (records[0]["t"] if records else 0.0)
+    return lambda t: f"t+{t - t0:.1f} s"
+
+
+def _every_fault_recovered(
+    policy: str, records: Sequence[Record], policy_summary: Mapping[str, Any] | None
+) -> Result:
+    """Every ``fault.inject`` fired (no ``fault.heal`` saying ``fire failed``), each recovery it
+    explains reached ``participating``, and each group it hit (its target replica and its
+    recoveries' groups; any group for a fault that hit none, such as a quorum-service crash
+    absorbed without a failure) committed a step after its ``fault.heal``. A fault that caused
+    no failure at all (a straggler, an absorbed collective abort) passes on that last test."""
+    name = f"every_fault_recovered[{policy}]"
+    at = _clock(records)
+    faults = [r for r in records if r.get("event") == FAULT_INJECT]
+    if not faults:
+        return _result(name, False, "no fault was injected")
+    heals: dict[Any, Record] = {}
+    for r in records:
+        if r.get("event") == FAULT_HEAL:
+            heals.setdefault(r.get("fault_id"), r)
+    recs = (policy_summary or {}).get("recoveries", [])
+    commits = [r for r in records if r.get("event") == STEP_COMMIT]
+    problems: list[str] = []
+    no_recovery: list[str] = []
+    for f in faults:
+        fid, kind = f.get("fault_id"), f.get("kind")
+        label = f"{fid} ({kind}) at {at(f['t'])}"
+        heal = heals.get(fid)
+        error = str((heal or {}).get("error") or "")
+        if error.startswith("fire failed"):
+            problems.append(f"{label} did not fire: {error}")
+            continue
+        mine = [r for r in recs if r.get("fault_id") == fid]
+        if not mine:
+            no_recovery.append(f"{fid} ({kind})")
+        for r in mine:
+            # A recovery the tracker never wrote (``derived``, read off failures by
+            # dashboards/metrics.py) of the quorum service has no group of its own, so it can
+            # never be seen participating: the commit test below judges it instead.
+            if r.get("derived") and r.get("replica") is None:
+                continue
+            if r.get("participate_s") is None:
+                phases = r.get("phases") or {}
+                last = max(phases, key=phases.get) if phases else "none"
+                problems.append(
+                    f"{label}: recovery {r['recovery_id']} of replica {r.get('replica')} never "
+                    f"reached participating (last phase: {last})"
+                )
+        since = heal["t"] if heal is not None else f["t"]
+        target = f.get("target") or {}
+        groups = {target.get("replica")} | {r.get("replica") for r in mine}
+        groups.discard(None)
+        back = {c.get("replica") for c in commits if c["t"] > since}
+        if groups and not groups <= back:
+            missing = sorted(groups - back, key=str)
+            problems.append(
+                f"{label}: replica {', '.join(map(str, missing))} committed no step after the "
+                f"{'heal' if heal is not None else 'fault'} at {at(since)}"
+            )
+        elif not groups and not back:
+            problems.append(f"{label}: no group committed a step after {at(since)}")
+    if problems:
+        return _result(
+            name,
+            False,
+            f"{len(problems)} problem(s) over {len(faults)} faults: {_listed(problems)}",
+            problems,
+        )
+    detail = (
+        f"all {len(faults)} faults recovered: {len(faults) - len(no_recovery)} through "
+        "recoveries that reached participating"
+    )
+    if no_recovery:
+        detail += (
+            f"; {len(no_recovery)} caused no recovery and the group(s) they hit committed after "
+            f"the heal: {_listed(no_recovery)}"
+        )
+    return _result(name, True, detail)
+
+
+def _problems_of(policy: str, problems: Sequence[str], policies: Sequence[str]) -> list[str]:
+    """The skipped-line problems of ``policy``'s journal: those in a file under a folder named
+    for it (the runner's layout), and those no policy's folder claims."""
+    out = []
+    for p in problems:
+        m = re.match(r"^(.*):(\d+): ", p)
+        folder = Path(m.group(1)).parent.name if m else ""
+        if folder == policy or folder not in policies:
+            out.append(p)
+    return out
+
+
+def _journal_complete(policy: str, records: Sequence[Record], problems: Sequence[str]) -> Result:
+    """No line skipped, a ``job.start`` and a ``job.end``, a ``fault.heal`` for every
+    ``fault.inject`` (and none without one), and every recovery that began with ``detected``
+    either reached ``participating`` or was still open at ``job.end`` (named in the detail)."""
+    name = f"journal_complete[{policy}]"
+    at = _clock(records)
+    bad: list[str] = []
+    if problems:
+        bad.append(f"{len(problems)} line(s) skipped: {_listed(problems)}")
+    starts = [r for r in records if r.get("event") == JOB_START]
+    ends = [r for r in records if r.get("event") == JOB_END]
+    if not starts:
+        bad.append("no job.start record")
+    if not ends:
+        bad.append("no job.end record (the runner did not finish writing the journal)")
+    elif starts and max(r["t"] for r in ends) < max(r["t"] for r in starts):
+        bad.append("the last job.start has no job.end after it")
+    injected = {r.get("fault_id"): r for r in records if r.get("event") == FAULT_INJECT}
+    healed = {r.get("fault_id") for r in records if r.get("event") == FAULT_HEAL}
+    unhealed = [
+        f"{i} ({r.get('kind')}) at {at(r['t'])}" for i, r in injected.items() if i not in healed
+    ]
+    if unhealed:
+        bad.append(f"{len(unhealed)} fault.inject without fault.heal: {_listed(unhealed)}")
+    stray = sorted(str(i) for i in healed - set(injected))
+    if stray:
+        bad.append(f"fault.heal without fault.inject: {_listed(stray)}")
+    phases: dict[str, dict[str, float]] = defaultdict(dict)
+    replica_of: dict[str, Any] = {}
+    for r in records:
+        if r.get("event") == RECOVERY_PHASE:
+            rid = str(r.get("recovery_id"))
+            phases[rid].setdefault(str(r.get("phase")), r["t"])
+            replica_of.setdefault(rid, r.get("replica"))
+    no_start = sorted(rid for rid, ph in phases.items() if "detected" not in ph)
+    if no_start:
+        bad.append(f"recovery phases without 'detected': {_listed(no_start)}")
+    end_t = max((r["t"] for r in ends), default=None)
+    open_at_end, never_closed = [], []
+    for rid, ph in phases.items():
+        if "participating" in ph or "detected" not in ph:
+            continue
+        last = max(ph, key=ph.get)
+        what = f"{rid} (replica {replica_of[rid]}, last phase {last} at {at(ph[last])})"
+        (open_at_end if end_t is not None and end_t >= ph[last] else never_closed).append(what)
+    if never_closed:
+        bad.append(f"recoveries never closed and no job.end after them: {_listed(never_closed)}")
+    if bad:
+        return _result(name, False, "; ".join(bad), [*problems, *unhealed, *stray, *never_closed])
+    closed = len(phases) - len(open_at_end)
+    detail = (
+        f"{len(records)} records, none skipped; job.start {len(starts)}, job.end {len(ends)}; "
+        f"{len(injected)} faults, each healed; {closed} of {len(phases)} recoveries reached "
+        "participating"
+    )
+    if open_at_end:
+        detail += f"; open when the job ended: {_listed(open_at_end)}"
+    return _result(name, True, detail)
+
+
+def _postrun_missing(name: str) -> Result:
+    return _result(
+        name, False,
+        "no post-run check recorded for this policy (postrun.json, written by `ftharness chaos` "
+        "once the job has stopped)",
+    )  # fmt: skip
+
+
+def _no_orphans(policy: str, check: Mapping[str, Any] | None) -> Result:
+    name = f"no_orphans[{policy}]"
+    if check is None:
+        return _postrun_missing(name)
+    orphans = check.get("orphans") or []
+    zombies = check.get("zombies") or []
+    after = f"{check.get('waited_s', 0):.1f} s after the job stopped"
+
+    def shown(procs: Sequence[Mapping[str, Any]]) -> str:
+        return _listed(
+            [f"pid {o['pid']} ({o.get('name')}: {o.get('cmdline') or '?'}; {o.get('source')})"
+             for o in procs]
+        )  # fmt: skip
+
+    note = f" (not alive, but not reaped: {len(zombies)} zombie(s): {shown(zombies)})"
+    if orphans:
+        detail = f"{len(orphans)} process(es) still alive {after}: {shown(orphans)}"
+        return _result(name, False, detail + (note if zombies else ""))
+    detail = (
+        f"{after}: none of the {check.get('journal_pids', 0)} pids of proc.start records and none "
+        f"of the {check.get('new_descendants_seen', 0)} new descendants of the runner alive"
+    )
+    return _result(name, True, detail + (note if zombies else ""))
+
+
+def _no_shm_left(policy: str, check: Mapping[str, Any] | None) -> Result:
+    name = f"no_shm_left[{policy}]"
+    if check is None:
+        return _postrun_missing(name)
+    left = check.get("shm_left") or []
+    where = check.get("shm_dir", postrun_files.SHM_DIR)
+    if left:
+        return _result(
+            name, False,
+            f"{len(left)} snapshot segment(s) of the job's processes left in {where}: "
+            f"{_listed(left)}",
+        )  # fmt: skip
+    return _result(name, True, f"no snapshot segment of the job's processes left in {where}")
+
+
 def _threshold(name: str, bound: float, policy: str, summary: dict[str, Any]) -> Result:
     label = f"{name}[{policy}]"
     p = summary["policies"].get(policy)
@@ -124,26 +352,46 @@ def _threshold(name: str, bound: float, policy: str, summary: dict[str, Any]) ->
     return _result(label, ok, f"{shown} = {value:.3g}{unit} (want {op} {bound:g}{unit})")
 
 
-def _result(name: str, passed: bool, detail: str) -> Result:
-    return {"name": name, "passed": bool(passed), "detail": detail}
+def _result(name: str, passed: bool, detail: str, problems: Sequence[str] = ()) -> Result:
+    """One verdict; ``problems`` (report.json only) lists every problem the detail shortens."""
+    out: Result = {"name": name, "passed": bool(passed), "detail": detail}
+    if problems:
+        out["problems"] = list(problems)
+    return out
 
 
 def evaluate_hypotheses(
-    spec_hypotheses: Hypotheses | None, summary: dict[str, Any], records: Sequence[Record]
+    spec_hypotheses: Hypotheses | None,
+    summary: dict[str, Any],
+    records: Sequence[Record],
+    *,
+    journal_problems: Sequence[str] = (),
+    postrun: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Result]:
     """Check each hypothesis per policy; a hypothesis with nothing to check against fails (an
-    unverifiable claim is not a passed one)."""
+    unverifiable claim is not a passed one). ``journal_problems``: the lines ``read_journal``
+    skipped; ``postrun``: policy -> its post-run check (experiments/postrun.py)."""
     if spec_hypotheses is None:
         return []
+    h = spec_hypotheses
     by_policy = split_by_policy(records)
     out: list[Result] = []
     for policy, recs in by_policy.items():
-        if spec_hypotheses.loss_finite:
+        if h.loss_finite:
             out.append(_loss_finite(policy, recs))
-        if spec_hypotheses.committed_steps_rise:
+        if h.committed_steps_rise:
             out.append(_steps_rise(policy, recs))
-        if spec_hypotheses.replicas_equal_after_heal:
+        if h.replicas_equal_after_heal:
             out.append(_replicas_equal(policy, recs))
+        if h.every_fault_recovered:
+            out.append(_every_fault_recovered(policy, recs, summary["policies"].get(policy)))
+        if h.journal_complete:
+            mine = _problems_of(policy, journal_problems, list(by_policy))
+            out.append(_journal_complete(policy, recs, mine))
+        if h.no_orphans:
+            out.append(_no_orphans(policy, (postrun or {}).get(policy)))
+        if h.no_shm_left:
+            out.append(_no_shm_left(policy, (postrun or {}).get(policy)))
     for name, per in spec_hypotheses.thresholds.items():
         policies = list(by_policy) if "*" in per else []
         policies += [p for p in per if p != "*" and p not in policies]
@@ -237,14 +485,25 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
 
 
 def write_report(
-    out_dir: str | Path, records: Sequence[Record], hypotheses: Hypotheses | None
+    out_dir: str | Path,
+    records: Sequence[Record],
+    hypotheses: Hypotheses | None,
+    *,
+    journal_problems: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write ``report.md`` and ``report.json`` into ``out_dir``; return the report
-    ``{"summary", "hypotheses", "passed"}``."""
+    ``{"summary", "hypotheses", "passed"}``. The post-run checks are read from the
+    ``postrun.json`` files under ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(records)
-    results = evaluate_hypotheses(hypotheses, summary, records)
+    results = evaluate_hypotheses(
+        hypotheses,
+        summary,
+        records,
+        journal_problems=journal_problems,
+        postrun=postrun_files.load(out),
+    )
     report = {
         "summary": summary,
         "hypotheses": results,
@@ -274,7 +533,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"ftharness report: {target} does not exist", file=sys.stderr)
         return 2
     out_dir = target if target.is_dir() else target.parent
-    records = read_journal(target)
+    problems: list[str] = []
+    records = read_journal(target, problems=problems)
     if not records:
         print(f"ftharness report: no journal records under {target}", file=sys.stderr)
         return 2
@@ -283,7 +543,7 @@ def main(args: argparse.Namespace) -> int:
     except (ExperimentError, tomllib.TOMLDecodeError) as e:
         print(f"ftharness report: {e}", file=sys.stderr)
         return 2
-    report = write_report(out_dir, records, hypotheses)
+    report = write_report(out_dir, records, hypotheses, journal_problems=problems)
     if getattr(args, "json", False):
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -2,8 +2,10 @@
 
 For each policy the experiment names (in order, on the same seed), run the job for the
 experiment's duration with the fault injector walking the plan, each policy in its own folder
-(``OUT/<policy>/journal.jsonl``, its own checkpoints). Then compute the report and the HTML
-dashboard from the journals alone, and exit non-zero if a hypothesis failed or a run failed.
+(``OUT/<policy>/journal.jsonl``, its own checkpoints). Once a policy's job has stopped, record
+what it left behind (live processes, ``/dev/shm`` segments) in ``OUT/<policy>/postrun.json``
+(see experiments/postrun.py). Then compute the report and the HTML dashboard from the journals
+and those records alone, and exit non-zero if a hypothesis failed or a run failed.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from dashboards.html import write_dashboard
+from experiments import postrun
 from experiments.spec import ExperimentError, ExperimentSpec, load_experiment
 from harness.rundir import RunDirError, choose_run_dir, make_private_dir
 from runtime.journal import Journal, read_journal
@@ -68,6 +72,7 @@ def run_policy(
         injector.start_thread()
         return injector.close
 
+    before = postrun.snapshot()
     try:
         outcome = run_job(
             cfg,
@@ -81,6 +86,14 @@ def run_policy(
         if telemetry is not None:
             telemetry.shutdown()
         journal.close()
+    # After the job stopped: the orphan and /dev/shm checks (no_orphans, no_shm_left).
+    checked = postrun.check(
+        before,
+        read_journal(run_dir / "journal.jsonl"),
+        policy=policy,
+        run_end=time.time(),
+    )
+    postrun.write(run_dir, checked)
     outcome["faults_fired"] = len(injectors[0].fired) if injectors else 0
     return outcome
 
@@ -110,8 +123,9 @@ def main(args: argparse.Namespace) -> int:
 
     from experiments.report import render_markdown, write_report
 
-    records = read_journal(out)
-    report = write_report(out, records, spec.hypotheses)
+    problems: list[str] = []
+    records = read_journal(out, problems=problems)
+    report = write_report(out, records, spec.hypotheses, journal_problems=problems)
     html = write_dashboard(out, records, report["summary"])
     print(render_markdown(report["summary"], report["hypotheses"]), end="")
     for policy, o in outcomes.items():

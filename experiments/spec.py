@@ -25,8 +25,9 @@ seed, how long, under which recovery policies, and which steady-state hypotheses
     kind = "default"
     keep_alive = { replicas = [0] }
 
-    [hypotheses]
+    [hypotheses]                 # what each claims: see Hypotheses
     loss_finite = true
+    every_fault_recovered = true
     goodput_min = { in_place = 0.6 }            # a number applies to every policy
 
 Every error is an :class:`ExperimentError` naming the file, the key, the value and what is
@@ -68,7 +69,10 @@ SCHEDULE_KEYS = (
 FAULTS_KEYS = ("mix", "options")
 TARGETS_KEYS = ("kind", "replicas", "hosts", "keep_alive")
 KEEP_ALIVE_KEYS = ("replicas", "hosts", "last_healthy")
-BOOL_HYPOTHESES = ("loss_finite", "committed_steps_rise", "replicas_equal_after_heal")
+BOOL_HYPOTHESES = (
+    "loss_finite", "committed_steps_rise", "replicas_equal_after_heal", "every_fault_recovered",
+    "no_orphans", "no_shm_left", "journal_complete",
+)  # fmt: skip
 #: Threshold hypotheses: name -> (summary figure it bounds, "min" or "max").
 THRESHOLD_HYPOTHESES = {
     "goodput_min": "goodput >= x",
@@ -85,11 +89,27 @@ class ExperimentError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Hypotheses:
-    """Steady-state hypotheses. Thresholds map a policy (or ``"*"``: every policy) to a bound."""
+    """Steady-state hypotheses. Thresholds map a policy (or ``"*"``: every policy) to a bound.
+
+    What each flag claims (judged per policy by experiments/report.py):
+
+    * ``every_fault_recovered``: every injected fault fired, every recovery it caused reached
+      ``participating``, and each group it hit committed a step after its heal.
+    * ``no_orphans`` / ``no_shm_left``: once the job stopped, none of its processes is alive
+      and none of its ``/dev/shm`` snapshot segments remains (``postrun.json``, written by
+      ``ftharness chaos``; see experiments/postrun.py).
+    * ``journal_complete``: no journal line was skipped, the run has its ``job.start`` and
+      ``job.end``, every ``fault.inject`` has its ``fault.heal``, and every recovery that
+      started either reached ``participating`` or was open when the job ended.
+    """
 
     loss_finite: bool = False
     committed_steps_rise: bool = False
     replicas_equal_after_heal: bool = False
+    every_fault_recovered: bool = False
+    no_orphans: bool = False
+    no_shm_left: bool = False
+    journal_complete: bool = False
     thresholds: Mapping[str, Mapping[str, float]] = field(
         default_factory=lambda: MappingProxyType({})
     )
@@ -101,12 +121,7 @@ class Hypotheses:
 
     @property
     def empty(self) -> bool:
-        return not (
-            self.loss_finite
-            or self.committed_steps_rise
-            or self.replicas_equal_after_heal
-            or self.thresholds
-        )
+        return not (any(getattr(self, k) for k in BOOL_HYPOTHESES) or self.thresholds)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -206,3 +206,31 @@ def test_not_toml_and_missing_file(tmp_path):
         load_experiment(write(tmp_path, "name = \n"))
     with pytest.raises(ExperimentError, match="no such experiment file"):
         load_experiment(tmp_path / "absent.toml")
+
+
+SOAK_HYPOTHESES = ("every_fault_recovered", "journal_complete", "no_orphans", "no_shm_left")
+
+
+@pytest.mark.parametrize(("name", "faults"), [("soak.toml", 100), ("soak_ci.toml", 20)])
+def test_the_soaks_fire_every_kind_in_place_and_claim_nothing_is_lost(name, faults):
+    from faults.fault import fault_kinds
+
+    spec = load_experiment(ROOT / "experiments" / name)
+    plan = spec.plan()
+    assert len(plan) >= faults
+    assert {f.kind for f in plan} == set(fault_kinds()) and len(fault_kinds()) >= 8
+    assert spec.policies == ("in_place",)
+    assert spec.job_overrides("in_place")[-1] == "recovery.policy=in_place"
+    h = spec.hypotheses
+    assert h.replicas_equal_after_heal and all(getattr(h, k) for k in SOAK_HYPOTHESES)
+    # every fault is planned early enough to recover before the run ends
+    assert max(f.at_s for f in plan) <= spec.duration_s - 30
+
+
+@pytest.mark.parametrize("key", SOAK_HYPOTHESES)
+def test_a_soak_hypothesis_must_be_a_boolean(tmp_path, key):
+    p = write(tmp_path, GOOD + f'{key} = "yes"\n')
+    with pytest.raises(ExperimentError, match=f"hypotheses.{key}: must be true or false"):
+        load_experiment(p)
+    p = write(tmp_path, GOOD + f"{key} = true\n")
+    assert getattr(load_experiment(p).hypotheses, key)
