@@ -69,6 +69,7 @@ from harness.placement import HostState, place
 from harness.progress import Progress
 from harness.recovery import RecoveryTracker
 from runtime.controller import Controller, HostAgentHandle
+from runtime.dataplane.snapshot import reap_orphans
 from runtime.failure import Cause, Failure
 from runtime.journal import JOB_RESTART, JOB_START, Journal
 from runtime.launchers import ExternalLauncher, Launcher, LocalLauncher
@@ -283,6 +284,7 @@ class Job:
             max_step=self.cfg.steps,
             secret=old.secret if old is not None else None,
             incarnations=old.incarnations if old is not None else None,
+            highest_step=old.highest_step if old is not None else -1,
         )
         self.quorum_addr = self._tree.address
 
@@ -325,6 +327,8 @@ class Job:
             self.journal.emit(
                 JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
             )
+            if self._tree is not None:
+                self._tree.job_restarted()
         if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
             time.sleep(self.cfg.recovery.restart_delay_s)
         hosts = {r: self._place(r) for r in replicas}
@@ -551,6 +555,9 @@ class Job:
         with contextlib.suppress(Exception):
             self.job_supervisor.stop()
         self.controller.shutdown(grace_s=1.0)
+        # Workers are stopped by signals, without cleanup: their data-plane snapshots in
+        # /dev/shm outlive them. Every process of the job is gone now: remove what they left.
+        reap_orphans()
         if self._tree is not None:
             self._tree.shutdown()
         if self.network is not None:

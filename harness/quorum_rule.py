@@ -314,6 +314,9 @@ def compute(
         if state.prev_quorum is not None
         else []
     )
+    behind = _behind(state, candidates)
+    if behind is not None:
+        return None, f"{behind} {meta}"
     if prev_ids:
         if shrink_only:
             candidates = [m for m in candidates if m.replica_id in prev_ids]
@@ -339,6 +342,31 @@ def compute(
             f"to join timeout {meta}"
         )
     return tuple(candidates), f"Valid quorum found {meta}"
+
+
+def _behind(state: QuorumState, candidates: list[Member]) -> str | None:
+    """Why no quorum of ``candidates`` may be issued because they are all behind the job, or
+    None. A member reports the steps it has committed; a quorum whose most advanced member is
+    behind the highest step ever reported would commit again, with other weights, steps the job
+    already committed (seen in a soak: three groups restarted from an old checkpoint met
+    without the one healthy group and re-committed 160 steps). So the quorum waits for a member
+    at the job's step to take part, which torchft then heals the others from. A whole-job
+    restart from a checkpoint (``full_restart``) resets this mark (:func:`job_restarted`)."""
+    if not candidates:
+        return None
+    top = max(m.step for m in candidates)
+    if top >= state.highest_step:
+        return None
+    return (
+        f"Waiting for a member at step {state.highest_step}: the participants are at most at "
+        f"step {top}, and a quorum of them would commit again steps the job already committed"
+    )
+
+
+def job_restarted(state: QuorumState) -> QuorumState:
+    """The whole job restarted from a checkpoint (every process new): steps before the
+    checkpoint are committed again on purpose, so the high-water mark starts over."""
+    return replace(state, highest_step=-1, participants=_frozen({}), prev_quorum=None)
 
 
 def issue(state: QuorumState, members: tuple[Member, ...]) -> tuple[QuorumState, Quorum]:

@@ -193,9 +193,10 @@ class TreeQuorum:
     thread): keep it above twice the number of replica groups.
 
     Admission (module doc): ``secret`` is the job's (default: a fresh random one; pass the old
-    service's :attr:`secret` and :attr:`incarnations` to a restarted one so the running members
-    stay admitted). ``allow_hosts``: also let in untagged ids, but only from these addresses
-    (names are resolved once, here); None lets in tagged ids only. ``max_step``: the job's last
+    service's :attr:`secret`, :attr:`incarnations` and :attr:`highest_step` to a restarted one so
+    the running members stay admitted and committed steps still never go back).
+    ``allow_hosts``: also let in untagged ids, but only from these addresses (names are
+    resolved once, here); None lets in tagged ids only. ``max_step``: the job's last
     step (a higher one is absurd); ``max_step_lead``: how far past the highest step seen a
     member may claim to be.
     """
@@ -212,6 +213,7 @@ class TreeQuorum:
         max_requests: int = 64,
         secret: bytes | None = None,
         incarnations: Mapping[int, int] | None = None,
+        highest_step: int = -1,
         allow_hosts: Iterable[str] | None = None,
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
@@ -228,7 +230,7 @@ class TreeQuorum:
         self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
         self._cond = threading.Condition()  # guards everything below; waiters are the long polls
-        self._state = rule.QuorumState()
+        self._state = rule.QuorumState(highest_step=highest_step)
         for replica, incarnation in (incarnations or {}).items():
             self._state, _ = rule.admit(self._state, replica, incarnation)
         # Issued quorums, newest last, with a sequence number so a waiter sees each one once.
@@ -260,6 +262,16 @@ class TreeQuorum:
         self._ticker.start()
 
     # --- inputs from the controller --------------------------------------------------------
+    @property
+    def highest_step(self) -> int:
+        """The highest step any admitted member has reported (a restarted service keeps it)."""
+        with self._cond:
+            return self._state.highest_step
+
+    def job_restarted(self) -> None:
+        """The whole job restarts from a checkpoint: committing earlier steps again is meant."""
+        with self._cond:
+            self._state = rule.job_restarted(self._state)
 
     def admit(self, replica: int, incarnation: int | None = None) -> str:
         """Incarnation ``incarnation`` (default: the next one) of group ``replica`` is starting:

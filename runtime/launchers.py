@@ -20,6 +20,7 @@ incarnation fencing are then what keep a lost host from training on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -79,6 +80,8 @@ class LocalLauncher:
         if popen is None:
             return False
         process.signal_all(process.tree(popen.pid), signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout=2.0)  # reap it: no zombie agent for the rest of the run
         return True
 
     def stop(self, name: str, timeout_s: float) -> None:

@@ -357,3 +357,30 @@ def test_absurd_steps_are_refused() -> None:
     assert "more than 10 past" in rule.step_refusal(state, member("b", step=61), opts)
     default = rule.QuorumOpts()
     assert rule.step_refusal(state, member("b", step=10**12), default) is not None
+
+
+# --- committed steps never go back ---------------------------------------------------------------
+
+
+def test_a_quorum_of_members_behind_the_job_waits_for_a_member_at_its_step() -> None:
+    """The soak's divergence: groups restarted from an old checkpoint (step 1400) must not meet
+    without the group at the job's step (1567) and commit steps 1401.. again."""
+    opts = rule.QuorumOpts(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=5.0)
+    state = joined(rule.QuorumState(), "a", step=1567)
+    state, quorum, _ = rule.tick(state, T, opts)
+    assert quorum is not None
+    state = joined(state, "b", "c", "d", step=1400, now=T + 1)
+    state, quorum, reason = rule.tick(state, T + 3, opts)  # past the join timeout
+    assert quorum is None
+    assert "Waiting for a member at step 1567" in reason
+    state = joined(state, "a", step=1567, now=T + 4)  # the group at the job's step asks
+    state, quorum, _ = rule.tick(state, T + 4, opts)
+    assert quorum is not None and ids(quorum.members) == ["a", "b", "c", "d"]
+
+
+def test_a_whole_job_restart_may_commit_earlier_steps_again() -> None:
+    opts = rule.QuorumOpts(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=5.0)
+    state = rule.job_restarted(joined(rule.QuorumState(), "a", step=1567))
+    state = joined(state, "b", "c", step=1400, now=T + 1)
+    _, quorum, _ = rule.tick(state, T + 3, opts)
+    assert quorum is not None and ids(quorum.members) == ["b", "c"]
