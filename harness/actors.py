@@ -96,19 +96,6 @@ class TrainerActor(Actor):
         self.trainer.abort_collectives()
 
 
-#: The reason of the steps aborted by :func:`abort_collectives`.
-LOST_PEER = "aborted: a peer group was lost with its host"
-
-
-def abort_collectives() -> None:
-    """System call: fail the cross-group collective in flight in every trainer of this worker
-    (its step aborts; the next quorum builds a fresh communicator). For a peer that vanished
-    without closing its connections (a cut-off host): gloo would wait out its timeout."""
-    for actor in current_actors().values():
-        if isinstance(actor, TrainerActor):
-            actor.trainer.abort_collectives(LOST_PEER)
-
-
 def stop_training() -> None:
     """System call: make every trainer in this worker return from ``train`` after its step."""
     for actor in current_actors().values():

@@ -15,10 +15,11 @@ What happens after a group dies, step by step, and where:
    recovery (phase ``detected``); with the tree quorum the dead group is dropped from
    membership at once (``TreeQuorum.replica_failed``), so the survivors' next quorum excludes it
    instead of waiting out a heartbeat timeout (torchft's Lighthouse fences by heartbeat
-   timeout); and a group lost with its host, which closes no connection, has the survivors'
-   collective with it aborted at once (:meth:`Job._unblock_survivors`) rather than left to the
-   process-group timeout. Every start of a group is a new incarnation that the tree quorum
-   admits, fencing the older ones: a cut-off incarnation can never commit or serve weights.
+   timeout); and when a whole host is lost, every other host closes its connections to it
+   (``runtime.hosts``): a cut link closes nothing, and the survivors' collective with the lost
+   group would otherwise wait out the process-group timeout. Every start of a group is a new
+   incarnation that the tree quorum admits, fencing the older ones: a cut-off incarnation can
+   never commit or serve weights.
 3. **Stop.** The group's supervisor (``replica<r>``, one_for_all over its ranks) decides on the
    controller's supervision thread (``runtime.policy``: restart, or escalate past the restart
    intensity), and stops the group's remaining ranks (SIGTERM, grace, SIGKILL) on its own
@@ -116,7 +117,6 @@ class Job:
         self._done = threading.Event()
         self._started = False
         self._stopping = False
-        self._unblocked: set[tuple[int, int]] = set()  # lost incarnations whose peers we freed
         # hosts: cooldowns (monotonic end) and agents being restarted in the background
         self._cooldown: dict[str, float] = {}
         self._respawning: set[str] = set()
@@ -227,8 +227,6 @@ class Job:
         self.controller.add_failure_listener(self.tracker.on_failure)
         if self.recovery_quorum == "tree":
             self.controller.add_failure_listener(self._fence_in_tree_quorum)
-        if self.policy == "in_place":
-            self.controller.add_failure_listener(self._unblock_survivors)
         self.controller.add_failure_listener(self._on_host_lost)
 
     def _fence_in_tree_quorum(self, failure: Failure) -> None:
@@ -240,26 +238,6 @@ class Job:
         if group is not None and failure.proc not in group.mesh.proc_ids:
             return  # a late report about a replaced incarnation: fencing would drop its successor
         self._tree.replica_failed(replica)
-
-    def _unblock_survivors(self, failure: Failure) -> None:
-        """A group lost with its host (a cut link, a frozen machine) leaves no closed
-        connection behind: the survivors' collective with it would wait out the whole
-        process-group timeout. Abort it now; their next quorum no longer includes the group."""
-        replica = failure.coords.get("replica")
-        if failure.cause is not Cause.LOST_HOST or replica is None:
-            return
-        with self._lock:
-            group = self.groups.get(replica)
-            if group is None or failure.proc not in group.mesh.proc_ids:
-                return  # not the group's current incarnation
-            key = (replica, group.incarnation)
-            if key in self._unblocked:
-                return  # once per lost incarnation, not once per rank
-            self._unblocked.add(key)
-            survivors = [g for r, g in self.groups.items() if r != replica]
-        for g in survivors:
-            for proc_id in g.mesh.proc_ids:
-                self.controller.run_in_worker(proc_id, "harness.actors:abort_collectives")
 
     def _model_modules(self) -> tuple[str, ...]:
         """The model code to preload: torchtitan (~2 s to import) only for its model."""

@@ -330,12 +330,12 @@ class Trainer:
         """Sleep ``seconds`` inside every step from now on (0 heals it). Thread-safe."""
         self._step_delay = max(0.0, float(seconds))
 
-    def abort_collectives(self, why: str = "collectives aborted by fault injection") -> None:
+    def abort_collectives(self) -> None:
         """Abort this rank's cross-group communicator, as a NIC/NCCL failure would. The collective
-        in flight (or the next one) fails, the step aborts (``why`` is its reason), the process
-        lives; the next quorum reconfigures a fresh communicator (torchft bumps the quorum id
-        after a commit failure) and training goes on without a restart. Thread-safe."""
-        self.manager.report_error(RuntimeError(why))
+        in flight (or the next one) fails, the step aborts, the process lives; the next quorum
+        reconfigures a fresh communicator (torchft bumps the quorum id after a commit failure)
+        and training goes on without a restart. Thread-safe."""
+        self.manager.report_error(RuntimeError("collectives aborted by fault injection"))
         self._pg.abort()
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ import os
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -50,6 +51,7 @@ from runtime.messages import (
     AgentConfig,
     AgentReady,
     ControllerBeat,
+    DropConnections,
     Exited,
     HelloAgent,
     Hung,
@@ -182,6 +184,8 @@ class Agent:
         match msg:
             case ControllerBeat():
                 pass  # last_heard is updated for every frame
+            case DropConnections(address):
+                self._drop_connections(address)
             case Spawn(proc_id, coords, log_path, cold):
                 pid = self._fork_worker(proc_id, coords, log_path, cold)
                 self._send(Spawned(proc_id, pid))
@@ -193,6 +197,10 @@ class Agent:
                 self._stop_all_and_exit(0, float(grace_s))
             case _:
                 raise FrameError(f"unknown message {msg!r:.80}")
+
+    def _drop_connections(self, address: str) -> None:
+        if address != self.address:
+            drop_connections(address)
 
     def _fork_worker(
         self, proc_id: str, coords: dict[str, int], log_path: str | None, cold: bool = False
@@ -348,6 +356,20 @@ class Agent:
         if now >= self.next_agent_beat:
             self.next_agent_beat = now + self.cfg.agent_heartbeat_interval_s
             self._send(AgentBeat(time.time()))
+
+
+def drop_connections(address: str) -> bool:
+    """Close every TCP connection of this network namespace to ``address`` (the kernel's
+    SOCK_DESTROY, ``ss -K``; needs CAP_NET_ADMIN): a read blocked on one fails at once with
+    ECONNABORTED. Never loopback (that would cut this host's own links). False if it could not."""
+    if not address or address.startswith("127.") or address == "::1":
+        return False
+    try:
+        done = subprocess.run(["ss", "-K", "dst", address], capture_output=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("cannot drop connections to %s: %s", address, exc)
+        return False
+    return done.returncode == 0
 
 
 @dataclass(frozen=True)

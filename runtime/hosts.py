@@ -26,6 +26,7 @@ from runtime.messages import (
     AgentConfig,
     AgentReady,
     ControllerBeat,
+    DropConnections,
     HelloAgent,
     Shutdown,
 )
@@ -171,14 +172,25 @@ class HostTable:
     # -- liveness and loss ------------------------------------------------------------------
     def lost(self, h: HostAgentHandle, why: str) -> None:
         """Declare ``h`` lost (once): no more spares there, take it down out of band where the
-        launcher can (a frozen agent must not train on), and fail its processes."""
+        launcher can (a frozen agent must not train on), have every other host close its
+        connections to it (a collective blocked on it fails now, not at its timeout), and fail
+        its processes."""
         with self._lock:
             if h.lost or self._owner.closed:
                 return
             h.lost = True
         h.pool.closed = True
         h.kill()
+        self.cut_off(h)
         self._owner.on_host_lost(h, why)
+
+    def cut_off(self, lost: HostAgentHandle) -> None:
+        """Tell every other live host to close its connections to ``lost`` (see
+        ``runtime.messages.DropConnections``)."""
+        for h in list(self.hosts.values()):
+            if h is not lost and not h.lost and h.conn is not None:
+                with contextlib.suppress(channel.ChannelError):
+                    h.conn.send(DropConnections(lost.address))
 
     def beat_and_check(self) -> None:
         """One tick of liveness: beat to every live agent, and declare lost those silent for

@@ -6,7 +6,7 @@ authenticated handshake):
 * host agent -> controller: :class:`HelloAgent` (the agent dials in: its first frame), then
   :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`;
 * controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
-  :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`;
+  :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`, :class:`DropConnections`;
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame),
   :class:`SpawnActor`, :class:`CallEndpoint` and :class:`SysCall` (requests, each with a
   ``call_id``), and back :class:`Result` and :class:`Event` (a journal record).
@@ -41,6 +41,15 @@ class AgentConfig:
 @dataclass(frozen=True, slots=True)
 class ControllerBeat:
     t: float
+
+
+@dataclass(frozen=True, slots=True)
+class DropConnections:
+    """Host ``address`` is lost: close this host's TCP connections to it now (``ss -K``). A cut
+    link closes nothing, and a collective blocked on a peer there would otherwise wait out its
+    whole timeout."""
+
+    address: str
 
 
 @dataclass(frozen=True, slots=True)
