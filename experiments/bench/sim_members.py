@@ -195,7 +195,7 @@ class _Sim:
         for ch in self.channels.values():
             await ch.close()
 
-    async def beat(self, which: list[int]) -> tuple[float, list[str]]:
+    async def beat(self, which: list[int]) -> tuple[float | None, list[str]]:
         import asyncio
 
         import grpc
@@ -208,7 +208,7 @@ class _Sim:
             return None
 
         errors = await asyncio.gather(*(one(r) for r in which))
-        return time.monotonic(), [e for e in errors if e is not None]
+        return (time.monotonic() if which else None), [e for e in errors if e is not None]
 
     async def ask(self, which: list[int], t0: float, step: int) -> tuple[list[Reply], bytes | None]:
         import asyncio
@@ -264,15 +264,20 @@ class Members:
 
     def beat(self, replicas: Sequence[int] | None = None) -> float:
         """Heartbeat these members (None: all); the time the last reply came."""
-        for c in self._conns:
-            c.send(("beat", None if replicas is None else list(replicas)))
-        answers = [_recv(c, CALL_TIMEOUT_S + 30) for c in self._conns]
+        answers = self._all(("beat", None if replicas is None else list(replicas)))
         errors = [e for _, errs in answers for e in errs]
         if errors:
             raise RuntimeError(f"heartbeats refused: {errors[:3]}")
-        return max(t for t, _ in answers)
+        return max(t for t, _ in answers if t is not None)
 
-    def start(self, step: int, replicas: Sequence[int] | None = None, delay_s: float = 0.05) -> None:
+    def _all(self, cmd: tuple) -> list[Any]:
+        for c in self._conns:
+            c.send(cmd)
+        return [_recv(c, CALL_TIMEOUT_S + 30) for c in self._conns]
+
+    def start(
+        self, step: int, replicas: Sequence[int] | None = None, delay_s: float = 0.05
+    ) -> None:
         """Every member named asks for the quorum of ``step`` at the same moment; returns at
         once (:meth:`collect` waits for the replies)."""
         t0 = time.monotonic() + delay_s
@@ -314,6 +319,7 @@ class Service:
 
     def __init__(self, kind: str, n: int, heartbeat_timeout_s: float) -> None:
         self.kind = kind
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._conn, child = _CTX.Pipe()
         self._proc = _CTX.Process(
             target=serve, args=(kind, n, heartbeat_timeout_s, child), daemon=True
