@@ -1,6 +1,6 @@
 """``ftharness bench scale`` at tiny sizes, for real: the tree quorum and torchft's Lighthouse in
 their own processes, simulated members over gRPC in load processes, a real controller with
-simulated host agents attached (``Controller.attach_host``). Checks the JSON contract and that
+simulated host agents dialled in (``ExternalLauncher``). Checks the JSON contract and that
 every figure was measured; no timing thresholds, except what the protocol itself implies (the
 Lighthouse cannot see a death before its heartbeat timeout)."""
 
@@ -17,6 +17,7 @@ from experiments.bench.scale import run
 from experiments.bench.sim_agents import run_agents
 from runtime import channel
 from runtime.controller import Controller
+from runtime.launchers import ExternalLauncher
 from runtime.spec import ControllerSpec, HeartbeatSpec
 
 
@@ -49,20 +50,18 @@ def test_scale_bench_at_tiny_sizes_measures_every_figure() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_attach_host_watches_an_agent_it_did_not_start() -> None:
-    """The seam the bench uses: an agent already listening (here a simulated one, in a thread)
-    is attached, its beats are heard, and when it goes away the host is declared lost."""
+def test_a_simulated_agent_dials_in_beats_and_is_lost_when_gone() -> None:
+    """The simulator against the real controller: an agent the controller did not start
+    (ExternalLauncher) dials in, its beats are heard, and when it goes away the host is lost."""
     secret = channel.new_secret()
-    ours, theirs = mp.Pipe()
-    sim = threading.Thread(target=run_agents, args=(1, 0, secret, 0.1, theirs), daemon=True)
-    sim.start()
-    (port,) = ours.recv()
     spec = ControllerSpec(agent_heartbeat=HeartbeatSpec(interval_s=0.1, timeout_s=5.0), preload=())
-    with Controller(spec, secret=secret) as ctl:
-        h = ctl.attach_host("sim0", ("127.0.0.1", port))
-        assert ctl.hosts["sim0"] is h and h.popen is None and not h.lost
-        with pytest.raises(ValueError, match="already exists"):
-            ctl.attach_host("sim0", ("127.0.0.1", port))
+    with Controller(spec, secret=secret, launcher=ExternalLauncher()) as ctl:
+        ctl.host_table.expect(["sim0"])
+        ours, theirs = mp.Pipe()
+        args = (["sim0"], ctl.address, secret, 0.1, theirs)
+        threading.Thread(target=run_agents, args=args, daemon=True).start()
+        (h,) = ctl.wait_for_hosts(["sim0"], 20.0)
+        assert ours.recv() == 1 and not h.lost
         first = h.last_beat
         deadline = time.monotonic() + 10
         while h.last_beat == first and time.monotonic() < deadline:
