@@ -14,19 +14,20 @@ and answers one full round (so its previous quorum holds all N, as in a running 
   became complete) to each reply: what the service adds once it has everything.
   ``ask_spread``: median over rounds of last request - first (what the load processes take to
   send N requests: a floor under ``p50`` that is not the service's). ``service_cpu_per_round``:
-  CPU (user + system) of the service's process per round.
+  CPU (user + system) of the service's process per round. ``reply_kb``: one reply's size (it
+  lists every participant, so a round moves N times that).
 * ``failover_ms``: one group fails, 3 times in a row (a different group each time); over the
   survivors, the time from the failure mark to their next quorum (``max``: every survivor has
   it). Tree: the survivors' requests are pending, the mark is ``replica_failed`` (the
   supervision tree saw the death). Lighthouse: it learns of a death only by the silence of the
   group's heartbeats, so the figure is its heartbeat timeout (``heartbeat_timeout_s``, default
   the harness's ``lighthouse_heartbeat_timeout``, 1 s) plus up to one quorum tick (100 ms) plus
-  the reply: the mark is the dead group's last heartbeat (the worst case, a group that dies
-  just after a beat; on average a Manager's 100 ms beat interval takes ~50 ms off), and the
-  survivors ask half a timeout later (in a separate Lighthouse with that timeout).
+  the reply. The mark is when the dead group's last heartbeat left (the worst case, a group
+  that dies just after a beat; on average a Manager's 100 ms beat interval takes ~50 ms off);
+  the survivors ask half a timeout later (in a separate Lighthouse with that timeout).
 
 **Agents** (``experiments.bench.sim_agents``): a real controller, alone in its process, with H
-simulated host agents (selectors loops in 2 processes) attached and beating every 1 s:
+simulated host agents (selectors loops in 2 processes) dialled in and beating every 1 s:
 ``controller_cpu`` (fraction of one core over a ``window_s`` window), ``missed_beats``,
 ``lost_hosts``, ``max_beat_gap_s`` (module doc of sim_agents for the definitions),
 ``agent_send_lag_max_ms`` (how late the simulator itself sent: the bound on these figures).
@@ -125,6 +126,7 @@ def _latency(service: Service, members: Members, rounds: int, steps: Iterator[in
         "after_last_ask": _ms(after_last),
         "ask_spread": round(1000 * statistics.median(spread), 2),
         "service_cpu_per_round": round(1000 * cpu / rounds, 2),
+        "reply_kb": round(replies[0].size / 1024, 1),
     }
 
 

@@ -69,11 +69,10 @@ def run_agents(
     """Simulated agents ``names`` in one selectors loop: they dial in one after the other, then
     beat until ``conn`` says stop; answers ``(beats sent, max send lag)``."""
     rng = random.Random(names[0] if names else 0)
-    agents = []
-    for name in names:
-        a = _SimAgent(name, _dial(name, controller, secret), interval_s)
-        a.next_beat = time.monotonic() + rng.uniform(0, interval_s)
-        agents.append(a)
+    agents = [_SimAgent(name, _dial(name, controller, secret), interval_s) for name in names]
+    start = time.monotonic()  # the first beats are due from here, each on its own phase
+    for a in agents:
+        a.next_beat = start + rng.uniform(0, interval_s)
     conn.send(len(agents))
     sel = selectors.DefaultSelector()
     for a in agents:

@@ -11,7 +11,7 @@ import pytest
 
 from experiments.bench.recovery import _stats, default_reps
 from experiments.bench.scale import _check, _ms
-from experiments.bench.sim_members import Reply, member_bytes, quorum_members
+from experiments.bench.sim_members import Reply, digest, member_bytes, quorum_members
 from harness import quorum_rule as rule
 from harness.tree_quorum import decode_member, encode_quorum_response
 
@@ -33,9 +33,7 @@ def test_a_simulated_member_sends_what_a_manager_sends_and_the_reply_decodes() -
 
 
 def _replies(body: bytes, n: int) -> list[Reply]:
-    import zlib
-
-    return [Reply(r, 0.0, 0.001, None, len(body), zlib.crc32(body)) for r in range(n)]
+    return [Reply(r, 0.0, 0.001, None, len(body), digest(body)) for r in range(n)]
 
 
 def test_check_accepts_one_full_quorum_and_refuses_the_rest() -> None:
