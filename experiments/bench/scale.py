@@ -29,7 +29,7 @@ and answers one full round (so its previous quorum holds all N, as in a running 
 **Agents** (``experiments.bench.sim_agents``): a real controller, alone in its process, with H
 simulated host agents (selectors loops in 2 processes) dialled in and beating every 1 s:
 ``controller_cpu`` (fraction of one core over a ``window_s`` window), ``missed_beats``,
-``lost_hosts``, ``max_beat_gap_s`` (module doc of sim_agents for the definitions),
+``lost_hosts``, ``max_beat_gap_s``, ``threads``, ``rss_mb`` (module doc of sim_agents),
 ``agent_send_lag_max_ms`` (how late the simulator itself sent: the bound on these figures).
 
 Not guaranteed: the figures are of this machine, whose 2 cores are shared by the services, the

@@ -16,7 +16,8 @@ Over a window it measures its own CPU (user + system of all its threads,
 sampling thread the bench adds, and the beats it missed: the sampler reads each host's
 ``last_beat`` (the controller's receive time of its latest beat) every quarter interval; a
 gap of g >= 1.5 intervals between two beats counts round(g / interval) - 1 missed beats. Hosts
-the controller declared lost (no beat for its timeout) are reported apart.
+the controller declared lost (no beat for its timeout) are reported apart, and so are its
+thread count (one reader thread per agent) and resident memory.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def run_controller(
 ) -> None:
     """A controller that expects agents ``names`` (sends its address on ``conn``), waits for
     them to dial in, settles, then measures for ``window_s``; sends the figures on ``conn``."""
+    import psutil
+
     from runtime.controller import Controller
     from runtime.launchers import ExternalLauncher
     from runtime.spec import ControllerSpec, HeartbeatSpec
@@ -161,7 +164,8 @@ def run_controller(
                 "lost_hosts": sum(1 for h in ctl.hosts.values() if h.lost),
                 "max_beat_gap_s": round(sampled["max_gap"], 3),
                 "beats_seen": sampled["beats"],
-                "threads": threading.active_count(),
+                "threads": threading.active_count(),  # one reader per agent, and a few
+                "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
                 "dial_in_s": round(attach_s, 2),
             }
         )
