@@ -139,8 +139,9 @@ def load(address: str, members: Sequence[tuple[int, str]], conn: Connection) -> 
     loop, and run commands from ``conn``: ``("beat", replicas)`` heartbeats them and answers
     when the beats were sent (once all are answered); ``("ask", t0, step, replicas)`` sends each
     one's quorum request at ``t0`` (answers at once); ``("collect",)`` answers the asked calls'
-    :class:`Reply` list and one reply's bytes once all have ended. ``replicas`` None: all of
-    this process's."""
+    :class:`Reply` list and one reply's bytes once all have ended; ``("pulse", period_s,
+    silent)`` heartbeats every member but ``silent`` every ``period_s`` in the background (0:
+    stop). ``replicas`` None: all of this process's."""
     import asyncio
 
     loop = asyncio.new_event_loop()
@@ -166,6 +167,9 @@ def load(address: str, members: Sequence[tuple[int, str]], conn: Connection) -> 
             conn.send(None)
         elif cmd == "collect":
             conn.send(pending.result())
+        elif cmd == "pulse":
+            period_s, silent = args
+            conn.send(run(sim.pulse(period_s, set(silent))))
 
 
 class _Sim:
@@ -184,6 +188,8 @@ class _Sim:
         self.channels = {r: aio.insecure_channel(target, options=options) for r in ids}
         self.quorum = {r: ch.unary_unary(QUORUM) for r, ch in self.channels.items()}
         self.heartbeat = {r: ch.unary_unary(HEARTBEAT) for r, ch in self.channels.items()}
+        self._pulse: list[Any] = []
+        self._pulse_gap = 0.0
 
     @classmethod
     async def open(cls, address: str, ids: dict[int, str]) -> _Sim:
@@ -192,7 +198,38 @@ class _Sim:
     def which(self, replicas: Sequence[int] | None) -> list[int]:
         return list(self.ids) if replicas is None else [r for r in replicas if r in self.ids]
 
+    async def pulse(self, period_s: float, silent: set[int]) -> float:
+        """Heartbeat every member but ``silent`` every ``period_s`` in the background, each on
+        its own, as Managers do (a slow beat delays only that member's next one), instead of
+        any pulse before (0: none). Returns once each has beaten once; when stopping, the
+        longest time between two beats one member sent (beyond the period: this process was
+        too slow)."""
+        import asyncio
+
+        for task in self._pulse:
+            task.cancel()
+        self._pulse = []
+        if period_s <= 0:
+            return self._pulse_gap
+        self._pulse_gap = 0.0
+        which = [r for r in self.ids if r not in silent]
+        await self.beat(which)  # all known to the service before anything else happens
+
+        async def beat_forever(r: int) -> None:
+            sent = time.monotonic()
+            while True:
+                await asyncio.sleep(max(0.0, sent + period_s - time.monotonic()))
+                now = time.monotonic()
+                self._pulse_gap = max(self._pulse_gap, now - sent)
+                sent = now
+                await self.beat([r])
+
+        loop = asyncio.get_running_loop()
+        self._pulse = [loop.create_task(beat_forever(r)) for r in which]
+        return 0.0
+
     async def close(self) -> None:
+        await self.pulse(0, set())
         for ch in self.channels.values():
             await ch.close()
 
@@ -279,6 +316,12 @@ class Members:
         if errors:
             raise RuntimeError(f"heartbeats refused: {errors[:3]}")
         return min(t for t, _ in answers if t is not None)
+
+    def pulse(self, period_s: float, silent: Sequence[int] = ()) -> float:
+        """Every member but ``silent`` heartbeats every ``period_s`` from now on (0: none);
+        returns once each has beaten once. Stopping returns the longest time between two
+        beats of one member the load processes managed (``_Sim.pulse``)."""
+        return max(self._all(("pulse", period_s, list(silent))))
 
     def _all(self, cmd: tuple) -> list[Any]:
         for c in self._conns:
