@@ -28,8 +28,9 @@ and answers one full round (so its previous quorum holds all N, as in a running 
   left (the worst case, a group that dies just after a beat; a Manager's 100 ms interval takes
   ~50 ms off on average). If live members are dropped all the same (heartbeats not
   getting through in time: seen at 1024 groups here), it is measured again with a 5 times longer
-  timeout; ``heartbeat_timeout_s`` says which, ``beat_gap_max_ms`` the longest the simulator
-  let one member go between two beats, and ``{"error": why}`` is a figure not measured.
+  timeout; ``heartbeat_timeout_s`` says which (``retried_because``: what went wrong first),
+  ``beat_gap_max_ms`` the longest the simulator let one member go between two beats, and
+  ``{"error": why}`` is a figure not measured.
 
 **Agents** (``experiments.bench.sim_agents``): a real controller, alone in its process, with H
 simulated host agents (selectors loops in 2 processes) dialled in and beating every 1 s:
@@ -203,6 +204,7 @@ def measure_quorum(
         # quorum holding the dead group, the rule waits for it until its heartbeat expires.
         # (A first round of 1024 groups would have to finish within the 1 s timeout.)
         failover = {}
+        retried: list[str] = []
         for timeout_s in (heartbeat_timeout_s, 5 * heartbeat_timeout_s):
             try:
                 with _session(kind, n, timeout_s, procs, first_round=False) as (service, members):
@@ -213,7 +215,10 @@ def measure_quorum(
             except (RuntimeError, TimeoutError) as e:  # the rest of the run is worth having
                 # Live members dropped: the heartbeats did not get through in time.
                 log(f"{kind} n={n}: failover with a {timeout_s:g} s heartbeat timeout: {e}")
+                retried.append(f"{timeout_s:g} s: {e}")
                 failover = {"error": str(e)}
+        if retried and "error" not in failover:
+            failover["retried_because"] = retried
     log(f"{kind} n={n}: failover {failover}")
     return {"quorum_ms": latency, "failover_ms": failover}
 
