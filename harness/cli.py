@@ -39,6 +39,11 @@ _BENCHES = {
         "recovery across namespace hosts (partition, eviction), cross-host heal bandwidth "
         "and the cost of authenticated frames (root)",
     ),
+    "scale": (
+        "experiments.bench.scale:main",
+        "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
+        "load, with simulated members and host agents, as the job grows",
+    ),
 }
 
 

@@ -49,6 +49,7 @@ import hmac
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
 
 
@@ -95,13 +96,27 @@ class Quorum:
     quorum_id: int
     members: tuple[Member, ...]
 
-    @property
+    @cached_property
     def replica_ids(self) -> tuple[str, ...]:
         return tuple(m.replica_id for m in self.members)
+
+    @cached_property
+    def id_set(self) -> frozenset[str]:
+        """The members' ids as a set (each of N waiters asks "am I in it?": O(1), not O(N))."""
+        return frozenset(self.replica_ids)
 
 
 def _frozen(d: Mapping) -> Mapping:
     return MappingProxyType(dict(d))
+
+
+def _with(m: Mapping, key: str, value: object) -> Mapping:
+    """``m`` plus ``key: value``, as a new read-only mapping. One C-level dict copy: unpacking
+    a read-only view (``{**m}``) goes key by key through the mapping protocol, several times
+    slower, and every join pays it once per known member."""
+    d = m.copy() if isinstance(m, MappingProxyType) else dict(m)
+    d[key] = value
+    return MappingProxyType(d)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +223,7 @@ def heartbeat(state: QuorumState, replica_id: str, now: float) -> QuorumState:
     if replica_id in state.fenced:
         return state
     state = _note_incarnation(state, replica_id)
-    return replace(state, heartbeats=_frozen({**state.heartbeats, replica_id: now}))
+    return replace(state, heartbeats=_with(state.heartbeats, replica_id, now))
 
 
 def join(state: QuorumState, member: Member, now: float) -> QuorumState:
@@ -220,8 +235,8 @@ def join(state: QuorumState, member: Member, now: float) -> QuorumState:
     state = _note_incarnation(state, rid)
     return replace(
         state,
-        heartbeats=_frozen({**state.heartbeats, rid: now}),
-        participants=_frozen({**state.participants, rid: Joined(joined=now, member=member)}),
+        heartbeats=_with(state.heartbeats, rid, now),
+        participants=_with(state.participants, rid, Joined(joined=now, member=member)),
         highest_step=max(state.highest_step, member.step),
     )
 
@@ -246,7 +261,7 @@ def admit(state: QuorumState, replica: int, incarnation: int) -> tuple[QuorumSta
             return rid.startswith(ids_of_replica(replica))
         return parsed.replica == replica and parsed.incarnation < incarnation
 
-    state = replace(state, incarnations=_frozen({**state.incarnations, replica: incarnation}))
+    state = replace(state, incarnations=_with(state.incarnations, replica, incarnation))
     return _fence(state, older)
 
 
@@ -392,12 +407,35 @@ def prune(state: QuorumState, now: float, opts: QuorumOpts) -> QuorumState:
     return replace(state, heartbeats=_frozen(keep))
 
 
+def may_complete(state: QuorumState) -> bool:
+    """Whether the join just recorded may have completed a quorum, in O(fenced) instead of
+    :func:`compute`'s O(N log N): a service runs :func:`tick` at once when True, and leaves
+    the rest to its periodic tick (so a round of N joins costs one compute, not N).
+
+    True whenever the join completed a fast quorum (which needs every live member of the
+    previous quorum among the participants, so at least that many participants) or brought in
+    the last healthy replica (at least as many participants as heartbeats; stale heartbeats
+    are pruned on every tick). Not covered, left to the periodic tick: a join that gives the
+    participants their majority after the join timeout has passed, and whatever time alone
+    changes (a heartbeat going stale since the last tick, the join timeout passing)."""
+    n = len(state.participants)
+    if n >= len(state.heartbeats):
+        return True
+    prev = state.prev_quorum
+    if prev is None:
+        return False
+    live = len(prev.members) - sum(1 for rid in state.fenced if rid in prev.id_set)
+    return 0 < live <= n
+
+
 def tick(
     state: QuorumState, now: float, opts: QuorumOpts
 ) -> tuple[QuorumState, Quorum | None, str]:
     """``_quorum_tick``: prune stale heartbeats, compute, and issue if a quorum is met. Returns
     the new state, the issued quorum (or None) and the reason."""
     state = prune(state, now, opts)
+    if not state.participants:  # nothing to decide (compute would say so, in O(N log N))
+        return state, None, "New quorum not ready, no participants"
     members, reason = compute(state, now, opts)
     if members is None:
         return state, None, reason

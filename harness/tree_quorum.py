@@ -174,11 +174,10 @@ def encode_quorum_response(quorum: rule.Quorum, created: float) -> bytes:
     QuorumMember participants = 2; Timestamp created = 3}``, each participant as it sent itself."""
     seconds = int(created)
     stamp = encode_field(1, seconds) + encode_field(2, int((created - seconds) * 1e9))
-    body = encode_field(1, quorum.quorum_id)
-    for m in quorum.members:
-        body += encode_field(2, m.raw)
-    body += encode_field(3, stamp)
-    return encode_field(1, body)
+    parts = [encode_field(1, quorum.quorum_id)]
+    parts += [encode_field(2, m.raw) for m in quorum.members]
+    parts.append(encode_field(3, stamp))
+    return encode_field(1, b"".join(parts))  # one copy: ``+=`` in the loop copies O(N^2) bytes
 
 
 # --- the service ---------------------------------------------------------------------------------
@@ -233,8 +232,9 @@ class TreeQuorum:
         self._state = rule.QuorumState(highest_step=highest_step)
         for replica, incarnation in (incarnations or {}).items():
             self._state, _ = rule.admit(self._state, replica, incarnation)
-        # Issued quorums, newest last, with a sequence number so a waiter sees each one once.
-        self._issued: deque[tuple[int, rule.Quorum, float]] = deque(maxlen=256)
+        # Issued quorums, newest last, with a sequence number so a waiter sees each one once,
+        # and the reply, encoded once for all its N participants (each reply lists all N).
+        self._issued: deque[tuple[int, rule.Quorum, bytes]] = deque(maxlen=256)
         self._seq = 0
         self._reason = ""
         self._closed = False
@@ -348,7 +348,7 @@ class TreeQuorum:
             self._reason = reason
         if quorum is not None:
             self._seq += 1
-            self._issued.append((self._seq, quorum, time.time()))
+            self._issued.append((self._seq, quorum, encode_quorum_response(quorum, time.time())))
             log.info("tree quorum %d: %s", quorum.quorum_id, list(quorum.replica_ids))
             self._cond.notify_all()
 
@@ -404,14 +404,13 @@ class TreeQuorum:
                 context.abort(grpc.StatusCode.OUT_OF_RANGE, refused)
             self._state = rule.join(self._state, member, time.monotonic())
             seen = self._seq
-            self._tick_locked()
+            if rule.may_complete(self._state):
+                self._tick_locked()
             while True:
-                for seq, quorum, created in list(self._issued):
-                    if seq <= seen:
-                        continue
+                for seq, quorum, reply in self._issued_after(seen):
                     seen = seq
-                    if rid in quorum.replica_ids:
-                        return encode_quorum_response(quorum, created)
+                    if rid in quorum.id_set:
+                        return reply
                     # Issued without us (we joined too late for it): ask again for the next one.
                     self._state = rule.join(self._state, member, time.monotonic())
                 if self._closed:
@@ -427,6 +426,12 @@ class TreeQuorum:
                 if left <= 0:
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time")
                 self._cond.wait(left)
+
+    def _issued_after(self, seen: int) -> list[tuple[int, rule.Quorum, bytes]]:
+        """The quorums issued after sequence number ``seen``, oldest first (lock held): the
+        newest few, without copying the whole history for each of N woken waiters."""
+        new = min(self._seq - seen, len(self._issued))
+        return [self._issued[i] for i in range(len(self._issued) - new, len(self._issued))]
 
     def _notify(self) -> None:
         with self._cond:
