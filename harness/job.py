@@ -260,6 +260,9 @@ class Job:
             join_timeout_s=t.lighthouse_join_timeout,
             heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
             max_step=self.cfg.steps,
+            # each waiting quorum request holds a server thread: room for every group's request
+            # and heartbeat, with margin (the service's docstring)
+            max_requests=max(64, 4 * self.replicas + 16),
             secret=old.secret if old is not None else None,
             incarnations=old.incarnations if old is not None else None,
             highest_step=old.highest_step if old is not None else -1,
