@@ -89,7 +89,10 @@ class Trainer:
             eps=o.eps,
         )
         self.data = TokenStream(
-            cfg.data, shard=replica_id * cfg.ranks + rank, num_shards=cfg.replicas * cfg.ranks
+            cfg.data,
+            shard=replica_id * cfg.ranks + rank,
+            num_shards=cfg.replicas * cfg.ranks,
+            group_size=cfg.ranks,
         )
 
         self._store = None
@@ -145,7 +148,9 @@ class Trainer:
         if not self._join_quorum():
             return False, float("nan")
         step = self.manager.current_step()  # steps committed so far = the one we attempt
-        inputs, targets = self.data.batch()
+        # Our place in this step's quorum (the replay policy hands out batches by it).
+        slot = self.manager.participating_rank() if self.cfg.data.policy == "replay" else None
+        inputs, targets = self.data.batch(slot)
         pos = self.data.position
 
         # 2. Forward and backward on our shard of the batch.
@@ -174,7 +179,10 @@ class Trainer:
             return False, loss.item()
 
         self.optimizer.step()
-        self.data.advance()  # the position moves only with a committed step
+        participants = self.manager.num_participants()
+        seqs = self.data.trained_ranges(slot, participants)
+        due = self.data.due(participants)
+        self.data.advance(participants)  # the position moves only with a committed step
         committed = self.manager.current_step()
         self._emit(
             STEP_COMMIT,
@@ -187,8 +195,12 @@ class Trainer:
                 "step_time_s": time.perf_counter() - t0,
                 "samples": self.cfg.data.batch_size,
                 "tokens": self.cfg.data.batch_size * self.cfg.data.seq_len,
-                "participants": self.manager.num_participants(),
+                "participants": participants,
                 "data_pos": pos,
+                # What this step trained and what was due by it (dashboards.data_coverage).
+                "data_policy": self.cfg.data.policy,
+                "seqs": seqs,
+                "seq_due": due,
             },
         )
         self._maybe_checkpoint(committed)
