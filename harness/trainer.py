@@ -14,7 +14,9 @@ Protocol invariants, and where they are kept:
   tensors exactly) before its first forward pass (synchronous quorum, ``harness.quorum``); from
   then on every group applies the same averaged gradient with the same deterministic AdamW.
 * **No data position is trained twice by a group**: positions advance only on commit, a healed
-  group takes the peer's (later) position; see ``harness.data``.
+  group takes the peer's (later) position; see ``harness.data``. With ``data.policy = "replay"``
+  moreover no sequence is skipped: each committed step trains the next unread group batches,
+  one per participant in quorum order, so the survivors take up a down group's share.
 
 Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
 ``harness.quorum``; the model code knows nothing of it.
