@@ -125,17 +125,15 @@ def worker(mode: str, cfg_dict: dict[str, Any], replica: int, addr: str, out: st
         from torchft import Manager, ProcessGroupGloo
         from torchft.optim import OptimizerWrapper
 
+        def load(sd: dict[str, Any]) -> None:
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             min_replica_size=1,
-            load_state_dict=lambda sd: (
-                (
-                    model.load_state_dict(sd["model"]),
-                    opt.load_state_dict(sd["optim"]),
-                )
-                and None
-            ),
+            load_state_dict=load,
             state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
             replica_id=f"replica_{replica}",
             store_addr="127.0.0.1",
@@ -502,6 +500,65 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
             "processes": max(r["processes"] for r in reps),
         }
     return rows
+
+
+def time_lost(
+    *,
+    overhead: float,
+    per_failure_s: float,
+    mtbf_min: float,
+) -> float:
+    """Fraction of wall time lost to fault tolerance by a job that fails every ``mtbf_min``
+    minutes: the fault-free overhead (``overhead``: step time / plain step time - 1) plus what
+    each failure costs, spread over the interval between failures. A first-order model: it
+    ignores failures during a recovery and treats the overhead as spent on every step."""
+    return overhead + per_failure_s / (60.0 * mtbf_min)
+
+
+def break_even(
+    *,
+    groups: int,
+    in_place_overhead: float,
+    stall_s: float,
+    back_s: float,
+    restart_overhead: float,
+    restart_s: float,
+    steps_lost: float,
+    step_s: float,
+    mtbf_min: list[float],
+) -> dict[str, Any]:
+    """In place vs checkpoint-and-restart for a job of ``groups`` replica groups.
+
+    Per failure, in place: every group stalls ``stall_s``, and the failed group is out for
+    ``back_s``, i.e. ``1/groups`` of the job for that long: ``stall_s + back_s / groups`` of
+    job time. Checkpoint-and-restart: the whole job is down ``restart_s`` and re-trains
+    ``steps_lost`` steps: ``restart_s + steps_lost * step_s``. Fault-free, in place costs
+    ``in_place_overhead`` and restart ``restart_overhead`` (its checkpoints) of every step.
+    ``restart_wins_below_per_hour``: the failure rate below which plain restart loses less time
+    (None: in place wins at every rate, its fault-free overhead being no larger)."""
+    ip_fail = stall_s + back_s / groups
+    rs_fail = restart_s + steps_lost * step_s
+    rows = [
+        {
+            "mtbf_min": m,
+            "in_place": round(
+                time_lost(overhead=in_place_overhead, per_failure_s=ip_fail, mtbf_min=m), 4
+            ),
+            "restart": round(
+                time_lost(overhead=restart_overhead, per_failure_s=rs_fail, mtbf_min=m), 4
+            ),
+        }
+        for m in mtbf_min
+    ]
+    extra = in_place_overhead - restart_overhead
+    m_star = (rs_fail - ip_fail) / (60.0 * extra) if extra > 0 else None
+    return {
+        "groups": groups,
+        "per_failure_s": {"in_place": round(ip_fail, 3), "restart": round(rs_fail, 3)},
+        "rows": rows,
+        "break_even_mtbf_min": round(m_star, 1) if m_star is not None else None,
+        "restart_wins_below_per_hour": round(60.0 / m_star, 3) if m_star else None,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
