@@ -26,6 +26,9 @@ Figures per configuration (all over the steady-state window: steps ``warmup`` ..
   i.e. this process, less the sampler's own thread; torchft: the Lighthouse process; plain:
   none, 0) and ``agent_max`` (the busiest host agent; 0 where there are none);
   ``worker_mean`` too (mean over the trainer processes);
+* ``cpu_ms_per_step``: CPU time of all the job's processes (controller or Lighthouse, agents,
+  trainers) per committed step, over the window: the work each configuration does, far less
+  sensitive than wall time to other tenants of the machine;
 * ``rss_mb``: peak RSS (``VmHWM``) of the largest trainer process;
 * ``processes``: the processes the job runs, the launching/controller process included.
 
@@ -456,7 +459,14 @@ def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: 
     # peak RSS over the whole run (the last sample holds the highest VmHWM seen)
     hwm = max((r["hwm_mb"] for r in roles["workers"]), default=0.0)
     workers = roles["workers"]
+    job = roles["controller"] + roles["agents"] + workers
+    steps_in_window = n_commits / cfg.replicas
     return {
+        # CPU time of every process of the job per committed step: the work the machinery
+        # adds, much less sensitive than wall time to what else runs on the machine
+        "cpu_ms_per_step": sum(r["frac"] for r in job) * win["seconds"] / steps_in_window * 1e3
+        if steps_in_window
+        else 0.0,
         "gaps": gaps,
         "tokens_per_s": n_commits * tokens / max(1e-9, t1 - t0),
         "cpu_controller": sum(r["frac"] for r in roles["controller"]),
@@ -489,6 +499,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
             },
             "step_ms_median_per_rep": [round(statistics.median(r["gaps"]) * 1e3, 2) for r in reps],
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in reps), 1),
+            "cpu_ms_per_step": round(
+                statistics.median(r.get("cpu_ms_per_step", 0.0) for r in reps), 2
+            ),
             "ratio_to_plain": round(statistics.median(ratios), 3) if ratios else None,
             "ratio_per_rep": [round(x, 3) for x in ratios],
             "cpu": {
