@@ -29,6 +29,7 @@ Figures per configuration (all over the steady-state window: steps ``warmup`` ..
 * ``cpu_ms_per_step``: CPU time of all the job's processes (controller or Lighthouse, agents,
   trainers) per committed step, over the window: the work each configuration does, far less
   sensitive than wall time to other tenants of the machine;
+  ``cpu_ratio_to_plain``: its median over repetitions of the ratio to plain's in the same one;
 * ``rss_mb``: peak RSS (``VmHWM``) of the largest trainer process;
 * ``processes``: the processes the job runs, the launching/controller process included.
 
@@ -492,6 +493,11 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
         ratios = [
             statistics.median(r["gaps"]) / p for r, p in zip(reps, plain_med, strict=False) if p
         ]
+        cpu_ratios = [
+            r["cpu_ms_per_step"] / p["cpu_ms_per_step"]
+            for r, p in zip(reps, runs["plain"], strict=False)
+            if p["cpu_ms_per_step"]
+        ]
         rows[mode] = {
             "step_ms": {
                 "median": round(statistics.median(gaps) * 1e3, 2),
@@ -499,9 +505,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
             },
             "step_ms_median_per_rep": [round(statistics.median(r["gaps"]) * 1e3, 2) for r in reps],
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in reps), 1),
-            "cpu_ms_per_step": round(
-                statistics.median(r.get("cpu_ms_per_step", 0.0) for r in reps), 2
-            ),
+            "cpu_ms_per_step": round(statistics.median(r["cpu_ms_per_step"] for r in reps), 2),
+            "cpu_ms_per_step_per_rep": [round(r["cpu_ms_per_step"], 2) for r in reps],
+            "cpu_ratio_to_plain": round(statistics.median(cpu_ratios), 3) if cpu_ratios else None,
             "ratio_to_plain": round(statistics.median(ratios), 3) if ratios else None,
             "ratio_per_rep": [round(x, 3) for x in ratios],
             "cpu": {

@@ -16,6 +16,7 @@ def _run(gaps: list[float], ctl: float = 0.0) -> dict:
         "cpu_worker_mean": 0.5,
         "rss_mb": 300.0,
         "processes": 4,
+        "cpu_ms_per_step": sum(gaps),
     }
 
 
@@ -30,6 +31,7 @@ def test_ratio_is_per_repetition_against_plain_of_the_same_repetition() -> None:
     assert rows["ftharness"]["ratio_to_plain"] == pytest.approx(1.15)
     assert rows["ftharness"]["cpu"]["controller"] == pytest.approx(0.02)
     assert rows["ftharness"]["step_ms"] == {"median": 1750.0, "p95": 2400.0}
+    assert rows["ftharness"]["cpu_ratio_to_plain"] == pytest.approx(1.15)
 
 
 def test_break_even_model() -> None:
