@@ -32,12 +32,12 @@ _BENCHES = {
         "experiments.bench.transfer:main",
         "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
     ),
-    "telemetry": ("experiments.bench.telemetry:main", "training-step overhead of the telemetry"),
     "overhead": (
         "experiments.bench.overhead:main",
         "fault-free cost of resilience: plain torch.distributed vs torchft vs ftharness "
         "(telemetry off and on), interleaved in one run",
     ),
+    "telemetry": ("experiments.bench.telemetry:main", "training-step overhead of the telemetry"),
 }
 
 
