@@ -33,6 +33,11 @@ _BENCHES = {
         "experiments.bench.transfer:main",
         "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
     ),
+    "overhead": (
+        "experiments.bench.overhead:main",
+        "fault-free cost of resilience: plain torch.distributed vs torchft vs ftharness "
+        "(telemetry off and on), interleaved in one run",
+    ),
     "telemetry": ("experiments.bench.telemetry:main", "training-step overhead of the telemetry"),
     "multihost": (
         "experiments.bench.multihost:main",

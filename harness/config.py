@@ -86,12 +86,19 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """The synthetic token stream. ``vocab_size`` must match the model's (2048 for llama3_debug)."""
+    """The synthetic token stream. ``vocab_size`` must match the model's (2048 for llama3_debug).
+
+    ``policy``: what happens to the sequences of a replica group that is down (see
+    ``harness.data``). ``skip`` (each group reads its fixed shard; a down group's shard is not
+    trained, a healed group jumps to its peers' position): those sequences are lost. ``replay``
+    (the groups of each committed step take the next unread batches of one shared stream, in
+    quorum order): every sequence is trained exactly once, whoever is up."""
 
     seed: int = 0
     seq_len: int = 32
     batch_size: int = 8
     vocab_size: int = 256
+    policy: Literal["skip", "replay"] = "skip"
 
 
 @dataclass(frozen=True, kw_only=True)

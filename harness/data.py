@@ -15,6 +15,23 @@ its next batch is the one the healthy groups are about to train. Hence the invar
 position is trained twice by the same group*, because positions only grow along a group's
 committed steps and healing only moves a group forward (the peer is at or ahead of the step at
 which the group died). An aborted step retries the same position; it trained nothing.
+
+Two data policies (``DataConfig.policy``) say what becomes of a down group's sequences:
+
+* ``skip`` (above): while a group is down its shard is not trained, and once healed it jumps to
+  its peers' position: those sequences are never trained (``dashboards.data_coverage`` counts
+  them from the journal).
+* ``replay``: the stream is one queue of group batches, and ``consumed`` (how many the job has
+  committed) is part of the state every group holds and heals. At each step the ``P``
+  participating groups take group batches ``consumed .. consumed + P - 1``, one each in quorum
+  order (torchft's participating rank); rank ``r`` of a group reads its ``r``-th part. When the
+  step commits, ``consumed += P``. So the survivors take up the batches a down group would have
+  read, and nothing is skipped or trained twice: every committed step trains the next ``P``
+  unread batches (all participants' gradients are in the averaged update, even one whose group
+  dies after the allreduce), and ``consumed`` only moves with commits and heals from a peer at
+  the quorum's max step. With every group up, ``replay`` reads exactly what ``skip`` reads.
+  Not guaranteed: a group left out of a quorum while alive (a split brain) would train the same
+  batches as the quorum; the join timeout (``harness.config``) is what prevents that.
 """
 
 from __future__ import annotations
@@ -31,13 +48,22 @@ _NOISE = 0.1
 class TokenStream:
     """One replica group's shard of the stream. Not thread-safe; owned by one trainer."""
 
-    def __init__(self, cfg: DataConfig, *, shard: int, num_shards: int) -> None:
+    def __init__(
+        self, cfg: DataConfig, *, shard: int, num_shards: int, group_size: int = 1
+    ) -> None:
+        """``shard = replica * group_size + rank`` of ``num_shards = replicas * group_size``;
+        ``group_size``: ranks per replica group (``replay`` splits a group batch among them)."""
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} must be in [0, {num_shards})")
+        if group_size < 1 or num_shards % group_size:
+            raise ValueError(f"group_size {group_size} must divide num_shards {num_shards}")
         self.cfg = cfg
         self.shard = shard
         self.num_shards = num_shards
-        self.position = 0
+        self.group_size = group_size
+        self.rank = shard % group_size
+        self.position = 0  # committed steps (both policies)
+        self.consumed = 0  # group batches the job has committed (``replay``)
         g = torch.Generator().manual_seed(cfg.seed)
         # The rule is a property of the whole stream (same for every shard), so all groups learn
         # one distribution; an odd multiplier keeps the map a permutation for even vocabularies.
@@ -58,21 +84,59 @@ class TokenStream:
         return out
 
     def first_index(self, position: int) -> int:
-        """Global index of the first sequence this shard reads at ``position``."""
+        """Global index of the first sequence this shard reads at ``position`` (``skip``)."""
         return (position * self.num_shards + self.shard) * self.cfg.batch_size
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch at the current position as ``(inputs, targets)``, each ``(batch, seq_len)``.
-        Does not advance: call :meth:`advance` once the step that trained it has committed."""
-        start = self.first_index(self.position)
+    def _first(self, slot: int | None) -> int:
+        if self.cfg.policy == "skip":
+            return self.first_index(self.position)
+        if slot is None:
+            raise ValueError("the replay policy needs this group's slot in the step's quorum")
+        return ((self.consumed + slot) * self.group_size + self.rank) * self.cfg.batch_size
+
+    def batch(self, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch to train now as ``(inputs, targets)``, each ``(batch, seq_len)``. ``slot``:
+        this group's rank among the step's participants (``replay`` only). Does not advance:
+        call :meth:`advance` once the step that trained it has committed."""
+        start = self._first(slot)
         seqs = torch.stack([self.sequence(start + j) for j in range(self.cfg.batch_size)])
         return seqs[:, :-1], seqs[:, 1:]
 
-    def advance(self) -> None:
+    def trained_ranges(self, slot: int | None, participants: int) -> list[tuple[int, int]]:
+        """The global sequences ``[first, end)`` a step committed now has trained, as far as
+        this rank knows: its own batch (``skip``), or the whole step's (``replay``: the next
+        ``participants`` group batches, every participant's gradient being in the update).
+        Call before :meth:`advance`."""
+        b = self.cfg.batch_size
+        if self.cfg.policy == "skip":
+            first = self._first(slot)
+            return [(first, first + b)]
+        per_group = self.group_size * b
+        return [(self.consumed * per_group, (self.consumed + participants) * per_group)]
+
+    def due(self, participants: int) -> int:
+        """Every sequence below this index should have been trained once the step now being
+        committed has (what the job would have read with no failure, or, for ``replay``, what
+        it has handed out). Call before :meth:`advance`."""
+        if self.cfg.policy == "skip":
+            return (self.position + 1) * self.num_shards * self.cfg.batch_size
+        return (self.consumed + participants) * self.group_size * self.cfg.batch_size
+
+    def advance(self, participants: int | None = None) -> None:
+        """A step committed with ``participants`` groups (``replay`` needs it)."""
         self.position += 1
+        if self.cfg.policy == "skip":
+            self.consumed += self.num_shards // self.group_size  # what the job handed out
+        elif participants is None:
+            raise ValueError("the replay policy advances by the step's participants")
+        else:
+            self.consumed += participants
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
+        return {"position": self.position, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+        # A state saved before ``consumed`` existed: every group took part in every step.
+        groups = self.num_shards // self.group_size
+        self.consumed = int(state.get("consumed", self.position * groups))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.config import DataConfig
@@ -62,3 +63,69 @@ def test_stream_is_learnable() -> None:
     seq = s.sequence(0)
     follows = sum(int(seq[t + 1]) == (s._a * int(seq[t]) + s._b) % 64 for t in range(16))
     assert follows >= 10
+
+
+REPLAY = DataConfig(seed=3, seq_len=16, batch_size=4, vocab_size=64, policy="replay")
+
+
+def _first_seq(stream: TokenStream, slot: int | None) -> int:
+    """The global index of the first sequence in the stream's current batch, read back."""
+    got = stream.batch(slot)[0][0]
+    start = stream._first(slot)
+    assert torch.equal(got, stream.sequence(start)[:-1])
+    return start
+
+
+def test_replay_with_every_group_up_reads_what_skip_reads() -> None:
+    skip = [TokenStream(CFG, shard=s, num_shards=6, group_size=2) for s in range(6)]
+    replay = [TokenStream(REPLAY, shard=s, num_shards=6, group_size=2) for s in range(6)]
+    for _ in range(4):
+        for s in range(6):
+            # every group up: its slot in the quorum is its replica index
+            assert torch.equal(skip[s].batch()[0], replay[s].batch(slot=s // 2)[0])
+        for st in skip + replay:
+            st.advance(participants=3)
+
+
+def _simulate(policy: DataConfig, membership: list[list[int]]) -> tuple[list[int], int]:
+    """Groups (1 rank each) commit one step per entry of ``membership`` (the groups up at
+    that step); a group that comes back heals its data state from a live peer. Returns every
+    sequence trained (with repeats) and the due frontier."""
+    n = 3
+    streams = {g: TokenStream(policy, shard=g, num_shards=n) for g in range(n)}
+    trained: list[int] = []
+    due = 0
+    up_before = set(range(n))
+    for up in membership:
+        peer = min(g for g in up if g in up_before)
+        for g in set(up) - up_before:  # back: heal from a peer that was up
+            streams[g] = TokenStream(policy, shard=g, num_shards=n)
+            streams[g].load_state_dict(streams[peer].state_dict())
+        for slot, g in enumerate(sorted(up)):
+            first = streams[g]._first(slot if policy.policy == "replay" else None)
+            trained += range(first, first + policy.batch_size)
+        due = streams[peer].due(len(up))
+        for g in up:
+            streams[g].advance(participants=len(up))
+        up_before = set(up)
+    return trained, due
+
+
+def test_replay_trains_every_sequence_once_through_failures_skip_loses_some() -> None:
+    membership = [[0, 1, 2]] * 3 + [[0, 2]] * 4 + [[0, 1, 2]] * 2 + [[1]] * 2 + [[0, 1, 2]] * 3
+    trained, due = _simulate(REPLAY, membership)
+    assert sorted(trained) == list(range(due))  # each sequence below the frontier exactly once
+    trained, due = _simulate(CFG, membership)
+    assert len(set(trained)) == len(trained)  # skip never trains twice either...
+    assert len(set(range(due)) - set(trained)) == (4 * 1 + 2 * 2) * CFG.batch_size  # ...but skips
+
+
+def test_replay_needs_the_slot_and_old_states_resume() -> None:
+    s = TokenStream(REPLAY, shard=1, num_shards=3)
+    with pytest.raises(ValueError, match="slot"):
+        s.batch()
+    with pytest.raises(ValueError, match="participants"):
+        s.advance()
+    s.load_state_dict({"position": 5})  # saved before ``consumed`` existed
+    assert s.consumed == 15
+    assert _first_seq(s, 2) == (15 + 2) * REPLAY.batch_size

@@ -1,0 +1,44 @@
+"""The weights checksum is taken on sampled steps only, the same step numbers in every group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.config import CheckpointConfig, JobConfig
+from harness.quorum import Lighthouse
+from harness.trainer import CHECKSUM_EVERY, Trainer
+
+
+@pytest.mark.timeout(120)
+def test_checksum_every_tenth_and_every_checkpoint_step(tmp_path: Path) -> None:
+    cfg = JobConfig(name="sums", replicas=1, steps=25, checkpoint=CheckpointConfig(every_steps=4))
+    events: list[tuple[str, dict[str, Any]]] = []
+    lighthouse = Lighthouse.for_job(cfg)
+    try:
+        trainer = Trainer(
+            cfg,
+            replica_id=0,
+            rank=0,
+            store_addr=None,
+            lighthouse_addr=lighthouse.address,
+            run_dir=str(tmp_path),
+            emit=lambda e, f: events.append((e, f)),
+        )
+        try:
+            trainer.train(steps=19)
+            before = trainer.checksum()
+            trainer.train(steps=20)
+            at_20 = trainer.checksum()
+        finally:
+            trainer.close()
+    finally:
+        lighthouse.shutdown()
+    commits = {f["step"]: f for e, f in events if e == "step.commit"}
+    assert sorted(commits) == list(range(1, 21))
+    sampled = {s for s, f in commits.items() if f["checksum"] is not None}
+    assert CHECKSUM_EVERY == 10
+    assert sampled == {4, 8, 10, 12, 16, 20}
+    assert commits[20]["checksum"] == at_20 != before  # the state after that step's update

@@ -1,0 +1,71 @@
+"""The pure parts of ``bench overhead``: summarizing runs and the break-even model."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.bench.overhead import break_even, summarize, time_lost
+
+
+def _run(gaps: list[float], ctl: float = 0.0) -> dict:
+    return {
+        "gaps": gaps,
+        "tokens_per_s": 100.0,
+        "cpu_controller": ctl,
+        "cpu_agent_max": 0.0,
+        "cpu_worker_mean": 0.5,
+        "rss_mb": 300.0,
+        "processes": 4,
+        "cpu_ms_per_step": sum(gaps),
+    }
+
+
+def test_ratio_is_per_repetition_against_plain_of_the_same_repetition() -> None:
+    runs = {
+        "plain": [_run([1.0, 1.0, 1.0]), _run([2.0, 2.0, 2.0])],
+        "ftharness": [_run([1.1, 1.1, 1.1], 0.01), _run([2.4, 2.4, 2.4], 0.03)],
+    }
+    rows = summarize(runs)
+    assert rows["plain"]["ratio_to_plain"] == 1.0
+    assert rows["ftharness"]["ratio_per_rep"] == [1.1, 1.2]
+    assert rows["ftharness"]["ratio_to_plain"] == pytest.approx(1.15)
+    assert rows["ftharness"]["cpu"]["controller"] == pytest.approx(0.02)
+    assert rows["ftharness"]["step_ms"] == {"median": 1750.0, "p95": 2400.0}
+    assert rows["ftharness"]["cpu_ratio_to_plain"] == pytest.approx(1.15)
+
+
+def test_break_even_model() -> None:
+    assert time_lost(overhead=0.1, per_failure_s=60, mtbf_min=10) == pytest.approx(0.2)
+    got = break_even(
+        groups=4,
+        in_place_overhead=0.05,
+        stall_s=1.0,
+        back_s=4.0,
+        restart_overhead=0.01,
+        restart_s=20.0,
+        steps_lost=10,
+        step_s=1.0,
+        mtbf_min=[1.0],
+    )
+    # per failure: in place 1 + 4/4 = 2 s, restart 20 + 10 = 30 s; break even at 28 s / 0.04
+    assert got["per_failure_s"] == {"in_place": 2.0, "restart": 30.0}
+    assert got["break_even_mtbf_min"] == pytest.approx(28 / 0.04 / 60, abs=0.05)
+    row = got["rows"][0]
+    assert row["in_place"] == pytest.approx(0.05 + 2 / 60, abs=1e-4)
+    assert row["restart"] == pytest.approx(0.01 + 30 / 60, abs=1e-4)
+    cheaper = break_even(**{**_args(), "in_place_overhead": 0.0})
+    assert cheaper["break_even_mtbf_min"] is None
+
+
+def _args() -> dict:
+    return {
+        "groups": 2,
+        "in_place_overhead": 0.1,
+        "stall_s": 1.0,
+        "back_s": 1.0,
+        "restart_overhead": 0.01,
+        "restart_s": 5.0,
+        "steps_lost": 1,
+        "step_s": 1.0,
+        "mtbf_min": [10.0],
+    }
