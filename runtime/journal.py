@@ -25,9 +25,12 @@ Event names and their extra fields:
 ``supervisor``            ``supervisor``, ``decision`` (restart_one|restart_all|escalate|absorb),
                           ``reason``
 ``step.commit``           ``replica``, ``rank``, ``step``, ``loss``, ``checksum`` (hex str of
-                          params + optimizer state), ``step_time_s``, ``samples`` (sequences in
-                          the step), ``tokens``, ``participants`` (replica groups in the quorum),
-                          ``data_pos``
+                          params + optimizer state on sampled steps, every 10th and checkpoint
+                          steps; null otherwise), ``step_time_s``, ``samples`` (sequences in the
+                          step), ``tokens``, ``participants`` (replica groups in the quorum),
+                          ``data_pos``, ``data_policy`` (``skip`` | ``replay``), ``seqs`` and
+                          ``seq_due`` (sequences trained and due, dashboards.data_coverage),
+                          ``proc`` (the worker process, stamped by the controller)
 ``step.abort``            ``replica``, ``rank``, ``step``, ``reason`` (should_commit said no)
 ``fault.inject``          ``fault_id``, ``kind``, ``target`` (dict: replica/rank/host), ``seed``,
                           logged *before* the fault fires
