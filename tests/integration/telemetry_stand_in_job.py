@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tests/ too
 from journal_scenario import scenario
 
 

@@ -156,7 +156,9 @@ def test_no_listener_of_a_running_job_binds_every_interface(tmp_path: Path) -> N
             quorum = job._tree.last_quorum()
             _sample(seen)
             found["quorum"] = quorum
-            found["trainers"] = {pid for r in range(2) for pid in job.faults.pids(Target(replica=r))}
+            found["trainers"] = {
+                pid for r in range(2) for pid in job.faults.pids(Target(replica=r))
+            }
             found["torchft"] = _torchft_ports(quorum.members)
             wildcard = sorted({(pid, port) for pid, addr, port in seen if addr in _ANY})
             found["wildcard"] = {

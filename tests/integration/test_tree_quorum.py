@@ -86,9 +86,14 @@ def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> 
             assert all(m.data == {"k": [1, 2]} and m.step == 3 for m in q.participants)
         assert tq.status()["quorum_id"] == first[a].quorum_id
 
-        # b dies; a and c ask again. torchft's rule alone would wait for b (healthy, not joined).
+        # b dies; a and c ask again (at the step they reached: a committed step never goes back,
+        # so a quorum of members behind it would wait). torchft's rule alone would wait for b
+        # (healthy, not joined).
         out: dict[str, Any] = {}
-        threads = [threading.Thread(target=_ask, args=(tq.address, r, out, 5.0)) for r in (a, c)]
+        threads = [
+            threading.Thread(target=_ask, args=(tq.address, r, out, 5.0), kwargs={"step": 3})
+            for r in (a, c)
+        ]
         for t in threads:
             t.start()
         while sorted(tq.status()["participants"]) != [a, c]:
@@ -114,7 +119,7 @@ def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> 
         joiner.start()
         while tq.status()["participants"] != [b2]:
             time.sleep(0.01)
-        again.update(_ask_all(tq.address, [a, c], 5.0))
+        again.update(_ask_all(tq.address, [a, c], 5.0, step=3))
         joiner.join()
         for rid in (a, b2, c):
             assert [m.replica_id for m in again[rid].participants] == [a, b2, c]
