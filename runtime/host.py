@@ -41,10 +41,10 @@ class HostAgentHandle:
         self.last_beat = time.monotonic()
         self.lost = False
         self.pool = pool
-        self._n = itertools.count()
+        self.proc_numbers = itertools.count()
 
     def next_proc_id(self) -> str:
-        return f"{self.name}/p{next(self._n)}"
+        return f"{self.name}/p{next(self.proc_numbers)}"
 
     @property
     def spares(self) -> list[Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class HostTable:
         self._lock = threading.Lock()
         self.hosts: dict[str, HostAgentHandle] = {}
         self._expected: dict[str, cf.Future] = {}  # hosts whose agent is to dial in
+        self._proc_numbers: dict[str, itertools.count] = {}
 
     # -- starting and dialling in -----------------------------------------------------------
     def boot_settings(self, name: str) -> dict[str, Any]:
@@ -143,6 +145,9 @@ class HostTable:
             raise channel.FrameError(f"agent {hello.host} answered {ready!r:.80}")
         pool = self._owner.make_spare_pool(lambda: h)
         h = HostAgentHandle(self._owner, hello.host, pool, self._owner.launcher)
+        # Process ids stay unique for the whole job: a host's new agent (after an eviction or a
+        # partition) continues its predecessor's numbering instead of reusing host1/p0...
+        h.proc_numbers = self._proc_numbers.setdefault(hello.host, itertools.count())
         h.conn, h.pid, h.address = conn, ready.pid, ready.address
         h.last_beat = time.monotonic()
         with self._lock:

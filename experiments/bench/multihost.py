@@ -5,7 +5,7 @@ network namespaces, runtime/netns.py).
 Figures, all from one run:
 
 * ``partition`` / ``eviction``: a job of 3 replica groups on 3 namespace hosts (tiny model, tree
-  quorum, a warm spare per host, heals over the data plane) in which a host other than host0 is
+  quorum, a warm spare per host, heals over the data plane) in which a host running a group is
   cut off for ``PARTITION_S`` (``network_partition``) or evicted (``host_eviction``), ``--reps``
   times each, once the previous recovery has finished. Per recovery, from the journal with
   ``dashboards.metrics``' definitions: ``survivor_stall_s`` and ``replacement_back_s`` (the time
@@ -75,8 +75,8 @@ def _stats(xs: list[float | None]) -> dict[str, float] | None:
 
 
 def _faulter(job: Any, kind: str, reps: int, seed: int, done: threading.Event, log: Any) -> None:
-    """``reps`` faults of ``kind`` on hosts other than host0, each once the job has no open
-    recovery and has trained 10 more steps."""
+    """``reps`` faults of ``kind``, each on a host that runs a group now (a random one), once
+    the job has no open recovery and has trained 10 more steps."""
     ctx = job.faults
     rng = random.Random(seed)
     for i in range(reps):
@@ -86,7 +86,7 @@ def _faulter(job: Any, kind: str, reps: int, seed: int, done: threading.Event, l
             time.monotonic() < deadline
         ):
             time.sleep(0.05)
-        host = rng.choice(["host1", "host2"])
+        host = rng.choice(sorted({job.group_host(r) for r in range(job.replicas)}))
         fault_id = f"{kind[:4]}{i:02d}"
         job.journal.emit(
             FAULT_INJECT,

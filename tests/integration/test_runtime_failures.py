@@ -234,3 +234,12 @@ def test_workers_inherit_the_agents_imports_frozen_out_of_the_collector():
         assert frozen > 50_000
     finally:
         c.shutdown(grace_s=0.5)
+
+
+def test_process_ids_stay_unique_when_a_host_gets_a_new_agent(ctl):
+    """Journal records name processes by id: a lost host's new agent must not reuse its
+    predecessor's ids (a stale process would look like its successor)."""
+    first = ctl.spawn_host("h0").spawn_procs({"rank": 2}).proc_ids
+    ctl.host_table.lost(ctl.hosts["h0"], "test")
+    second = ctl.spawn_host("h0").spawn_procs({"rank": 2}).proc_ids
+    assert not set(first) & set(second), (first, second)
