@@ -20,7 +20,7 @@ from typing import Any
 from dashboards.html import write_dashboard
 from experiments import postrun
 from experiments.spec import ExperimentError, ExperimentSpec, load_experiment
-from harness.rundir import RunDirError, choose_run_dir, make_private_dir
+from harness.rundir import make_private_dir, run_dir_for
 from runtime.journal import Journal, read_journal
 
 
@@ -104,13 +104,9 @@ def main(args: argparse.Namespace) -> int:
     except (ExperimentError, FileNotFoundError) as exc:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
         return 2
-    try:
-        out, note = choose_run_dir(args.out, spec.name)
-    except RunDirError as exc:
-        print(f"ftharness chaos: {exc}", file=sys.stderr)
+    out = run_dir_for("chaos", args.out, spec.name)
+    if out is None:
         return 2
-    if note:
-        print(f"ftharness chaos: {note}", file=sys.stderr)
     if spec.source is not None:
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
     outcomes = {}

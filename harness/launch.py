@@ -86,15 +86,11 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return 2
-    from harness.rundir import RunDirError, choose_run_dir
+    from harness.rundir import run_dir_for
 
-    try:
-        run_dir, note = choose_run_dir(args.out, cfg.name)
-    except RunDirError as exc:
-        print(f"ftharness run: {exc}", file=sys.stderr)
+    run_dir = run_dir_for("run", args.out, cfg.name)
+    if run_dir is None:
         return 2
-    if note:
-        print(f"ftharness run: {note}", file=sys.stderr)
     journal = Journal(run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
     telemetry = attach_telemetry(cfg, journal, quiet=args.quiet)
     try:

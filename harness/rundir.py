@@ -76,3 +76,18 @@ def choose_run_dir(out: str | os.PathLike[str] | None, name: str) -> tuple[Path,
         f"{DEFAULT_ROOT / name} and its numbered successors up to -{_MAX_SUFFIX - 1} are all "
         "taken; pass --out with a new directory"
     )
+
+
+def run_dir_for(command: str, out: str | os.PathLike[str] | None, name: str) -> Path | None:
+    """:func:`choose_run_dir` for a command line: says on stderr which directory was taken when
+    it is not the default, or why none can be (then returns None: exit 2)."""
+    import sys
+
+    try:
+        path, note = choose_run_dir(out, name)
+    except RunDirError as exc:
+        print(f"ftharness {command}: {exc}", file=sys.stderr)
+        return None
+    if note:
+        print(f"ftharness {command}: {note}", file=sys.stderr)
+    return path

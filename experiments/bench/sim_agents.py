@@ -31,6 +31,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from experiments.bench.sim_members import recv_within
 from runtime import channel
 from runtime.messages import AgentBeat, AgentConfig, AgentReady, HelloAgent
 
@@ -223,7 +224,7 @@ def measure_agents(
         ctl.start()
         children.append(ctl)
         theirs.close()
-        address = _recv(ours, 60.0)
+        address = recv_within(ours, 60.0)
         for p in range(procs):
             parent, child = _CTX.Pipe()
             sim = _CTX.Process(
@@ -236,13 +237,13 @@ def measure_agents(
             child.close()
             sims.append(parent)
         for c in sims:
-            _recv(c, 60.0 + 0.2 * hosts)
-        result = _recv(ours, 120.0 + settle_s + window_s + hosts * 0.2)
+            recv_within(c, 60.0 + 0.2 * hosts)
+        result = recv_within(ours, 120.0 + settle_s + window_s + hosts * 0.2)
         ctl.join(30)
         sent, lag = 0, 0.0
         for c in sims:
             c.send("stop")
-            s, lg = _recv(c, 30.0)
+            s, lg = recv_within(c, 30.0)
             sent, lag = sent + s, max(lag, lg)
         return {"hosts": hosts, **result, "agent_send_lag_max_ms": round(1000 * lag, 1)}
     finally:
@@ -250,9 +251,3 @@ def measure_agents(
             p.join(5)
             if p.is_alive():
                 p.kill()
-
-
-def _recv(conn: Connection, timeout_s: float) -> Any:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"no answer within {timeout_s} s")
-    return conn.recv()

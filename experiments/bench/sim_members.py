@@ -306,7 +306,7 @@ class Members:
             self._conns.append(parent)
             self._procs.append(proc)
         for c in self._conns:
-            _recv(c, 120.0)
+            recv_within(c, 120.0)
 
     def beat(self, replicas: Sequence[int] | None = None) -> float:
         """Heartbeat these members (None: all); returns once all are answered, the time the
@@ -326,7 +326,7 @@ class Members:
     def _all(self, cmd: tuple) -> list[Any]:
         for c in self._conns:
             c.send(cmd)
-        return [_recv(c, CALL_TIMEOUT_S + 30) for c in self._conns]
+        return [recv_within(c, CALL_TIMEOUT_S + 30) for c in self._conns]
 
     def start(
         self, step: int, replicas: Sequence[int] | None = None, delay_s: float = 0.05
@@ -337,7 +337,7 @@ class Members:
         for c in self._conns:
             c.send(("ask", t0, step, None if replicas is None else list(replicas)))
         for c in self._conns:
-            _recv(c, 30.0)
+            recv_within(c, 30.0)
 
     def collect(self) -> tuple[list[Reply], bytes | None]:
         replies: list[Reply] = []
@@ -345,7 +345,7 @@ class Members:
         for c in self._conns:
             c.send(("collect",))
         for c in self._conns:
-            got, body = _recv(c, CALL_TIMEOUT_S + 30)
+            got, body = recv_within(c, CALL_TIMEOUT_S + 30)
             replies.extend(got)
             sample = sample or body
         return sorted(replies, key=lambda x: x.replica), sample
@@ -354,14 +354,15 @@ class Members:
         for c in self._conns:
             with contextlib.suppress(OSError, EOFError):
                 c.send(("stop",))
-                _recv(c, 10.0)
+                recv_within(c, 10.0)
         for p in self._procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
 
 
-def _recv(conn: Connection, timeout_s: float) -> Any:
+def recv_within(conn: Connection, timeout_s: float) -> Any:
+    """The next message on a pipe to a load process, or TimeoutError after ``timeout_s``."""
     if not conn.poll(timeout_s):
         raise TimeoutError(f"no answer within {timeout_s} s")
     return conn.recv()
@@ -379,11 +380,11 @@ class Service:
         )
         self._proc.start()
         child.close()
-        self.address, self.ids = _recv(self._conn, 120.0)
+        self.address, self.ids = recv_within(self._conn, 120.0)
 
     def call(self, *cmd: Any, timeout_s: float = 120.0) -> Any:
         self._conn.send(cmd)
-        return _recv(self._conn, timeout_s)
+        return recv_within(self._conn, timeout_s)
 
     def close(self) -> None:
         with contextlib.suppress(OSError, EOFError, TimeoutError):
