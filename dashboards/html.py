@@ -190,14 +190,28 @@ def _goodput_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> str:
     for p in policies:
         s = summary.get("policies", {}).get(p, {})
         faults = sum(int(f.get("count", 0)) for f in s.get("faults", {}).values())
+        if s.get("goodput_basis") == "control":
+            spread = s.get("goodput_spread") or {}
+            base = (
+                f"<dt>control samples/s</dt><dd>{_fmt(s.get('control_samples_per_s'), '', 1)}"
+                f"</dd><dt>control's spread</dt><dd>{_pct(spread.get('min'))}-"
+                f"{_pct(spread.get('max'))}</dd>"
+            )
+        else:
+            base = (
+                f"<dt>fault-free samples/s</dt>"
+                f"<dd>{_fmt(s.get('baseline_samples_per_s'), '', 1)}</dd>"
+            )
+        data = s.get("data")
+        if data:
+            base += f"<dt>sequences skipped</dt><dd>{data['skipped']} of {data['due']}</dd>"
         cards.append(
             f'<div class="card" data-policy="{_e(p)}" style="border-color:{_color(p, policies)}">'
             f'<div class="policy">{_e(p)}</div>'
             f'<div class="big" data-value="goodput">{_pct(s.get("goodput"))}</div>'
             f'<div class="sub">goodput</div><dl>'
             f"<dt>samples/s</dt><dd>{_fmt(s.get('samples_per_s'), '', 1)}</dd>"
-            f"<dt>fault-free samples/s</dt><dd>{_fmt(s.get('baseline_samples_per_s'), '', 1)}</dd>"
-            f"<dt>committed steps</dt><dd>{_fmt(s.get('committed_steps'), '', 0)}</dd>"
+            f"{base}<dt>committed steps</dt><dd>{_fmt(s.get('committed_steps'), '', 0)}</dd>"
             f"<dt>duration</dt><dd>{_fmt(s.get('duration_s'), ' s', 1)}</dd>"
             f"<dt>faults</dt><dd>{faults}</dd></dl></div>"
         )
@@ -206,7 +220,9 @@ def _goodput_panel(summary: Mapping[str, Any], policies: Sequence[str]) -> str:
         "goodput",
         "Goodput",
         f'<div class="cards">{"".join(cards)}</div>',
-        note="Committed samples per second over the fault-free rate.",
+        note="Committed samples per second over the fault-free rate: the experiment's control "
+        "run (the same job, no faults) where it has one, else this run's stretch before its "
+        "first fault.",
     )
 
 

@@ -12,6 +12,8 @@ phase), which is what lets the live sink and the offline summary give the same n
 
     {"policies": {policy: {
         "committed_steps", "duration_s", "samples_per_s", "baseline_samples_per_s", "goodput",
+        "goodput_basis", "control_samples_per_s", "goodput_spread": {"min", "max"},
+        "goodput_above_control", "data": {"data_policy", "due", "skipped", ...} | None,
         "faults": {kind: {"count", "recovered", "detection_s": {"mean", "p50", "p95"},
                           "stall_s": {...}, "participate_s": {...}, "steps_lost"}},
         "all_faults": {"detection_s": {...}, "stall_s": {...}, "participate_s": {...}},
@@ -35,8 +37,19 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
 * **baseline_samples_per_s**: the same rate over the fault-free stretch first-commit < t <= the
   last commit at or before the first ``fault.inject`` (the whole run if no fault fired). None if
   that stretch holds fewer than two commit times.
-* **goodput** = samples_per_s / baseline_samples_per_s. Live (the telemetry gauge) it is the
-  goodput of the records so far.
+* **control run**: the records of policy ``control`` (experiments/spec.py): the same job with no
+  faults, run in pieces (``control_run`` = 1, 2, ...) interleaved with the policies.
+  ``control_samples_per_s`` = the mean of its pieces' samples_per_s; its spread = their min and
+  max.
+* **goodput** = samples_per_s / control_samples_per_s when the experiment has a control run
+  (``goodput_basis`` = ``"control"``), with ``goodput_spread`` = samples_per_s / the control's max
+  and / its min: the control's own noise. Without a control it is samples_per_s /
+  baseline_samples_per_s (``goodput_basis`` = ``"in_run"``; the fault-free stretch includes
+  warm-up, so this one can exceed 1). ``goodput_above_control``: the whole spread is above 1,
+  which only a measurement defect explains. Live (the telemetry gauge) it is the in-run goodput
+  of the records so far. The control's own summary has no goodput.
+* **data**: which sequences of the stream the policy trained and skipped
+  (``dashboards.data_coverage``; None for the control and for journals without that field).
 * **fault of a recovery**: its ``fault_id`` (``harness/recovery.py`` links it). One fault can
   explain several recoveries: a host fault takes down every group on that host, and each group's
   recovery carries the fault's id and gets its own figures. A recovery no fault explains
@@ -90,6 +103,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from dashboards.data_coverage import coverage
 from dashboards.names import KIND_UNPLANNED
 from runtime.journal import (
     FAILURE,
@@ -104,6 +118,8 @@ from runtime.journal import (
 
 Record = Mapping[str, Any]
 DEFAULT_POLICY = "in_place"
+#: The fault-free control run's policy name (experiments/spec.py runs it).
+CONTROL = "control"
 #: How many of a survivor's gaps before the origin set its typical gap (see stall_s).
 TYPICAL_GAPS = 50
 #: The figures of one recovery, as computed by :func:`recovery_figures`.
@@ -519,19 +535,69 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
             **_figure_stats(mine),
             "steps_lost": sum(lost_by_fault.get(i, 0) or 0 for i in ids),
         }
+    data = coverage(records)
     return {
         "committed_steps": max(steps, default=0),
         "duration_s": duration,
         **throughput(records),
+        "goodput_basis": "in_run",
+        "control_samples_per_s": None,
+        "goodput_spread": None,
+        "goodput_above_control": None,
+        "data": next(iter(data.values()), None),
         "faults": by_kind,
         "all_faults": _figure_stats([r for r in recs if r["fault_id"] is not None]),
         "recoveries": recs,
     }
 
 
+def summarize_control(records: Sequence[Record]) -> dict[str, Any]:
+    """The control run's summary: its pieces' rates, their mean and spread, no goodput."""
+    pieces: dict[Any, list[Record]] = defaultdict(list)
+    for r in records:
+        pieces[r.get("control_run", 1)].append(r)
+    parts = [summarize_policy(rs) for _, rs in sorted(pieces.items(), key=lambda kv: str(kv[0]))]
+    rates = [p["samples_per_s"] for p in parts if p["samples_per_s"] is not None]
+    out = summarize_policy(records)
+    out.update(
+        committed_steps=max((p["committed_steps"] for p in parts), default=0),
+        duration_s=sum(p["duration_s"] for p in parts),
+        samples_per_s=statistics.fmean(rates) if rates else None,
+        baseline_samples_per_s=None,
+        goodput=None,
+        goodput_basis=None,
+        data=None,
+        control_runs=rates,
+        control_spread={"min": min(rates), "max": max(rates)} if rates else None,
+    )
+    return out
+
+
+def _against_control(p: dict[str, Any], control: Mapping[str, Any]) -> None:
+    """Goodput of policy summary ``p`` against the control run (module docstring)."""
+    rate, spread = control["samples_per_s"], control["control_spread"]
+    if rate is None or spread is None:
+        return
+    run = p["samples_per_s"]
+    p["goodput_basis"] = "control"
+    p["control_samples_per_s"] = rate
+    p["goodput"] = _ratio(run, rate)
+    lo, hi = _ratio(run, spread["max"]), _ratio(run, spread["min"])
+    p["goodput_spread"] = {"min": lo, "max": hi}
+    p["goodput_above_control"] = lo is not None and lo > 1.0
+
+
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
     """The whole summary (shape and definitions: see the module docstring)."""
-    policies = {p: summarize_policy(rs) for p, rs in split_by_policy(records).items()}
+    by_policy = split_by_policy(records)
+    policies = {
+        p: summarize_control(rs) if p == CONTROL else summarize_policy(rs)
+        for p, rs in by_policy.items()
+    }
+    if CONTROL in policies:
+        for name, p in policies.items():
+            if name != CONTROL:
+                _against_control(p, policies[CONTROL])
     out: dict[str, Any] = {"policies": policies}
     if "in_place" in policies and "full_restart" in policies:
         ip, fr = policies["in_place"], policies["full_restart"]

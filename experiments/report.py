@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboards import names as N
-from dashboards.metrics import split_by_policy, summarize
+from dashboards.metrics import CONTROL, split_by_policy, summarize
 from experiments import postrun as postrun_files
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
 from runtime.journal import (
@@ -46,6 +46,7 @@ _THRESHOLDS = {
     "detection_p95_max_s": ("detection_s", "max", " s"),
     "stall_p95_max_s": ("stall_s", "max", " s"),
     "steps_lost_max": ("steps_lost", "max", " steps"),
+    "skipped_max": ("skipped", "max", " sequences"),
 }
 
 
@@ -342,6 +343,8 @@ def _threshold(name: str, bound: float, policy: str, summary: dict[str, Any]) ->
         value = p["goodput"]
     elif key == "steps_lost":
         value = sum(k["steps_lost"] for k in p["faults"].values())
+    elif key == "skipped":
+        value = (p.get("data") or {}).get("skipped")
     else:  # over the recoveries of injected faults, as the comparison
         value = p["all_faults"][key]["p95"]
     if value is None:
@@ -375,6 +378,7 @@ def evaluate_hypotheses(
         return []
     h = spec_hypotheses
     by_policy = split_by_policy(records)
+    by_policy.pop(CONTROL, None)  # the yardstick, not a policy under test
     out: list[Result] = []
     for policy, recs in by_policy.items():
         if h.loss_finite:
@@ -422,6 +426,43 @@ def _stat(s: dict[str, Any]) -> str:
     return f"{s['mean']:.2f} / {s['p50']:.2f} / {s['p95']:.2f}"
 
 
+def _throughput_lines(policy: str, p: Mapping[str, Any]) -> list[str]:
+    """Committed samples/s, goodput (against the control run where there is one) and the data
+    the policy skipped."""
+    if policy == CONTROL:
+        runs = ", ".join(_f(x) for x in p.get("control_runs") or [])
+        return [
+            f"- fault-free control: committed samples/s {_f(p['samples_per_s'])} (mean of its "
+            f"pieces: {runs}); the goodput baseline of the other policies"
+        ]
+    if p.get("goodput_basis") == "control":
+        spread = p["goodput_spread"]
+        lines = [
+            f"- committed samples/s: {_f(p['samples_per_s'])}; fault-free control: "
+            f"{_f(p['control_samples_per_s'])}; **goodput {_f(p['goodput'])}** (control's "
+            f"spread: {_f(spread['min'])}-{_f(spread['max'])})"
+        ]
+        if p.get("goodput_above_control"):
+            lines.append(
+                "- ⚠ goodput above the control beyond the control's spread: a measurement defect "
+                "(or a control run that was disturbed), not a faster job"
+            )
+    else:
+        lines = [
+            f"- committed samples/s: {_f(p['samples_per_s'])}; fault-free stretch of this run: "
+            f"{_f(p['baseline_samples_per_s'])}; **goodput {_f(p['goodput'])}** (no control run: "
+            "against the stretch before the first fault, warm-up included)"
+        ]
+    d = p.get("data")
+    if d:
+        lines.append(
+            f"- data (`{d['data_policy']}`): {d['skipped']} of {d['due']} sequences due were "
+            f"never trained ({_f(100.0 * d['skipped_fraction'])} %); {d['trained_twice']} "
+            "trained twice"
+        )
+    return lines
+
+
 def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result]) -> str:
     """The report as Markdown: hypotheses, then per policy the throughput, a per-fault-kind table
     and every recovery, then the comparison."""
@@ -438,8 +479,7 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
             f"## Policy `{policy}`",
             "",
             f"- committed steps: {p['committed_steps']}; duration {_f(p['duration_s'], ' s')}",
-            f"- committed samples/s: {_f(p['samples_per_s'])}; fault-free baseline: "
-            f"{_f(p['baseline_samples_per_s'])}; **goodput {_f(p['goodput'])}**",
+            *_throughput_lines(policy, p),
             "",
         ]
         if p["faults"]:

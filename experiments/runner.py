@@ -1,9 +1,11 @@
 """``ftharness chaos EXPERIMENT.toml``: hypothesis -> schedule -> faults -> verify -> report.
 
-For each policy the experiment names (in order, on the same seed), run the job for the
-experiment's duration with the fault injector walking the plan, each policy in its own folder
-(``OUT/<policy>/journal.jsonl``, its own checkpoints). Once a policy's job has stopped, record
-what it left behind (live processes, ``/dev/shm`` segments) in ``OUT/<policy>/postrun.json``
+For each run of the experiment (``ExperimentSpec.runs``: each policy it names, in order, on the
+same seed, and the pieces of its fault-free ``control`` interleaved with them), run the job for
+the run's duration, with the fault injector walking the plan except in the control, each run in
+its own folder (``OUT/<policy>/journal.jsonl``, ``OUT/control-<i>/...``, its own checkpoints).
+Once a run's job has stopped, record what it left behind (live processes, ``/dev/shm``
+segments) in ``OUT/<folder>/postrun.json``
 (see experiments/postrun.py). Then compute the report and the HTML dashboard from the journals
 and those records alone, and exit non-zero if a hypothesis failed or a run failed.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from dashboards.html import write_dashboard
 from experiments import postrun
-from experiments.spec import ExperimentError, ExperimentSpec, load_experiment
+from experiments.spec import CONTROL, ExperimentError, ExperimentSpec, Run, load_experiment
 from harness.rundir import make_private_dir, run_dir_for
 from runtime.journal import Journal, read_journal
 
@@ -35,17 +37,21 @@ def job_config(spec: ExperimentSpec, policy: str) -> Any:
 
 
 def run_policy(
-    spec: ExperimentSpec, policy: str, out: Path, *, quiet: bool, prometheus_port: int | None
+    spec: ExperimentSpec, run: Run, out: Path, *, quiet: bool, prometheus_port: int | None
 ) -> dict[str, Any]:
     from faults.injector import Injector
     from faults.targets import Topology
     from harness.launch import attach_telemetry, run_job
 
+    policy = run.policy
     cfg = job_config(spec, policy)
-    # ``out`` was new or empty (choose_run_dir), so this policy's folder is fresh: nothing to
+    # ``out`` was new or empty (choose_run_dir), so this run's folder is fresh: nothing to
     # resume from or mix into the report.
-    run_dir = make_private_dir(out / policy)
-    journal = Journal(run_dir / "journal.jsonl", job=spec.name, policy=policy)
+    run_dir = make_private_dir(out / run.folder)
+    stamp: dict[str, Any] = {"policy": policy}
+    if run.control_run is not None:
+        stamp["control_run"] = run.control_run
+    journal = Journal(run_dir / "journal.jsonl", job=spec.name, **stamp)
     if prometheus_port is not None:
         import dataclasses
 
@@ -56,6 +62,9 @@ def run_policy(
     injectors: list[Any] = []
 
     def on_started(job: Any) -> Any:
+        if policy == CONTROL:
+            job.progress.say(f"{run.folder}: no faults, {run.duration_s} s (goodput's baseline)")
+            return None
         plan = spec.plan(Topology.from_context(job.faults))
         injector = Injector(
             plan,
@@ -80,7 +89,7 @@ def run_policy(
             journal=journal,
             quiet=quiet,
             on_started=on_started,
-            duration_s=spec.duration_s,
+            duration_s=run.duration_s,
         )
     finally:
         if telemetry is not None:
@@ -110,11 +119,11 @@ def main(args: argparse.Namespace) -> int:
     if spec.source is not None:
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
     outcomes = {}
-    for policy in spec.policies:
+    for run in spec.runs():
         if not args.quiet:
-            print(f"[ftharness] === {spec.name}: policy {policy} ===", file=sys.stderr)
-        outcomes[policy] = run_policy(
-            spec, policy, out, quiet=args.quiet, prometheus_port=args.prometheus_port
+            print(f"[ftharness] === {spec.name}: {run.folder} ===", file=sys.stderr)
+        outcomes[run.folder] = run_policy(
+            spec, run, out, quiet=args.quiet, prometheus_port=args.prometheus_port
         )
 
     from experiments.report import render_markdown, write_report

@@ -6,7 +6,8 @@ seed, how long, under which recovery policies, and which steady-state hypotheses
     name = "quickstart"          # names runs/NAME: letters, digits, _ - . (no / or ..)
     seed = 7
     duration_s = 60              # per policy (or steps = N, or both: whichever comes first)
-    policies = ["in_place", "full_restart"]
+    policies = ["control", "in_place", "full_restart"]   # control: the same job, no faults
+    control_runs = 2             # the control in this many pieces, interleaved with the policies
     job = "tiny.toml"            # relative to this file; or an inline [job] table
     overrides = ["model.dim=64"] # applied to the job config
 
@@ -29,6 +30,12 @@ seed, how long, under which recovery policies, and which steady-state hypotheses
     loss_finite = true
     every_fault_recovered = true
     goodput_min = { in_place = 0.6 }            # a number applies to every policy
+
+The ``control`` policy is the yardstick of goodput: the same job (the ``in_place`` config), same
+seed, no faults, for the same total time, split into ``control_runs`` pieces that run between the
+other policies (control, in_place, control, full_restart, ...), so the control sees the machine
+as the policies saw it; the spread of its pieces is the noise of the goodput figure
+(dashboards/metrics.py). Hypotheses judge the policies, not the control.
 
 Every error is an :class:`ExperimentError` naming the file, the key, the value and what is
 allowed. The job config is validated through ``harness.config.load_config`` (its replicas, ranks
@@ -57,11 +64,15 @@ from faults.schedule import (
 from faults.targets import REQUESTED_KINDS, KeepAlive, TargetError, TargetSpec, Topology
 from harness.config import MAX_SECONDS, NAME_PATTERN, config_from_dict, load_config
 
-POLICIES: tuple[str, ...] = ("in_place", "full_restart")
+#: The recovery policies an experiment compares (harness.config RecoveryConfig.policy).
+RECOVERY_POLICIES: tuple[str, ...] = ("in_place", "full_restart")
+#: The fault-free control run: goodput's baseline (see the module docstring).
+CONTROL = "control"
+POLICIES: tuple[str, ...] = (*RECOVERY_POLICIES, CONTROL)
 
 TOP_KEYS = (
-    "name", "description", "seed", "duration_s", "steps", "policies", "job", "overrides",
-    "schedule", "faults", "targets", "hypotheses",
+    "name", "description", "seed", "duration_s", "steps", "policies", "control_runs", "job",
+    "overrides", "schedule", "faults", "targets", "hypotheses",
 )  # fmt: skip
 SCHEDULE_KEYS = (
     "kind", "interval_s", "jitter_s", "mean_s", "start_s", "at_steps", "at_times", "max_faults",
@@ -80,6 +91,7 @@ THRESHOLD_HYPOTHESES = {
     "detection_p95_max_s": "p95 of fault -> detected <= x s",
     "stall_p95_max_s": "p95 of survivor stall <= x s",
     "steps_lost_max": "steps lost over the whole run <= x",
+    "skipped_max": "sequences of the data stream never trained (below the last step) <= x",
 }
 
 
@@ -90,6 +102,7 @@ class ExperimentError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class Hypotheses:
     """Steady-state hypotheses. Thresholds map a policy (or ``"*"``: every policy) to a bound.
+    They judge the recovery policies; the fault-free ``control`` run is the yardstick, not judged.
 
     What each flag claims (judged per policy by experiments/report.py):
 
@@ -132,6 +145,17 @@ class FaultMix:
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
 
 
+@dataclass(frozen=True)
+class Run:
+    """One job run of an experiment: its policy, its folder under the experiment's run
+    directory, how long it runs (None: until its steps), and which control piece it is."""
+
+    policy: str
+    folder: str
+    duration_s: float | None
+    control_run: int | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExperimentSpec:
     """A validated experiment. ``job_path`` (absolute) or ``job_table`` (inline) names the job."""
@@ -143,6 +167,7 @@ class ExperimentSpec:
     duration_s: float | None = None
     steps: int | None = None
     policies: tuple[str, ...] = ("in_place",)
+    control_runs: int = 2
     job_path: Path | None = None
     job_table: Mapping[str, Any] | None = None
     overrides: tuple[str, ...] = ()
@@ -156,7 +181,25 @@ class ExperimentSpec:
         """Overrides for the job config of one policy's run (the experiment's own, its steps,
         and the recovery policy)."""
         extra = [f"steps={self.steps}"] if self.steps is not None else []
-        return (*self.overrides, *extra, f"recovery.policy={policy}")
+        recovery = "in_place" if policy == CONTROL else policy
+        return (*self.overrides, *extra, f"recovery.policy={recovery}")
+
+    def runs(self) -> list[Run]:
+        """The runs in the order they happen: each recovery policy once for ``duration_s``; the
+        control (if named) in ``control_runs`` pieces of ``duration_s / control_runs``, one
+        before each recovery policy in turn and any left over at the end."""
+        policies = [p for p in self.policies if p != CONTROL]
+        if CONTROL not in self.policies:
+            return [Run(p, p, self.duration_s) for p in policies]
+        n = self.control_runs
+        piece = None if self.duration_s is None else self.duration_s / n
+        controls = [Run(CONTROL, f"{CONTROL}-{i + 1}", piece, i + 1) for i in range(n)]
+        out: list[Run] = []
+        for p in policies:
+            if controls:
+                out.append(controls.pop(0))
+            out.append(Run(p, p, self.duration_s))
+        return out + controls
 
     def plan(self, topology: Topology | None = None) -> list[PlannedFault]:
         """The fault plan (pure: same spec and topology -> same plan). Pass the live topology
@@ -263,6 +306,13 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
         raise w.error("duration_s", "set duration_s (seconds per policy) or steps (or both)")
 
     policies = _policies(w, data.get("policies", ["in_place"]))
+    control_runs = data.get("control_runs", 2)
+    if (
+        not isinstance(control_runs, int)
+        or isinstance(control_runs, bool)
+        or not 1 <= control_runs <= 16
+    ):
+        raise w.error("control_runs", f"got {control_runs!r}; must be an integer in 1..16")
     overrides = data.get("overrides", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise w.error("overrides", f"must be a list of 'key=value' strings, got {overrides!r}")
@@ -290,6 +340,7 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
         duration_s=duration_s,
         steps=steps,
         policies=policies,
+        control_runs=control_runs,
         job_path=job_path,
         job_table=job_table,
         overrides=tuple(overrides),
@@ -317,6 +368,12 @@ def _policies(w: _Where, value: Any) -> tuple[str, ...]:
             raise w.error("policies", f"unknown policy {p!r}; allowed: {', '.join(POLICIES)}")
     if len(set(value)) != len(value):
         raise w.error("policies", f"{value!r} names a policy twice")
+    if value == [CONTROL]:
+        raise w.error(
+            "policies",
+            f"{CONTROL!r} is the fault-free baseline of the other policies: name one of "
+            f"{', '.join(RECOVERY_POLICIES)} too",
+        )
     return tuple(value)
 
 

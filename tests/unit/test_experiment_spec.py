@@ -242,3 +242,39 @@ def test_a_soak_hypothesis_must_be_a_boolean(tmp_path, key):
         load_experiment(p)
     p = write(tmp_path, GOOD + f"{key} = true\n")
     assert getattr(load_experiment(p).hypotheses, key)
+
+
+def test_the_control_runs_in_pieces_between_the_policies(tmp_path):
+    text = _replace(
+        'policies = ["in_place", "full_restart"]',
+        'policies = ["control", "in_place", "full_restart"]\ncontrol_runs = 3',
+    )
+    spec = load_experiment(write(tmp_path, text))
+    order = [(r.folder, r.duration_s, r.control_run) for r in spec.runs()]
+    assert order == [
+        ("control-1", 20.0, 1),
+        ("in_place", 60.0, None),
+        ("control-2", 20.0, 2),
+        ("full_restart", 60.0, None),
+        ("control-3", 20.0, 3),
+    ]
+    assert spec.job_overrides("control")[-1] == "recovery.policy=in_place"
+    # Without a control: one run per policy, in order.
+    plain = load_experiment(write(tmp_path, GOOD, "plain.toml"))
+    assert [r.folder for r in plain.runs()] == ["in_place", "full_restart"]
+
+
+@pytest.mark.parametrize(
+    ("policies", "extra", "words"),
+    [
+        ('["control"]', "", ["policies", "baseline", "in_place"]),
+        ('["control", "in_place"]', "control_runs = 0", ["control_runs", "1..16"]),
+        ('["control", "in_place"]', 'control_runs = "2"', ["control_runs", "'2'"]),
+    ],
+)
+def test_a_bad_control_is_refused(tmp_path, policies, extra, words):
+    text = _replace('policies = ["in_place", "full_restart"]', f"policies = {policies}\n{extra}")
+    with pytest.raises(ExperimentError) as e:
+        load_experiment(write(tmp_path, text))
+    for w in words:
+        assert w in str(e.value)

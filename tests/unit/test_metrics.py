@@ -334,3 +334,57 @@ def test_derived_recoveries_of_a_host_fault_one_per_group(tmp_path):
         assert [g["replica"] for g in r["survivor_gaps"]] == [1]
         assert r["stall_s"] == pytest.approx(0.0)
     assert p["faults"]["host_eviction"]["recovered"] == 1
+
+
+# -- goodput against a fault-free control run ---------------------------------------------------
+
+
+def _steady(j: Journal, t0: float, steps: int, gap: float, replicas: int = 2) -> None:
+    """A fault-free run: every ``gap`` s each replica commits the next step (S samples)."""
+    j.emit("job.start", t=t0, config={}, replicas=replicas, ranks=1)
+    for step in range(1, steps + 1):
+        for r in range(replicas):
+            commit(j, t0 + step * gap, r, step)
+    j.emit("job.end", t=t0 + steps * gap + 0.5, status="ok", reason="", steps=steps)
+
+
+def _control_and_in_place(tmp_path, gaps: tuple[float, float], run_gap: float) -> dict:
+    for i, gap in enumerate(gaps, 1):
+        c = Journal(tmp_path / f"control-{i}" / "journal.jsonl", job="t", policy="control",
+                    control_run=i)  # fmt: skip
+        _steady(c, 1000.0 * i, 20, gap)
+        c.close()
+    a = Journal(tmp_path / "in_place" / "journal.jsonl", job="t", policy="in_place")
+    _steady(a, 5000.0, 20, run_gap)
+    a.close()
+    return summarize(read_journal(tmp_path))
+
+
+def test_goodput_is_measured_against_the_control_runs_with_their_spread(tmp_path):
+    # control pieces commit 2 x S samples per 0.5 s and per 0.4 s: 4 S and 5 S samples/s;
+    # in_place commits 2 x S per 0.5 s: 4 S samples/s, against the control's mean of 4.5 S.
+    s = _control_and_in_place(tmp_path, (0.5, 0.4), 0.5)
+    control, ip = s["policies"]["control"], s["policies"]["in_place"]
+    assert control["control_runs"] == pytest.approx([4.0 * S, 5.0 * S])
+    assert control["samples_per_s"] == pytest.approx(4.5 * S)
+    assert control["goodput"] is None  # the yardstick has none of its own
+    assert control["committed_steps"] == 20  # per piece, not the pieces added up
+    assert ip["goodput_basis"] == "control"
+    assert ip["control_samples_per_s"] == pytest.approx(4.5 * S)
+    assert ip["goodput"] == pytest.approx(4.0 / 4.5)
+    assert ip["goodput_spread"] == pytest.approx({"min": 0.8, "max": 1.0})
+    assert ip["goodput_above_control"] is False
+
+
+def test_goodput_above_the_whole_control_spread_is_flagged(tmp_path):
+    s = _control_and_in_place(tmp_path, (0.5, 0.4), 0.25)  # 8 samples/s: faster than any piece
+    ip = s["policies"]["in_place"]
+    assert ip["goodput"] == pytest.approx(8.0 / 4.5)
+    assert ip["goodput_above_control"] is True
+
+
+def test_without_a_control_goodput_is_against_the_runs_own_fault_free_stretch(records):
+    ip = summarize(records)["policies"]["in_place"]
+    assert ip["goodput_basis"] == "in_run"
+    assert ip["goodput_spread"] is None
+    assert ip["goodput"] == pytest.approx(ip["samples_per_s"] / ip["baseline_samples_per_s"])

@@ -412,3 +412,51 @@ def test_cli_report_recomputes_the_post_run_hypotheses(tmp_path):
     assert "❌ | no_orphans[in_place] | 1 process(es) still alive" in md
     assert "pid 4242 (python: python -m runtime.agent" in md
     assert "✅ | no_shm_left[in_place]" in md
+
+
+def test_the_control_run_is_the_goodput_yardstick_and_is_not_judged(run_dir):
+    # A fault-free control piece, committing faster than in_place's fault-free stretch.
+    from test_metrics import commit
+
+    c = Journal(run_dir / "control-1.jsonl", job="t", policy="control", control_run=1)
+    c.emit("job.start", t=300.0, config={}, replicas=3, ranks=1)
+    for step in range(1, 11):
+        for r in range(3):
+            commit(c, 300.0 + step * 0.5, r, step)
+    c.emit("job.end", t=306.0, status="ok", reason="", steps=10)
+    c.close()
+    records = read_journal(run_dir)
+    summary = summarize(records)
+    hyp = Hypotheses(loss_finite=True, thresholds={"goodput_min": {"*": 0.1}})
+    res = by_name(evaluate_hypotheses(hyp, summary, records))
+    assert not [name for name in res if "[control]" in name]
+    assert set(res) == {
+        "loss_finite[in_place]", "loss_finite[full_restart]",
+        "goodput_min[in_place]", "goodput_min[full_restart]",
+    }  # fmt: skip
+    ip = summary["policies"]["in_place"]
+    assert ip["goodput_basis"] == "control"
+    text = render_markdown(summary, list(res.values()))
+    assert "fault-free control: committed samples/s" in text
+    assert "control's spread" in text
+
+
+def test_skipped_sequences_are_reported_and_bounded(tmp_path):
+    from test_metrics import commit
+
+    j = Journal(tmp_path / "j.jsonl", job="t", policy="in_place")
+    j.emit("job.start", t=0.0, config={}, replicas=1, ranks=1)
+    # steps 1..4 train 8 sequences each, but step 3's range was skipped by a heal jump
+    for step in range(1, 5):
+        first = (step - 1) * 8 if step != 3 else 24
+        seqs = [[first, first + 8]] if step != 3 else []
+        commit(j, float(step), 0, step, seqs=seqs, seq_due=step * 8, data_policy="skip")
+    j.emit("job.end", t=5.0, status="ok", reason="", steps=4)
+    j.close()
+    records = read_journal(tmp_path)
+    summary = summarize(records)
+    assert summary["policies"]["in_place"]["data"]["skipped"] == 8
+    hyp = Hypotheses(thresholds={"skipped_max": {"in_place": 0}})
+    (res,) = evaluate_hypotheses(hyp, summary, records)
+    assert not res["passed"] and "skipped = 8" in res["detail"]
+    assert "8 of 24 sequences due were never trained" in render_markdown(summary, [res])
