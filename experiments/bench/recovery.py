@@ -14,7 +14,9 @@ so with 10 kills it lies between the two slowest), computed from the journal by
 ``dashboards.metrics`` (its docstring has the definitions): ``survivor_stall_s``,
 ``replacement_back_s`` (kill -> the killed group commits again), ``steps_lost``; for
 full_restart also ``full_restart_back_s`` (kill -> the job commits its next step); and
-``weights_match`` (every step committed by several groups has one checksum, per incarnation).
+``weights_match`` (every step committed by several groups has one checksum, per incarnation);
+``phases_s``: for each recovery phase (detected, replacement_started, healed, participating),
+the median time from the kill to it: where the replacement's time goes.
 A second row set runs the llama3 debug model (not with ``--quick``).
 """
 
@@ -165,9 +167,23 @@ def run_config(
                 if after:
                     backs.append(min(after) - k["t"])
         row["full_restart_back_s"] = _stats(backs)
+    row["phases_s"] = _phase_medians(records, recs)
     hyp = evaluate_hypotheses(Hypotheses(replicas_equal_after_heal=True), {}, records)
     row["weights_match"] = all(h["passed"] for h in hyp)
     return row
+
+
+def _phase_medians(records: list[dict], recs: list[dict]) -> dict[str, float]:
+    """Median seconds from each kill to each recovery phase of the group it killed."""
+    kill_t = {r.get("fault_id"): r["t"] for r in records if r["event"] == FAULT_INJECT}
+    since: dict[str, list[float]] = {}
+    for rec in recs:
+        t0 = kill_t.get(rec.get("fault_id"))
+        if t0 is None:
+            continue
+        for phase, t in (rec.get("phases") or {}).items():
+            since.setdefault(phase, []).append(t - t0)
+    return {phase: round(statistics.median(xs), 3) for phase, xs in since.items()}
 
 
 def _packaged_tiny() -> str:
