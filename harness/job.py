@@ -156,6 +156,17 @@ class Job:
             # paying for torch, torchft, the model code, or the dynamo import that the first
             # optimizer construction triggers (~1-3 s each on this machine).
             preload=("torch", "torch._dynamo", "harness.actors", *self._model_modules()),
+            # ... and the initial model built once, before forking (harness.model.prebuild).
+            warmup=(
+                (
+                    "harness.model:prebuild",
+                    {
+                        "model": dataclasses.asdict(self.cfg.model),
+                        "vocab_size": self.cfg.data.vocab_size,
+                        "seed": self.cfg.data.seed,
+                    },
+                ),
+            ),
         )
         self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()

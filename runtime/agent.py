@@ -415,6 +415,9 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
         raise channel.ChannelError(f"the controller answered {cfg!r:.80}")
     for mod in cfg.preload:
         importlib.import_module(mod)
+    for target, kwargs in cfg.warmup:
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)(**kwargs)
     # Everything imported so far lives as long as the process: keep it out of the collector.
     # A worker forked from here inherits ~300K tracked objects (torch, dynamo, torchft), and a
     # full collection in it (torchft's failure path runs one) would walk them all: 0.2-0.6 s

@@ -131,6 +131,7 @@ class HostTable:
         conn.send(
             AgentConfig(
                 preload=tuple(spec.preload),
+                warmup=tuple(spec.warmup),
                 heartbeat_interval_s=spec.heartbeat.interval_s,
                 heartbeat_timeout_s=spec.heartbeat.timeout_s,
                 agent_heartbeat_interval_s=spec.agent_heartbeat.interval_s,

@@ -36,6 +36,9 @@ class AgentConfig:
     agent_heartbeat_interval_s: float
     controller_silence_s: float
     connect_timeout_s: float
+    # Called once after the preload imports, before any fork: ("module:function", kwargs).
+    # What they build (a model, say) every worker forked from the agent inherits, copy-on-write.
+    warmup: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

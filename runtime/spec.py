@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class SpecError(ValueError):
@@ -75,6 +76,9 @@ class ControllerSpec:
     call_timeout_s: float = 60.0  # default for an endpoint call's .get()
     spawn_timeout_s: float = 60.0  # a worker up and connected after the agent forks it
     preload: tuple[str, ...] = ("torch",)  # imported once by each agent, before it forks workers
+    # ("module:function", kwargs) called once by each agent after its preload, before it forks
+    # workers (runtime.messages.AgentConfig.warmup)
+    warmup: tuple[tuple[str, dict[str, Any]], ...] = ()
     # An agent that hears nothing from the controller this long fences itself (stops its
     # workers, exits): a partitioned host must not train on alone.
     controller_silence_s: float = 10.0

@@ -101,3 +101,18 @@ class Chatter(Actor):
                     f.write(str(n))
             time.sleep(0.001)
         return n
+
+
+#: Set by :func:`warm` in a host agent before it forks (``ControllerSpec.warmup``).
+WARMED: dict = {}
+
+
+def warm(value: int) -> None:
+    WARMED["value"] = value
+    WARMED["pid"] = os.getpid()
+
+
+class WarmReader(Actor):
+    @endpoint
+    def warmed(self) -> dict:
+        return {**WARMED, "ppid": os.getppid()}

@@ -437,3 +437,21 @@ def test_warm_spare_is_adopted_then_replenished(tmp_path):
         if r["event"] == "proc.start" and r.get("spare") and "replica" in r
     ]
     assert len(adopted) == 1 and adopted[0]["replica"] == 4
+
+
+def test_warmup_runs_in_the_agent_before_it_forks_and_workers_inherit_it():
+    import dataclasses
+
+    spec = dataclasses.replace(
+        FAST,
+        preload=("runtime_actors",),
+        warmup=(("runtime_actors:warm", {"value": 42}),),
+    )
+    with Controller(spec, on_failure=lambda f: True) as c:
+        host = c.spawn_host("h0")
+        actors = host.spawn_procs({"ranks": 2}).spawn("w", runtime_actors.WarmReader)
+        seen = list(actors.warmed.call().get(timeout=30).values())
+    assert len(seen) == 2
+    for s in seen:
+        # built once, in the agent (the workers' parent), not in each worker
+        assert s == {"value": 42, "pid": host.pid, "ppid": host.pid}

@@ -58,3 +58,22 @@ def test_llama3_debug_builds_and_trains_on_cpu() -> None:
 def test_llama3_debug_rejects_other_vocab() -> None:
     with pytest.raises(ValueError, match="2048"):
         build_model(ModelConfig(kind="llama3_debug"), vocab_size=256, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "llama3_debug"])
+def test_a_prebuilt_model_is_what_build_model_builds_and_is_handed_out_once(kind):
+    import dataclasses
+
+    from harness import model as model_module
+
+    cfg = ModelConfig(kind=kind)
+    vocab = 2048 if kind == "llama3_debug" else 256
+    model_module.prebuild(dataclasses.asdict(cfg), vocab_size=vocab, seed=3)
+    first = build_model(cfg, vocab_size=vocab, seed=3)
+    second = build_model(cfg, vocab_size=vocab, seed=3)  # nothing prebuilt left: built now
+    assert first is not second
+    for (n1, a), (n2, b) in zip(
+        first.state_dict().items(), second.state_dict().items(), strict=True
+    ):
+        assert n1 == n2 and torch.equal(a, b), n1
+    assert not model_module._prebuilt
