@@ -120,6 +120,7 @@ class Job:
         # hosts: cooldowns (monotonic end) and agents being restarted in the background
         self._cooldown: dict[str, float] = {}
         self._respawning: set[str] = set()
+        self._all_lost = False  # every group has lost its state (see _on_every_group_lost)
         self._host_change = threading.Condition(self._lock)
         # the quorum service: the tree's (in this process) or torchft's Lighthouse (a worker)
         self._tree: Any = None
@@ -239,6 +240,30 @@ class Job:
         if self.recovery_quorum == "tree":
             self.controller.add_failure_listener(self._fence_in_tree_quorum)
         self.controller.add_failure_listener(self._on_host_lost)
+        self.controller.add_failure_listener(self._on_every_group_lost)
+
+    def _on_every_group_lost(self, failure: Failure) -> None:
+        """In place, when no group holds training state any more (every one failed, or was
+        replaced and has not committed since: a host eviction that took the last groups, say),
+        there is no peer to heal from: the job resumes from its last checkpoint, as a full
+        restart does, and its committed steps may go back to it. Said once per such event."""
+        if self.policy != "in_place" or failure.coords.get("replica") is None:
+            return
+        everyone = set(range(self.replicas))
+        with self._lock:
+            if not everyone <= self.tracker.stateless_replicas():
+                self._all_lost = False  # some group holds state (again)
+                return
+            if self._all_lost:
+                return
+            self._all_lost = True
+        self.journal.emit(
+            JOB_RESTART,
+            reason="in_place: every replica group lost its state at once; no peer to heal "
+            "from, the job resumes from its last checkpoint",
+        )
+        if self._tree is not None:
+            self._tree.job_restarted()
 
     def _fence_in_tree_quorum(self, failure: Failure) -> None:
         replica = failure.coords.get("replica")

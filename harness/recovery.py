@@ -52,6 +52,9 @@ class RecoveryTracker:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._open: dict[int | None, _Open] = {}  # by replica (None: the quorum service)
+        # Groups whose processes failed and that have not participated since: they hold no
+        # training state (a replacement starts from a peer's, or a checkpoint's).
+        self._stateless: set[int] = set()
         self._faults: list[Record] = []
         # (fault_id, replica) pairs already explained: a fault explains one recovery per group
         # it took down, never a later one of the same group
@@ -67,6 +70,9 @@ class RecoveryTracker:
             # taken for the quorum service (a recovery nothing would ever close)
             return
         replica = failure.coords.get("replica")
+        if replica is not None:
+            with self._lock:
+                self._stateless.add(replica)
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
     def replacement_started(self, replica: int | None) -> None:
@@ -149,6 +155,8 @@ class RecoveryTracker:
                 self._write(rec, "participating", t)
                 with self._lock:
                     self._open.pop(rec.replica, None)
+                    if rec.replica is not None:
+                        self._stateless.discard(rec.replica)
                     self.completed += 1
 
     def _write(self, rec: _Open, phase: str, t: float | None) -> None:
@@ -164,6 +172,11 @@ class RecoveryTracker:
             "cause": rec.cause,
         }
         self.journal.emit(RECOVERY_PHASE, t=t, **fields)
+
+    def stateless_replicas(self) -> set[int]:
+        """Groups whose processes failed and that have not committed a step since."""
+        with self._lock:
+            return set(self._stateless)
 
     def open_replicas(self) -> set[int | None]:
         with self._lock:

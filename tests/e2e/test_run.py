@@ -288,3 +288,32 @@ def test_a_journal_that_cannot_be_written_ends_the_run_with_a_clear_reason(tmp_p
     journal.close()
     assert out["status"] == "failed"
     assert "could not be written" in out["reason"] and "No space left" in out["reason"]
+
+
+def test_every_group_lost_at_once_resumes_from_the_last_checkpoint(tmp_path):
+    """In place with no group left holding state (all killed together, as a host eviction that
+    took the last groups does): no peer to heal from, so the job resumes from its checkpoint;
+    the tree quorum must let committed steps go back to it instead of waiting forever for a
+    member at the old highest step."""
+    cfg = tiny_cfg("steps=120", "replicas=2", "checkpoint.every_steps=20")
+
+    def kill_all() -> None:
+        pids = [p for r in range(2) for p in job_ref[0].faults.pids(Target(replica=r, rank=0))]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    job_ref: list = []
+
+    def started(job):
+        job_ref.append(job)
+        after_step(job, 50, kill_all)
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started, timeout=150)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+    restarts = [r for r in records if r["event"] == "job.restart"]
+    assert len(restarts) == 1 and "every replica group lost its state" in restarts[0]["reason"]
+    loads = [r for r in records if r["event"] == "checkpoint.load"]
+    assert {r["replica"] for r in loads} == {0, 1} and min(r["step"] for r in loads) >= 40
+    assert max(r["step"] for r in records if r["event"] == "step.commit") == 120
