@@ -86,7 +86,7 @@ class ReplicaGroup:
     replica: int
     incarnation: int
     host: str
-    mesh: ActorMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
+    mesh: ActorMesh | ProcMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
     store: Any  # the group's TCPStore, served from this process while the group runs
     training: cf.Future  # rank 0's ``train`` call: done when the group stops training
 
@@ -133,6 +133,7 @@ class Job:
         self._journal_error: OSError | None = None
         journal.on_error(self._on_journal_error)
         self.faults = JobFaultContext(self)
+        self.program: Any = None  # a program of the user's own: harness.program.ProgramGroups
 
     @property
     def controller(self) -> Controller:
@@ -160,6 +161,11 @@ class Job:
         self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.cfg.program.enabled:
+            from harness.program import ProgramGroups
+
+            self.program = ProgramGroups(self)
+            self.program.start()
         self.journal.emit(
             JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
         )
@@ -237,7 +243,7 @@ class Job:
             group = self.groups.get(replica)
         if group is not None and failure.proc not in group.mesh.proc_ids:
             return  # a late report about a replaced incarnation: fencing would drop its successor
-        self._tree.replica_failed(replica)
+        self._tree.replica_failed(replica, self.program.member_ids(replica) if self.program else ())
 
     def _model_modules(self) -> tuple[str, ...]:
         """The model code to preload: torchtitan (~2 s to import) only for its model."""
@@ -266,6 +272,8 @@ class Job:
             secret=old.secret if old is not None else None,
             incarnations=old.incarnations if old is not None else None,
             highest_step=old.highest_step if old is not None else -1,
+            # a program's Managers pick their own ids; the quorum tap admits them (by store)
+            allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
         )
         self.quorum_addr = self._tree.address
 
@@ -324,6 +332,8 @@ class Job:
         member_ids = (
             {r: self._tree.admit(r, incarnation[r]) for r in replicas} if self._tree else {}
         )
+        if self.program is not None:
+            return self._start_programs(replicas, hosts, incarnation, stores)
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),
@@ -352,6 +362,28 @@ class Job:
             self.tracker.replacement_started(r)
             training.futures[(i, 0)].add_done_callback(lambda _: self._check_done())
         return actors
+
+    def _start_programs(
+        self,
+        replicas: list[int],
+        hosts: dict[int, HostAgentHandle],
+        incarnation: dict[int, int],
+        stores: dict[int, Any],
+    ) -> ProcMesh:
+        """Spawn: a program of the user's own in place of trainer actors (harness.program)."""
+        procs, training = self.program.start_groups(replicas, hosts, incarnation, stores)
+        for i, r in enumerate(replicas):
+            with self._lock:
+                self.groups[r] = ReplicaGroup(
+                    replica=r,
+                    incarnation=incarnation[r],
+                    host=hosts[r].name,
+                    mesh=procs.slice(replica=slice(i, i + 1)),
+                    store=stores[r][0],
+                    training=training[r],
+                )
+            self.tracker.replacement_started(r)
+        return procs
 
     # -- place: hosts ---------------------------------------------------------------------------
     def host_names(self) -> list[str]:
@@ -526,6 +558,8 @@ class Job:
         with self._lock:
             self._stopping = True
             groups = list(self.groups.values())
+        if self.program is not None:
+            self.program.stop()  # before waiting on the groups' training below
         for g in groups:
             for pid in g.mesh.proc_ids:
                 with contextlib.suppress(Exception):
