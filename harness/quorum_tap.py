@@ -128,8 +128,9 @@ class QuorumTap:
             if channel is None:
                 channel = self._channels[target] = grpc.insecure_channel(target)
         stub = channel.unary_unary(f"/{SERVICE}/{method}")
+        left = context.time_remaining()  # without a deadline: about 9.2e18, which grpc refuses
         try:
-            return stub(request, timeout=context.time_remaining())
+            return stub(request, timeout=left if left is not None and left < 1e6 else None)
         except grpc.RpcError as e:
             context.abort(e.code(), e.details() or "")
             raise  # not reached: abort raises

@@ -7,7 +7,8 @@ gives through the environment.
     MASTER_ADDR, MASTER_PORT               this group's store (Manager reads them)
     RANK, WORLD_SIZE                       this rank within its group (Manager reads them)
 
-Usage: ``python train_ddp.py STEPS``. Synthetic data, gloo, DistributedDataParallel and
+Usage: ``python train_ddp.py STEPS [STEP_SECONDS]`` (STEP_SECONDS: extra time per step, standing
+for a real model's compute, so faults land mid-run on a fast machine). Synthetic data, gloo, DistributedDataParallel and
 torchft's OptimizerWrapper; it exits 0 once the Manager has committed STEPS steps.
 A missing variable is an error (exit code 2) rather than a silent default: a program started
 without its launcher's environment must not train on its own as replica group 0.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from datetime import timedelta
 
 REQUIRED = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "MASTER_ADDR")
@@ -28,6 +30,7 @@ def main() -> int:
         print(f"train_ddp: missing environment {', '.join(missing)}", file=sys.stderr)
         return 2
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+    step_seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     replica_group = int(os.environ["REPLICA_GROUP_ID"])
     num_groups = int(os.environ["NUM_REPLICA_GROUPS"])
 
@@ -66,6 +69,7 @@ def main() -> int:
         labels = torch.randint(0, 8, (16,), generator=data)
         optimizer.zero_grad()  # starts the quorum
         loss = criterion(ddp(inputs), labels)
+        time.sleep(step_seconds)
         loss.backward()  # gradients are averaged across the participating groups
         optimizer.step()  # commits only if every rank of every group saw a clean step
         if manager.current_step() % 10 == 0:
