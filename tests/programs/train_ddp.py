@@ -8,8 +8,9 @@ gives through the environment.
     RANK, WORLD_SIZE                       this rank within its group (Manager reads them)
 
 Usage: ``python train_ddp.py STEPS [STEP_SECONDS]`` (STEP_SECONDS: extra time per step, standing
-for a real model's compute, so faults land mid-run on a fast machine). Synthetic data, gloo, DistributedDataParallel and
-torchft's OptimizerWrapper; it exits 0 once the Manager has committed STEPS steps.
+for a real model's compute, so faults land mid-run on a fast machine). Synthetic data, gloo,
+DistributedDataParallel and torchft's OptimizerWrapper; it exits 0 once the Manager has
+committed STEPS steps.
 A missing variable is an error (exit code 2) rather than a silent default: a program started
 without its launcher's environment must not train on its own as replica group 0.
 """
@@ -36,7 +37,6 @@ def main() -> int:
 
     import torch
     from torch import nn, optim
-
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     torch.manual_seed(0)  # every group starts from the same weights
