@@ -29,6 +29,7 @@ How each piece of the job-level protocol (``harness.job``) applies to a program:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import math
 import os
 import signal
@@ -50,13 +51,26 @@ from runtime.mesh import ProcMesh
 TAIL_LINES = 20
 
 
+#: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
+HOOKS_DIR = Path(__file__).resolve().parent / "program_hooks"
+#: The signal that tells the hook a fault command is waiting (harness/program_hooks).
+HOOK_SIGNAL = signal.SIGUSR2
+
+
 def launcher_env(
-    cfg: Any, *, replica: int, rank: int, lighthouse: str, store_addr: str
+    cfg: Any,
+    *,
+    replica: int,
+    rank: int,
+    lighthouse: str,
+    store_addr: str,
+    hook_dir: str | None = None,
 ) -> dict[str, str]:
     """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
     (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
     they take precedence over the program's own, so the ordering ``harness.config`` checks
-    holds for the program too), then ``program.env``."""
+    holds for the program too), then ``program.env``; with ``program.hooks``, ftharness's
+    hook first on ``PYTHONPATH`` and where it finds its commands (``hook_dir``)."""
     host, port = store_addr.rsplit(":", 1)
     t = cfg.timeouts
     env = {
@@ -75,7 +89,12 @@ def launcher_env(
         "TORCHFT_CONNECT_TIMEOUT_SEC": str(math.ceil(t.connect_timeout)),
         "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
     }
-    return {**env, **cfg.program.env}
+    env = {**env, **cfg.program.env}
+    if cfg.program.hooks:
+        path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HOOKS_DIR), path) if p)
+        env["FTHARNESS_HOOK_DIR"] = hook_dir or ""
+    return env
 
 
 def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:
@@ -203,6 +222,9 @@ class ProgramGroups:
         assert self.tap is not None, "start() first"
         c = self.job.controller
         logs = Path(self.job.run_dir) / "logs"
+        hooks = Path(self.job.run_dir) / "hooks"
+        if self.cfg.program.hooks:
+            hooks.mkdir(mode=0o700, exist_ok=True)
         cwd = self.cfg.program.cwd or os.getcwd()
         items: dict[tuple[int, ...], Any] = {}
         training: dict[int, cf.Future] = {}
@@ -214,7 +236,12 @@ class ProgramGroups:
                 with open(log, "a", encoding="utf-8") as f:
                     f.write(f"=== ftharness: replica {r} rank {k} incarnation {incarnation[r]}\n")
                 env = launcher_env(
-                    self.cfg, replica=r, rank=k, lighthouse=self.tap.address, store_addr=store_addr
+                    self.cfg,
+                    replica=r,
+                    rank=k,
+                    lighthouse=self.tap.address,
+                    store_addr=store_addr,
+                    hook_dir=str(hooks),
                 )
                 rec = c.spawn_program(
                     hosts[r], {"replica": r, "rank": k}, program_argv(self.cfg, replica=r), env,
@@ -273,16 +300,25 @@ class ProgramGroups:
 
     # -- faults ---------------------------------------------------------------------------------
     def run_in_program(self, proc_id: str, func: str, *args: Any) -> None:
-        """An in-process fault for a program. A segfault is delivered from outside (SIGSEGV:
-        what the supervisor sees is the same); the others need code inside the process."""
+        """An in-process fault for a program. With ``program.hooks`` it runs inside the rank
+        (harness/program_hooks: a command file, then a signal); without, a segfault is a SIGSEGV
+        sent from outside (the supervisor sees the same death) and the others are refused."""
         rec = self.job.controller.procs.get(proc_id)
+        if rec is None or rec.pid is None:
+            raise RuntimeError(f"{func}: {proc_id} has no process")
+        if self.cfg.program.hooks:
+            hooks = Path(self.job.run_dir) / "hooks"
+            tmp = hooks / f".{rec.pid}.json"
+            tmp.write_text(json.dumps({"func": func, "args": list(args)}))
+            tmp.replace(hooks / f"{rec.pid}.json")
+            os.kill(rec.pid, HOOK_SIGNAL)
+            return
         if func == "faults.inworker:segfault":
-            if rec is not None and rec.pid is not None:
-                os.kill(rec.pid, signal.SIGSEGV)
+            os.kill(rec.pid, signal.SIGSEGV)
             return
         raise ValueError(
-            f"{func} runs inside the training process; a program of your own cannot take it "
-            "(only kill, segfault, hang and host or network faults)"
+            f"{func} runs inside the training process: a program of your own takes it only with "
+            "program.hooks = true (kill, segfault, hang, host and network faults need nothing)"
         )
 
     # -- the tap's observer ---------------------------------------------------------------------
