@@ -3,6 +3,7 @@ tap in front of a real quorum service (harness/quorum_tap.py): real processes, r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -155,3 +156,48 @@ def test_quorum_tap_forwards_observes_and_admits_by_store():
         channel.close()
         tap.shutdown()
         tree.shutdown()
+
+
+BEATING = "import sys, time\nfor i in range(600):\n    print(i, flush=True)\n    time.sleep(0.05)\n"
+
+
+def _hooked(ctl, tmp_path):
+    """A Python program that prints a line every 50 ms, with ftharness's hook on its path."""
+    from harness.program import HOOKS_DIR
+
+    host = ctl.hosts.get("h0") or ctl.spawn_host("h0")
+    log = tmp_path / "replica0-rank0.log"
+    env = {"PYTHONPATH": str(HOOKS_DIR), "FTHARNESS_HOOK_DIR": str(tmp_path)}
+    rec = ctl.spawn_program(
+        host, {"replica": 0, "rank": 0}, ("python", "-c", BEATING), env, None, str(log)
+    )
+    pid = rec.ready.result(timeout=15)
+    wait_for(lambda: log.exists() and log.read_text().count("\n") > 3, what="the program")
+    return rec, pid, log
+
+
+def _command(tmp_path, pid: int, func: str, *args) -> None:
+    from harness.program import HOOK_SIGNAL
+
+    (tmp_path / f"{pid}.json").write_text(json.dumps({"func": func, "args": list(args)}))
+    os.kill(pid, HOOK_SIGNAL)
+
+
+def test_hook_runs_a_real_segfault_inside_an_unmodified_program(ctl, tmp_path):
+    _, pid, _ = _hooked(ctl, tmp_path)
+    _command(tmp_path, pid, "faults.inworker:segfault")
+    f = wait_for(lambda: ctl.failures, what="the segfault")[0]
+    assert (f.cause, f.signal) == (Cause.SIGNAL, "SIGSEGV")
+    assert not (tmp_path / f"{pid}.json").exists()  # the hook read its command
+
+
+def test_hook_holds_the_gil_inside_an_unmodified_program(ctl, tmp_path):
+    _, pid, log = _hooked(ctl, tmp_path)
+    _command(tmp_path, pid, "faults.inworker:hold_gil", 3.0, 0.0)
+    time.sleep(0.5)  # the hold has begun
+    lines = log.read_text().count("\n")
+    time.sleep(1.5)
+    assert log.read_text().count("\n") == lines  # no Python ran: the main loop is frozen
+    assert psutil.Process(pid).status() != psutil.STATUS_STOPPED  # alive, not stopped
+    wait_for(lambda: log.read_text().count("\n") > lines, timeout=10, what="the GIL released")
+    assert ctl.failures == []
