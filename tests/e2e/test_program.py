@@ -19,14 +19,20 @@ PROGRAM = ROOT / "tests" / "programs" / "train_ddp.py"
 EXPERIMENT = ROOT / "tests" / "programs" / "chaos_train_ddp.toml"
 
 
-def _write_experiment(path: Path, quorum: str) -> dict:
-    """tests/programs/chaos_train_ddp.toml with ``quorum`` and the program's absolute path."""
+def _write_experiment(path: Path, quorum: str, edits: dict[str, str] | None = None) -> dict:
+    """tests/programs/chaos_train_ddp.toml with ``quorum``, the program's absolute path, and
+    whole lines replaced (``edits``: line prefix -> new line)."""
     text = EXPERIMENT.read_text()
     assert 'quorum = "torchft"' in text and '"tests/programs/train_ddp.py"' in text
     text = text.replace('quorum = "torchft"', f'quorum = "{quorum}"')
     text = text.replace('"tests/programs/train_ddp.py"', json.dumps(str(PROGRAM)))
-    path.write_text(text)
-    return tomllib.loads(text)
+    lines = text.splitlines()
+    for prefix, new in (edits or {}).items():
+        hits = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+        assert len(hits) == 1, prefix
+        lines[hits[0]] = new
+    path.write_text("\n".join(lines) + "\n")
+    return tomllib.loads(path.read_text())
 
 
 @pytest.mark.timeout(360)
@@ -64,6 +70,37 @@ def test_unmodified_program_recovers_from_kill_segfault_and_hang(tmp_path, quoru
     assert {"SIGKILL", "SIGSEGV", "missed_heartbeat"} <= causes, causes
     # the console showed the failed rank's log, prefixed
     assert "replica0-rank0 | " in out or "replica1-rank0 | " in out
+
+
+@pytest.mark.timeout(300)
+def test_unmodified_program_takes_in_process_faults_through_the_opt_in_hook(tmp_path):
+    """With ``program.hooks``, a GIL held in a C call (the group stops asking for quorums: hung,
+    killed, restarted) and an aborted collective (the step aborts, the group goes on without a
+    restart) reach a program that was not changed for them."""
+    _write_experiment(
+        tmp_path / "exp.toml",
+        "tree",
+        {
+            "seed =": "seed = 6",
+            "mix =": "mix = { gil_deadlock = 1, collective_abort = 1 }",
+            "at_steps =": "at_steps = [60, 200]",
+            "start_timeout_s =": "start_timeout_s = 90.0\nhooks = true",
+        },
+    )
+    done = subprocess.run(
+        chaos_argv(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    run = tmp_path / "run" / "in_place"
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    recs = report["summary"]["policies"]["in_place"]["recoveries"]
+    assert sorted(r["kind"] for r in recs) == ["collective_abort", "gil_deadlock"], recs
+    assert all(r["participate_s"] is not None for r in recs), recs
+    failures = [f for f in events(run, "failure") if not f.get("fatal")]
+    assert [f["cause"] for f in failures] == ["missed_heartbeat"]  # the held GIL; the abort: none
+    assert any(
+        a["reason"].startswith("asked for a quorum again") for a in events(run, "step.abort")
+    )
 
 
 @pytest.mark.timeout(180)
