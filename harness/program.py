@@ -46,6 +46,7 @@ from harness.quorum_tap import QuorumTap, Request
 from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 from runtime.mesh import ProcMesh
+from runtime.messages import SpawnProgram
 
 #: Lines of a failed rank's log shown on the console.
 TAIL_LINES = 20
@@ -243,10 +244,16 @@ class ProgramGroups:
                     store_addr=store_addr,
                     hook_dir=str(hooks),
                 )
-                rec = c.spawn_program(
-                    hosts[r], {"replica": r, "rank": k}, program_argv(self.cfg, replica=r), env,
-                    cwd, str(log),
-                )  # fmt: skip
+                spawn = SpawnProgram(
+                    proc_id="",  # assigned by the controller
+                    coords={"replica": r, "rank": k},
+                    argv=program_argv(self.cfg, replica=r),
+                    env=env,
+                    cwd=cwd,
+                    log_path=str(log),
+                    warm=self.cfg.program.warm,
+                )
+                rec = c.spawn_program(hosts[r], spawn)
                 self._logs[rec.ref.proc_id] = log
                 items[(i, k)] = rec.ref
                 recs.append(rec)

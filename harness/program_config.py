@@ -58,7 +58,13 @@ class ProgramConfig:
 
     ``hooks``: put ftharness's ``sitecustomize`` hook on the program's import path, for the
     in-process faults (``faults.inworker``); off by default (the program then runs exactly as
-    it would without ftharness)."""
+    it would without ftharness).
+
+    ``warm``: start each rank as a fork of its host agent's interpreter, with torch (and the
+    agent's other preloads) already imported, as the built-in trainer's workers start, instead
+    of a fresh interpreter: a replacement skips the imports. Only for ``python SCRIPT ...`` and
+    ``python -m MODULE ...``; what torch reads from the environment at import is then the
+    agent's (``runtime.program_proc.fork_program``)."""
 
     command: tuple[str, ...] = ()
     kind: Literal["torchft", "torchtitan"] = "torchft"
@@ -67,6 +73,7 @@ class ProgramConfig:
     start_timeout_s: float = 120.0
     progress_timeout_s: float = 30.0
     hooks: bool = False
+    warm: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -111,6 +118,17 @@ def program_problem(cfg: Any) -> str | None:
         )
     if p.cwd is not None and not os.path.isdir(p.cwd):
         return f"program.cwd = {p.cwd!r}: not a directory"
+    if p.warm and (
+        p.command[0] not in PYTHON_NAMES
+        or len(p.command) < 2
+        or (p.command[1].startswith("-") and p.command[1] != "-m")
+        or (p.command[1] == "-m" and len(p.command) < 3)
+    ):
+        return (
+            f"program.warm = true needs command = ['python', SCRIPT, ...] or "
+            f"['python', '-m', MODULE, ...] (it runs them in a fork of ftharness's interpreter), "
+            f"not {list(p.command)}"
+        )
     if cfg.recovery.spares_per_host:
         return (
             f"recovery.spares_per_host = {cfg.recovery.spares_per_host}: warm spares are forked "

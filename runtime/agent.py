@@ -263,6 +263,13 @@ class Agent:
         from runtime import program_proc
 
         extra = {"GLOO_SOCKET_IFNAME": self.gloo_ifname} if self.gloo_ifname else {}
+        if msg.warm:
+            socks = [self.conn.sock, self.wake_r, self.wake_w]
+            socks += [w.hb for w in self.workers.values() if w.hb is not None]
+            pid = program_proc.fork_program(msg, extra, [s.fileno() for s in socks])
+            self.workers[pid] = _Worker(msg.proc_id, pid, None, 0.0)
+            self._send(Spawned(msg.proc_id, pid))
+            return
         try:
             popen = program_proc.start_program(msg, extra)
         except OSError as exc:

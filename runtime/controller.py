@@ -273,25 +273,17 @@ class Controller:
         return dims, items, recs
 
     # -- programs of the user's own (runtime/program_proc.py runs them on the host) ------------
-    def spawn_program(
-        self,
-        h: HostAgentHandle,
-        coords: dict[str, int],
-        argv: tuple[str, ...],
-        env: dict[str, str],
-        cwd: str | None,
-        log_path: str | None,
-    ) -> ProcRecord:
-        """Start a plain program on ``h`` as a supervised process (owned like a spawned mesh's;
-        its exit or a signal is a failure, its exit code 0 is not: ``rec.finished``). It has no
-        control connection: it is running once its agent reports the pid (``rec.ready``)."""
+    def spawn_program(self, h: HostAgentHandle, msg: SpawnProgram) -> ProcRecord:
+        """Start ``msg``'s program on ``h`` (its ``proc_id`` is assigned here) as a supervised
+        process, owned like a spawned mesh's: an exit or a signal is a failure, exit code 0 is
+        not (``rec.finished``). Running once its agent reports the pid (``rec.ready``)."""
         if h.lost or h.conn is None:
             raise ProcFailedError(f"host {h.name} is lost")
-        ref = ProcRef(h.next_proc_id(), h.name, dict(coords))
+        ref = ProcRef(h.next_proc_id(), h.name, dict(msg.coords))
         rec = ProcRecord(ref, h, owner=getattr(self._owner, "value", None), program=True)
         with self._lock:
             self.procs[ref.proc_id] = rec
-        h.conn.send(SpawnProgram(ref.proc_id, dict(coords), tuple(argv), dict(env), cwd, log_path))
+        h.conn.send(replace(msg, proc_id=ref.proc_id))
         return rec
 
     def _program_running(self, rec: ProcRecord) -> None:

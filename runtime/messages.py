@@ -76,6 +76,7 @@ class SpawnProgram:
     env: dict[str, str]
     cwd: str | None
     log_path: str | None
+    warm: bool = False  # fork the agent's preloaded interpreter (``python SCRIPT|-m MOD ...``)
 
 
 @dataclass(frozen=True, slots=True)

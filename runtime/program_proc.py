@@ -12,10 +12,13 @@ the same ``Exited`` value. Its liveness is its training progress, watched by the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import runpy
 import signal
 import subprocess
 import sys
+import traceback
 
 from runtime import process
 from runtime.messages import SpawnProgram
@@ -55,6 +58,74 @@ def start_program(msg: SpawnProgram, extra_env: dict[str, str]) -> subprocess.Po
     finally:
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int]) -> int:
+    """Start ``msg``'s ``python SCRIPT ...`` or ``python -m MODULE ...`` as a fork of this
+    (the agent's) interpreter, torch and the other preloads already imported, the way a warm
+    worker starts. Returns the pid. ``close``: the agent's descriptors the child must not keep.
+
+    What differs from a cold start: modules imported before the fork are not imported again,
+    so environment variables they read at import (torch's thread counts, for one) are the
+    agent's; ``PYTHONPATH`` entries are put on ``sys.path`` by hand, and ftharness's hook
+    (``program.hooks``) is run explicitly (no interpreter start-up runs ``sitecustomize``)."""
+    agent_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        _child_setup(agent_pid)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in close:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if msg.log_path:
+            fd = os.open(msg.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        code = _run_warm(msg, extra_env)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _run_warm(msg: SpawnProgram, extra_env: dict[str, str]) -> int:
+    os.environ.update({**extra_env, **msg.env})
+    if msg.cwd:
+        os.chdir(msg.cwd)
+    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    args = list(msg.argv[1:])
+    if args[:1] == ["-m"]:
+        sys.argv = [args[1], *args[2:]]
+        sys.path[:0] = [*extra_path, os.getcwd()]
+        _run_hook(extra_path)
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path[:0] = [*extra_path, os.path.dirname(os.path.abspath(args[0]))]
+        _run_hook(extra_path)
+        runpy.run_path(args[0], run_name="__main__")
+    return 0
+
+
+def _run_hook(paths: list[str]) -> None:
+    """What interpreter start-up would have done with ftharness's hook on PYTHONPATH."""
+    for p in paths:
+        hook = os.path.join(p, "sitecustomize.py")
+        if os.environ.get("FTHARNESS_HOOK_DIR") and os.path.isfile(hook):
+            runpy.run_path(hook, run_name="sitecustomize")
+            return
 
 
 def _child_setup(agent_pid: int) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 
 import grpc
 import psutil
@@ -16,6 +17,7 @@ from harness.quorum_tap import QuorumTap, Request
 from harness.tree_quorum import SERVICE, TreeQuorum, encode_field
 from runtime.controller import Controller
 from runtime.failure import Cause
+from runtime.messages import SpawnProgram
 from runtime.spec import ControllerSpec, HeartbeatSpec
 from runtime.states import ProcState
 
@@ -45,12 +47,14 @@ def ctl():
     c.shutdown(grace_s=0.5)
 
 
+def program(argv, env, cwd, log, warm: bool = False) -> SpawnProgram:
+    return SpawnProgram("", {"replica": 0, "rank": 0}, tuple(argv), env, cwd, str(log), warm)
+
+
 def start(ctl, tmp_path, script: str, *, cwd: str | None = None, env: dict | None = None):
     host = ctl.hosts.get("h0") or ctl.spawn_host("h0")
     log = tmp_path / "replica0-rank0.log"
-    rec = ctl.spawn_program(
-        host, {"replica": 0, "rank": 0}, ("sh", "-c", script), env or {}, cwd, str(log)
-    )
+    rec = ctl.spawn_program(host, program(("sh", "-c", script), env or {}, cwd, log))
     return rec, log
 
 
@@ -168,9 +172,7 @@ def _hooked(ctl, tmp_path):
     host = ctl.hosts.get("h0") or ctl.spawn_host("h0")
     log = tmp_path / "replica0-rank0.log"
     env = {"PYTHONPATH": str(HOOKS_DIR), "FTHARNESS_HOOK_DIR": str(tmp_path)}
-    rec = ctl.spawn_program(
-        host, {"replica": 0, "rank": 0}, ("python", "-c", BEATING), env, None, str(log)
-    )
+    rec = ctl.spawn_program(host, program(("python", "-c", BEATING), env, None, log))
     pid = rec.ready.result(timeout=15)
     wait_for(lambda: log.exists() and log.read_text().count("\n") > 3, what="the program")
     return rec, pid, log
@@ -201,3 +203,35 @@ def test_hook_holds_the_gil_inside_an_unmodified_program(ctl, tmp_path):
     assert psutil.Process(pid).status() != psutil.STATUS_STOPPED  # alive, not stopped
     wait_for(lambda: log.read_text().count("\n") > lines, timeout=10, what="the GIL released")
     assert ctl.failures == []
+
+
+WARM = """
+import os, sys
+print("torch preloaded:", "torch" in sys.modules, flush=True)
+print("argv:", sys.argv, "env:", os.environ.get("GREETING"), "cwd:", os.getcwd(), flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_warm_start_runs_the_script_in_a_fork_of_the_preloaded_agent(tmp_path, code):
+    """``program.warm``: the agent forks its interpreter (torch already imported) and runs the
+    script as ``__main__`` with its argv, environment and cwd; its exit code is reported."""
+    c = Controller(replace(FAST, preload=("torch",)), on_failure=lambda f: True)
+    try:
+        script = tmp_path / "prog.py"
+        script.write_text(WARM)
+        host = c.spawn_host("h0")
+        log = tmp_path / "log"
+        msg = program(("python", str(script), str(code)), {"GREETING": "hi"}, str(tmp_path), log)
+        rec = c.spawn_program(host, replace(msg, warm=True))
+        if code == 0:
+            rec.finished.result(timeout=15)
+        else:
+            f = wait_for(lambda: c.failures, what="the exit")[0]
+            assert f.exit_code == 3
+        text = log.read_text()
+        assert "torch preloaded: True" in text, text
+        assert f"argv: ['{script}', '{code}'] env: hi cwd: {tmp_path}" in text, text
+    finally:
+        c.shutdown(grace_s=0.5)
