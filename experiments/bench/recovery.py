@@ -19,12 +19,14 @@ A second row set runs the llama3 debug model (not with ``--quick``).
 
 Two more configurations run a program of the user's own instead of the built-in trainer
 (``tests/programs/train_ddp.py``, a plain torchft program; ``harness.program``), under each
-quorum backend: ``program/torchft`` and ``program/tree``. Their figures come from what the
-quorum tap observed (commits one request late, see ``harness.program``), plus
-``cold_start_to_first_commit_s``: from the program's first start to its group's first
-committed step, per group (the same program, same machine, same run). ``vs_builtin`` compares:
-the program's ``replacement_back_s`` to its own cold start (goal: at most 1.5x) and its
-``survivor_stall_s`` to the built-in trainer's under the same backend (goal: within 1.2x).
+quorum backend, started cold (a fresh interpreter: ``program/torchft``, ``program/tree``) and
+warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``).
+Their figures come from what the quorum tap observed (commits one request late, see
+``harness.program``), plus ``cold_start_to_first_commit_s``: from the program's first start to
+its group's first committed step, per group (same machine, same run). ``vs_builtin`` compares
+each program row's ``replacement_back_s`` to the cold row's cold start under the same backend
+(the same program from a cold start; goal: at most 1.5x) and its ``survivor_stall_s`` to the
+built-in trainer's under the same backend (goal: within 1.2x).
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ CONFIGS = {
 #: A program of the user's own (harness.program), run from a source checkout.
 PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "programs" / "train_ddp.py"
 PROGRAM_CONFIGS = {
-    f"program/{quorum}": [
+    f"program{'_warm' if warm else ''}/{quorum}": [
         "recovery.policy=in_place",
         f"recovery.quorum={quorum}",
         f'program.command=["python", "{PROGRAM}", "1000000"]',
         "program.progress_timeout_s=30",
+        f"program.warm={str(warm).lower()}",
     ]
+    for warm in (False, True)
     for quorum in ("torchft", "tree")
 }
 MODELS = {
@@ -280,8 +284,10 @@ def _vs_builtin(rows: dict[str, Any], name: str) -> dict[str, float | None]:
         v = (row or {}).get(key)
         return v["median"] if v else None
 
-    prog, builtin = rows[name], rows.get(name.replace("program/", "in_place/"))
-    back, cold = med(prog, "replacement_back_s"), med(prog, "cold_start_to_first_commit_s")
+    quorum = name.split("/", 1)[1]
+    prog, builtin = rows[name], rows.get(f"in_place/{quorum}")
+    cold_row = rows.get(f"program/{quorum}")
+    back, cold = med(prog, "replacement_back_s"), med(cold_row, "cold_start_to_first_commit_s")
     stall, builtin_stall = med(prog, "survivor_stall_s"), med(builtin, "survivor_stall_s")
     return {
         "replacement_back_over_cold_start": round(back / cold, 2) if back and cold else None,
