@@ -333,7 +333,7 @@ class Job:
             {r: self._tree.admit(r, incarnation[r]) for r in replicas} if self._tree else {}
         )
         if self.program is not None:
-            return self._start_programs(replicas, hosts, incarnation, stores)
+            return self._start_programs(replicas, hosts, incarnation, stores, cold)
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),
@@ -369,9 +369,10 @@ class Job:
         hosts: dict[int, HostAgentHandle],
         incarnation: dict[int, int],
         stores: dict[int, Any],
+        cold: bool,
     ) -> ProcMesh:
         """Spawn: a program of the user's own in place of trainer actors (harness.program)."""
-        procs, training = self.program.start_groups(replicas, hosts, incarnation, stores)
+        procs, training = self.program.start_groups(replicas, hosts, incarnation, stores, cold)
         for i, r in enumerate(replicas):
             with self._lock:
                 self.groups[r] = ReplicaGroup(

@@ -216,10 +216,12 @@ class ProgramGroups:
         hosts: dict[int, Any],
         incarnation: dict[int, int],
         stores: dict[int, tuple[Any, str]],
+        cold: bool = False,
     ) -> tuple[ProcMesh, dict[int, cf.Future]]:
         """Start every rank of ``replicas`` (on ``hosts``, with their fresh ``stores``); return
         them as a mesh {"replica", "rank"} and each group's training future (done when all its
-        ranks exited with code 0)."""
+        ranks exited with code 0). ``cold``: fresh interpreters even with ``program.warm`` (a
+        full restart pays the imports a scheduler's restart pays)."""
         assert self.tap is not None, "start() first"
         c = self.job.controller
         logs = Path(self.job.run_dir) / "logs"
@@ -251,7 +253,7 @@ class ProgramGroups:
                     env=env,
                     cwd=cwd,
                     log_path=str(log),
-                    warm=self.cfg.program.warm,
+                    warm=self.cfg.program.warm and not cold,
                 )
                 rec = c.spawn_program(hosts[r], spawn)
                 self._logs[rec.ref.proc_id] = log

@@ -154,3 +154,15 @@ def test_the_test_program_knows_nothing_of_ftharness():
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert imported <= {"__future__", "os", "sys", "time", "datetime", "torch", "torchft"}
+
+
+def test_warm_start_needs_a_python_script_or_module():
+    ok = ["python", "-m", "torchtitan.train"]
+    assert load_config(
+        "experiments/tiny.toml", [f"program.command={json.dumps(ok)}", "program.warm=true"]
+    ).program.warm
+    for bad in (["sh", "run.sh"], ["python", "-u", "t.py"], ["python", "-m"], ["python"]):
+        with pytest.raises(ConfigError, match=r"program\.warm = true needs"):
+            load_config(
+                "experiments/tiny.toml", [f"program.command={json.dumps(bad)}", "program.warm=true"]
+            )
