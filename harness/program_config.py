@@ -8,7 +8,7 @@ unmodified in place of the built-in trainer (``harness.program`` runs it).
 
 An empty ``command`` (the default) means the built-in trainer. Kept apart from
 ``harness.config`` so that module only names the section; the checks here return a message
-(``harness.config.validate`` raises it as a ConfigError) and import nothing of ftharness.
+(``harness.config.validate`` raises it as a ConfigError).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from runtime.program_proc import PYTHON_NAMES  # run as the agent's own interpreter
 
 #: What every rank of a program gets from ftharness, as a torchft launcher (torchx's
 #: ``torchft.torchx`` component, SLURM scripts) would give it. ``program.env`` may not set these.
@@ -38,9 +40,6 @@ TORCHTITAN_FLAGS = (
     "--fault_tolerance.replica_id",
     "--fault_tolerance.group_size",
 )
-#: ``command[0]`` values replaced by the interpreter ftharness runs in (which has torch and
-#: torchft installed); any other program is looked up on PATH.
-PYTHON_NAMES = ("python", "python3")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
