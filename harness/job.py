@@ -576,6 +576,8 @@ class Job:
         reap_orphans()
         if self._tree is not None:
             self._tree.shutdown()
+        if self.program is not None:
+            self.program.close()  # the quorum tap, once no program can call it
         if self.network is not None:
             self.network.down()
         self.progress.close()

@@ -201,12 +201,16 @@ class ProgramGroups:
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
 
     def stop(self) -> None:
+        """The job is stopping: no more hang reports, every group's training ends."""
         self._stop.set()
         with self._lock:
             groups = list(self._groups.values())
         for g in groups:
             if not g.training.done():
                 g.training.set_result(None)
+
+    def close(self) -> None:
+        """After every process is stopped: a program still asking would see the tap gone."""
         if self.tap is not None:
             self.tap.shutdown()
 
