@@ -77,6 +77,9 @@ def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int])
     try:
         os.setsid()
         _child_setup(agent_pid)
+        # What a fresh interpreter's start-up sets: Python ignores SIGPIPE (a write to a closed
+        # socket raises instead), so a peer's death must not kill this rank with SIGPIPE.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for fd in close:
             with contextlib.suppress(OSError):

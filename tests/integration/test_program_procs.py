@@ -206,8 +206,9 @@ def test_hook_holds_the_gil_inside_an_unmodified_program(ctl, tmp_path):
 
 
 WARM = """
-import os, sys
+import os, signal, sys
 print("torch preloaded:", "torch" in sys.modules, flush=True)
+print("SIGPIPE ignored:", signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN, flush=True)
 print("argv:", sys.argv, "env:", os.environ.get("GREETING"), "cwd:", os.getcwd(), flush=True)
 sys.exit(int(sys.argv[1]))
 """
@@ -232,6 +233,8 @@ def test_warm_start_runs_the_script_in_a_fork_of_the_preloaded_agent(tmp_path, c
             assert f.exit_code == 3
         text = log.read_text()
         assert "torch preloaded: True" in text, text
+        # as in a fresh interpreter: a write to a dead peer's socket raises, it does not kill
+        assert "SIGPIPE ignored: True" in text, text
         assert f"argv: ['{script}', '{code}'] env: hi cwd: {tmp_path}" in text, text
     finally:
         c.shutdown(grace_s=0.5)
