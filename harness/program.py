@@ -237,7 +237,8 @@ class ProgramGroups:
         training: dict[int, cf.Future] = {}
         for i, r in enumerate(replicas):
             store_addr = stores[r][1]
-            recs = []
+            recs: list[Any] = []  # filled below: the group is known before its first request
+            g = self._register(r, incarnation[r], store_addr, recs)
             for k in range(self.cfg.ranks):
                 log = logs / log_name(r, k)
                 with open(log, "a", encoding="utf-8") as f:
@@ -263,7 +264,7 @@ class ProgramGroups:
                 self._logs[rec.ref.proc_id] = log
                 items[(i, k)] = rec.ref
                 recs.append(rec)
-            training[r] = self._register(r, incarnation[r], store_addr, recs)
+            training[r] = self._track(g)
         # Wait for the pids (faults need them); a program that failed to start is a failure
         # its supervisor handles like any other.
         cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
@@ -273,9 +274,9 @@ class ProgramGroups:
         with self._lock:
             return [rec for r in replicas for rec in self._groups[r].procs]
 
-    def _register(self, replica: int, incarnation: int, store: str, recs: list[Any]) -> cf.Future:
-        training: cf.Future = cf.Future()
-        g = _Group(replica, incarnation, store, recs, time.monotonic(), training)
+    def _register(self, replica: int, incarnation: int, store: str, recs: list[Any]) -> _Group:
+        """The group's new incarnation replaces the old one (whose ids are stale from now)."""
+        g = _Group(replica, incarnation, store, recs, time.monotonic(), cf.Future())
         with self._lock:
             old = self._groups.get(replica)
             if old is not None:
@@ -285,19 +286,23 @@ class ProgramGroups:
                     old.training.set_result(None)
             self._groups[replica] = g
             self._by_store[store] = g
-        left = [len(recs)]
+        return g
+
+    def _track(self, g: _Group) -> cf.Future:
+        """``g.training`` ends once every rank of ``g`` has exited with code 0."""
+        left = [len(g.procs)]
 
         def one_finished(_: cf.Future) -> None:
             with self._lock:
                 left[0] -= 1
-                done = left[0] == 0 and self._groups.get(replica) is g
-            if done and not training.done():
-                training.set_result(None)
+                done = left[0] == 0 and self._groups.get(g.replica) is g
+            if done and not g.training.done():
+                g.training.set_result(None)
                 self._check_all_done()
 
-        for rec in recs:
+        for rec in g.procs:
             rec.finished.add_done_callback(one_finished)
-        return training
+        return g.training
 
     def _check_all_done(self) -> None:
         with self._lock:
@@ -387,7 +392,7 @@ class ProgramGroups:
             with self._lock:
                 groups = list(self._groups.values())
             for g in groups:
-                if g.hung or g.training.done():
+                if g.hung or g.training.done() or not g.procs:
                     continue
                 silent = hung_for(
                     now=now,
