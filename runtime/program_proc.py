@@ -142,5 +142,5 @@ def log_not_started(msg: SpawnProgram, exc: OSError) -> None:
     """Say in the program's log why it never ran (the console shows the log's tail)."""
     if not msg.log_path:
         return
-    with open(msg.log_path, "a", encoding="utf-8") as f:
+    with contextlib.suppress(OSError), open(msg.log_path, "a", encoding="utf-8") as f:
         f.write(f"ftharness: could not start {list(msg.argv)} in {msg.cwd or os.getcwd()}: {exc}\n")
