@@ -87,6 +87,13 @@ def test_a_program_that_cannot_start_fails_with_its_reason_in_its_log(ctl, tmp_p
     assert "ftharness: could not start" in log.read_text()
 
 
+def test_a_program_whose_log_cannot_be_opened_is_reported_not_started(ctl, tmp_path):
+    host = ctl.spawn_host("h0")
+    ctl.spawn_program(host, program(("true",), {}, None, tmp_path / "no" / "such" / "log"))
+    f = wait_for(lambda: ctl.failures, what="the failure")[0]
+    assert f.exit_code == 127
+
+
 def test_a_stopped_program_is_not_hung_by_heartbeat_and_stop_takes_its_whole_group(ctl, tmp_path):
     """No heartbeat is expected of a program (its liveness is its progress, watched by
     harness.program); a stop reaches its children too (its own session)."""
