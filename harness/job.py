@@ -29,7 +29,9 @@ What happens after a group dies, step by step, and where:
    background, never on this path.
 5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
    spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
-   trainers; the tracker records ``replacement_started``.
+   trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
+   user's own takes the trainers' place (``harness.program``: started by the agents as plain
+   processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``).
 7. **Participate.** The group commits a step with the others (``participating``); the survivors
