@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from harness.program_config import ProgramConfig, program_problem
+
 
 class ConfigError(ValueError):
     """A job config is invalid; the message names the key and what is allowed."""
@@ -187,6 +189,8 @@ class JobConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     transport: Literal["torchft_http", "torchft_pg", "dataplane"] = "torchft_http"
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    # A program of the user's own instead of the built-in trainer (harness/program_config.py).
+    program: ProgramConfig = field(default_factory=ProgramConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -314,6 +318,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"telemetry.prometheus_port = {port}: must be 0..65535 (0 = any free)")
     _check_sizes(cfg)
     _check_optim(cfg.optim)
+    problem = program_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
 
     t = cfg.timeouts
     for f in dataclasses.fields(t):
@@ -401,6 +408,23 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{key} = {value!r}: must be {_type_name(tp)}")
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]: any length
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} = {value!r}: must be a list of {_type_name(item)}")
+        return tuple(_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: must be a table")
+        return {
+            _coerce(f"{key} (a key)", key_tp, k): _coerce(f"{key}.{k}", value_tp, v)
+            for k, v in value.items()
+        }
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: must be true or false")
+        return value
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or len(value) != len(args):

@@ -78,8 +78,12 @@ class JobFaultContext:
         return out
 
     def run_in_worker(self, target: Target, func: str, *args: Any) -> None:
+        program = getattr(self._job, "program", None)  # a program of the user's own
         for proc_id in self._proc_ids(target):
-            self._job.controller.run_in_worker(proc_id, func, *args)
+            if program is not None:
+                program.run_in_program(proc_id, func, *args)
+            else:
+                self._job.controller.run_in_worker(proc_id, func, *args)
 
     def kill_host(self, host: str) -> None:
         h = self._job.controller.hosts.get(host)

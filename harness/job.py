@@ -29,7 +29,9 @@ What happens after a group dies, step by step, and where:
    background, never on this path.
 5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
    spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
-   trainers; the tracker records ``replacement_started``.
+   trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
+   user's own takes the trainers' place (``harness.program``: started by the agents as plain
+   processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``).
 7. **Participate.** The group commits a step with the others (``participating``); the survivors
@@ -86,7 +88,7 @@ class ReplicaGroup:
     replica: int
     incarnation: int
     host: str
-    mesh: ActorMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
+    mesh: ActorMesh | ProcMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
     store: Any  # the group's TCPStore, served from this process while the group runs
     training: cf.Future  # rank 0's ``train`` call: done when the group stops training
 
@@ -134,6 +136,7 @@ class Job:
         self._journal_error: OSError | None = None
         journal.on_error(self._on_journal_error)
         self.faults = JobFaultContext(self)
+        self.program: Any = None  # a program of the user's own: harness.program.ProgramGroups
 
     @property
     def controller(self) -> Controller:
@@ -158,20 +161,16 @@ class Job:
             # optimizer construction triggers (~1-3 s each on this machine).
             preload=("torch", "torch._dynamo", "harness.actors", *self._model_modules()),
             # ... and the initial model built once, before forking (harness.model.prebuild).
-            warmup=(
-                (
-                    "harness.model:prebuild",
-                    {
-                        "model": dataclasses.asdict(self.cfg.model),
-                        "vocab_size": self.cfg.data.vocab_size,
-                        "seed": self.cfg.data.seed,
-                    },
-                ),
-            ),
+            warmup=() if self.cfg.program.enabled else (self._prebuild_model(),),
         )
         self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.cfg.program.enabled:
+            from harness.program import ProgramGroups
+
+            self.program = ProgramGroups(self)
+            self.program.start()
         self.journal.emit(
             JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
         )
@@ -273,7 +272,18 @@ class Job:
             group = self.groups.get(replica)
         if group is not None and failure.proc not in group.mesh.proc_ids:
             return  # a late report about a replaced incarnation: fencing would drop its successor
-        self._tree.replica_failed(replica)
+        self._tree.replica_failed(replica, self.program.member_ids(replica) if self.program else ())
+
+    def _prebuild_model(self) -> tuple[str, dict[str, Any]]:
+        """The agents' warm-up call that builds the built-in trainer's initial model."""
+        return (
+            "harness.model:prebuild",
+            {
+                "model": dataclasses.asdict(self.cfg.model),
+                "vocab_size": self.cfg.data.vocab_size,
+                "seed": self.cfg.data.seed,
+            },
+        )
 
     def _model_modules(self) -> tuple[str, ...]:
         """The model code to preload: torchtitan (~2 s to import) only for its model."""
@@ -302,6 +312,8 @@ class Job:
             secret=old.secret if old is not None else None,
             incarnations=old.incarnations if old is not None else None,
             highest_step=old.highest_step if old is not None else -1,
+            # a program's Managers pick their own ids; the quorum tap admits them (by store)
+            allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
         )
         self.quorum_addr = self._tree.address
 
@@ -360,6 +372,8 @@ class Job:
         member_ids = (
             {r: self._tree.admit(r, incarnation[r]) for r in replicas} if self._tree else {}
         )
+        if self.program is not None:
+            return self._start_programs(replicas, hosts, incarnation, stores, cold)
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),
@@ -388,6 +402,29 @@ class Job:
             self.tracker.replacement_started(r)
             training.futures[(i, 0)].add_done_callback(lambda _: self._check_done())
         return actors
+
+    def _start_programs(
+        self,
+        replicas: list[int],
+        hosts: dict[int, HostAgentHandle],
+        incarnation: dict[int, int],
+        stores: dict[int, Any],
+        cold: bool,
+    ) -> ProcMesh:
+        """Spawn: a program of the user's own in place of trainer actors (harness.program)."""
+        procs, training = self.program.start_groups(replicas, hosts, incarnation, stores, cold)
+        for i, r in enumerate(replicas):
+            with self._lock:
+                self.groups[r] = ReplicaGroup(
+                    replica=r,
+                    incarnation=incarnation[r],
+                    host=hosts[r].name,
+                    mesh=procs.slice(replica=slice(i, i + 1)),
+                    store=stores[r][0],
+                    training=training[r],
+                )
+            self.tracker.replacement_started(r)
+        return procs
 
     # -- place: hosts ---------------------------------------------------------------------------
     def host_names(self) -> list[str]:
@@ -490,8 +527,10 @@ class Job:
             self._keep_spares(h)
 
     def _keep_spares(self, host: HostAgentHandle) -> None:
+        """Warm spares are forked workers for the built-in trainer; a program of the user's own
+        is started as a process of its own (``program.warm`` forks it instead), so it has none."""
         n = self.cfg.recovery.spares_per_host
-        if n and self.policy == "in_place":
+        if n and self.policy == "in_place" and not self.cfg.program.enabled:
             host.keep_spares(n, log_dir=str(self.run_dir / "logs"))
 
     def _spawn_host(self, name: str) -> HostAgentHandle:
@@ -562,6 +601,8 @@ class Job:
         with self._lock:
             self._stopping = True
             groups = list(self.groups.values())
+        if self.program is not None:
+            self.program.stop()  # before waiting on the groups' training below
         for g in groups:
             for pid in g.mesh.proc_ids:
                 with contextlib.suppress(Exception):
@@ -577,6 +618,8 @@ class Job:
         reap_orphans()
         if self._tree is not None:
             self._tree.shutdown()
+        if self.program is not None:
+            self.program.close()  # the quorum tap, once no program can call it
         if self.network is not None:
             self.network.down()
         self.progress.close()

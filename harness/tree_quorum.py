@@ -298,13 +298,15 @@ class TreeQuorum:
         with self._cond:
             return dict(self._state.incarnations)
 
-    def replica_failed(self, replica: int) -> list[str]:
+    def replica_failed(self, replica: int, ids: Iterable[str] = ()) -> list[str]:
         """Replica group ``replica`` is dead (the supervision tree saw it): fence all its torchft
         ids and re-run the rule at once, so the survivors' pending quorum is issued without it.
         Returns the ids fenced (empty if the group had not registered yet). Call it before
-        starting the group's replacement (whose Manager gets a fresh id)."""
+        starting the group's replacement (whose Manager gets a fresh id). ``ids``: the group's
+        ids that do not follow our naming (a program's own Managers', ``harness.program``)."""
         with self._cond:
-            self._state, dropped = rule.drop_failed(self._state, rule.ids_of_replica(replica))
+            prefixes = rule.ids_of_replica(replica) + tuple(ids)
+            self._state, dropped = rule.drop_failed(self._state, prefixes)
             if dropped:
                 log.info("tree quorum: replica %d failed, fenced %s", replica, sorted(dropped))
             self._tick_locked()

@@ -58,6 +58,7 @@ from runtime.messages import (
     Shutdown,
     Spawn,
     Spawned,
+    SpawnProgram,
     StopProc,
 )
 
@@ -72,11 +73,12 @@ MAX_BACKLOG = 4 << 20
 class _Worker:
     proc_id: str
     pid: int
-    hb: socket.socket
+    hb: socket.socket | None  # None: a program of the user's own (no heartbeat)
     last_beat: float
     hung_reported: bool = False
     kill_at: float | None = None
     kill_pids: list[int] = field(default_factory=list)
+    popen: Any = None  # a program's Popen: kept so subprocess never reaps it behind our back
 
 
 class Agent:
@@ -189,6 +191,8 @@ class Agent:
             case Spawn(proc_id, coords, log_path, cold):
                 pid = self._fork_worker(proc_id, coords, log_path, cold)
                 self._send(Spawned(proc_id, pid))
+            case SpawnProgram():
+                self._start_program(msg)
             case StopProc(proc_id, grace_s):
                 for w in self.workers.values():
                     if w.proc_id == proc_id:
@@ -219,7 +223,8 @@ class Agent:
                 for sock in (self.conn.sock, self.wake_r, self.wake_w, parent_hb):
                     sock.close()
                 for w in self.workers.values():
-                    w.hb.close()
+                    if w.hb is not None:
+                        w.hb.close()
                 if log_path:
                     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                     os.dup2(fd, 1)
@@ -253,6 +258,26 @@ class Agent:
         self.workers[pid] = w
         self.sel.register(parent_hb, selectors.EVENT_READ, ("hb", w))
         return pid
+
+    def _start_program(self, msg: SpawnProgram) -> None:
+        from runtime import program_proc
+
+        extra = {"GLOO_SOCKET_IFNAME": self.gloo_ifname} if self.gloo_ifname else {}
+        if msg.warm:
+            socks = [self.conn.sock, self.wake_r, self.wake_w]
+            socks += [w.hb for w in self.workers.values() if w.hb is not None]
+            pid = program_proc.fork_program(msg, extra, [s.fileno() for s in socks])
+            self.workers[pid] = _Worker(msg.proc_id, pid, None, 0.0)
+            self._send(Spawned(msg.proc_id, pid))
+            return
+        try:
+            popen = program_proc.start_program(msg, extra)
+        except OSError as exc:
+            program_proc.log_not_started(msg, exc)
+            self._send(Exited(msg.proc_id, 0, program_proc.NOT_STARTED, time.time()))
+            return
+        self.workers[popen.pid] = _Worker(msg.proc_id, popen.pid, None, 0.0, popen=popen)
+        self._send(Spawned(msg.proc_id, popen.pid))
 
     def _exec_cold_worker(self, proc_id: str, coords: dict[str, int], hb: socket.socket) -> None:
         """Replace this forked child by a fresh interpreter that imports everything itself:
@@ -328,9 +353,12 @@ class Agent:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue  # an orphaned grandchild we adopted as subreaper
-            with contextlib.suppress(KeyError, ValueError):
-                self.sel.unregister(w.hb)
-            w.hb.close()
+            if w.hb is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(w.hb)
+                w.hb.close()
+            if w.popen is not None:
+                w.popen.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not there
             # The worker's own children were re-parented to us (we are a subreaper): any child
             # that is not a worker is such an orphan, and must not outlive its worker.
             orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
@@ -346,6 +374,8 @@ class Agent:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
             silent = now - w.last_beat
+            if w.hb is None:
+                continue  # a program: its liveness is its progress (harness.program)
             if not w.hung_reported and w.kill_at is None and silent > self.hb_timeout:
                 w.hung_reported = True
                 t_last = time.time() - silent

@@ -49,6 +49,7 @@ from runtime.messages import (
     Result,
     Spawn,
     Spawned,
+    SpawnProgram,
     StopProc,
     SysCall,
 )
@@ -178,6 +179,8 @@ class Controller:
                     rec = self.procs.get(proc_id)
                 if rec is not None:
                     rec.pid = pid
+                    if rec.program:
+                        self._program_running(rec)
             case Exited(proc_id, _pid, status, t):
                 self._on_exit(proc_id, status, t)
             case Hung(proc_id, _pid, silent_s, t_last):
@@ -269,6 +272,30 @@ class Controller:
             self._spawner.submit(h.pool.replenish)
         return dims, items, recs
 
+    # -- programs of the user's own (runtime/program_proc.py runs them on the host) ------------
+    def spawn_program(self, h: HostAgentHandle, msg: SpawnProgram) -> ProcRecord:
+        """Start ``msg``'s program on ``h`` (its ``proc_id`` is assigned here) as a supervised
+        process, owned like a spawned mesh's: an exit or a signal is a failure, exit code 0 is
+        not (``rec.finished``). Running once its agent reports the pid (``rec.ready``)."""
+        if h.lost or h.conn is None:
+            raise ProcFailedError(f"host {h.name} is lost")
+        ref = ProcRef(h.next_proc_id(), h.name, dict(msg.coords))
+        rec = ProcRecord(ref, h, owner=getattr(self._owner, "value", None), program=True)
+        with self._lock:
+            self.procs[ref.proc_id] = rec
+        h.conn.send(replace(msg, proc_id=ref.proc_id))
+        return rec
+
+    def _program_running(self, rec: ProcRecord) -> None:
+        with self._lock:
+            if rec.state is not ProcState.SPAWNING:
+                return
+            rec.state = ProcState.RUNNING
+        self.emit(
+            PROC_START, proc=rec.ref.proc_id, host=rec.host.name, pid=rec.pid, **rec.ref.coords
+        )
+        rec.ready.set_result(rec.pid)
+
     # -- warm spares ---------------------------------------------------------------------------
     def _adopt_spare(self, rec: ProcRecord, coords: dict[str, int], owner: Owner | None) -> bool:
         """An idle spare takes a mesh's coordinates (in the worker too, before any actor is
@@ -299,7 +326,11 @@ class Controller:
         for proc_id in proc_ids:
             with self._lock:
                 rec = self.procs.get(proc_id)
-                if rec is None or rec.state in (ProcState.STOPPED, ProcState.STOPPING):
+                if rec is None or rec.state in (
+                    ProcState.STOPPED,
+                    ProcState.STOPPING,
+                    ProcState.EXITED,
+                ):
                     continue
                 exited = rec.state is ProcState.FAILED and rec.conn is None
                 rec.state = ProcState.STOPPING if not exited else ProcState.STOPPED
@@ -445,6 +476,14 @@ class Controller:
                 rec.state = ProcState.STOPPED
                 rec.conn = None
                 return
+            if (
+                rec.program
+                and cause is Cause.CLEAN_EXIT
+                and check_transition(rec.state, ProcState.EXITED)
+            ):
+                rec.state = ProcState.EXITED  # a program that finished: not a failure
+                rec.finished.set_result(t)
+                return
         tb = None
         if code == EXIT_ACTOR_CRASHED and rec.last_error is not None:
             exc_type, message, tb = rec.last_error
@@ -463,14 +502,21 @@ class Controller:
         )
         rec.conn = None
 
-    def _on_hung(self, proc_id: str, silent_s: float, t_last: float) -> None:
+    def report_hung(self, proc_id: str, silent_s: float, t_last: float, detail: str) -> None:
+        """``proc_id`` is hung by a liveness signal other than its heartbeat (a program's
+        progress): a failure like a missed heartbeat, and the process is killed."""
+        self._on_hung(proc_id, silent_s, t_last, detail)
+
+    def _on_hung(
+        self, proc_id: str, silent_s: float, t_last: float, detail: str | None = None
+    ) -> None:
         with self._lock:
             rec = self.procs.get(proc_id)
         if rec is None:
             return
         failure = Failure(
             cause=Cause.MISSED_HEARTBEAT,
-            detail=f"no heartbeat for {silent_s:.2f} s (hung, or a C call holds the GIL)",
+            detail=detail or f"no heartbeat for {silent_s:.2f} s (hung, or a C call holds the GIL)",
             t_event=t_last,
         )
         if self._fail(rec, failure) and rec.host.conn is not None:

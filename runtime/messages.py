@@ -6,7 +6,8 @@ authenticated handshake):
 * host agent -> controller: :class:`HelloAgent` (the agent dials in: its first frame), then
   :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`;
 * controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
-  :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`, :class:`DropConnections`;
+  :class:`SpawnProgram`, :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`,
+  :class:`DropConnections`;
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame),
   :class:`SpawnActor`, :class:`CallEndpoint` and :class:`SysCall` (requests, each with a
   ``call_id``), and back :class:`Result` and :class:`Event` (a journal record).
@@ -63,6 +64,22 @@ class Spawn:
     coords: dict[str, int]
     log_path: str | None
     cold: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnProgram:
+    """Start a program of the user's own (not a worker: no control connection, no heartbeat)
+    as ``argv`` with ``env`` added to the agent's environment, in ``cwd``, stdout and stderr to
+    ``log_path``, in a session of its own. Answered with :class:`Spawned` (running) or
+    :class:`Exited` (it could not be started: status 127 << 8, the reason in its log)."""
+
+    proc_id: str
+    coords: dict[str, int]
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str | None
+    log_path: str | None
+    warm: bool = False  # fork the agent's preloaded interpreter (``python SCRIPT|-m MOD ...``)
 
 
 @dataclass(frozen=True, slots=True)

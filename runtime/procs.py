@@ -38,6 +38,8 @@ class ProcRecord:
     pending: set[int] = field(default_factory=set)  # ids of calls awaiting its reply
     spare: bool = False  # an idle warm spare, not yet adopted by any mesh
     last_error: tuple[str, str, str] | None = None  # the last error reply: a crash's cause
+    program: bool = False  # a program of the user's own (runtime.program_proc), not a worker
+    finished: cf.Future = field(default_factory=cf.Future)  # a program's clean exit (code 0)
 
 
 class CallTable:

@@ -11,14 +11,18 @@ class ProcState(enum.StrEnum):
     STOPPING = "stopping"  # a supervisor asked it to stop; its exit is not a failure
     STOPPED = "stopped"  # exited after being asked to
     FAILED = "failed"  # exited or hung on its own; a failure value was delivered
+    EXITED = "exited"  # a program of the user's own finished (exit code 0): not a failure
 
 
 _LEGAL: dict[ProcState, frozenset[ProcState]] = {
-    ProcState.SPAWNING: frozenset({ProcState.RUNNING, ProcState.STOPPING, ProcState.FAILED}),
-    ProcState.RUNNING: frozenset({ProcState.STOPPING, ProcState.FAILED}),
+    ProcState.SPAWNING: frozenset(
+        {ProcState.RUNNING, ProcState.STOPPING, ProcState.FAILED, ProcState.EXITED}
+    ),
+    ProcState.RUNNING: frozenset({ProcState.STOPPING, ProcState.FAILED, ProcState.EXITED}),
     ProcState.STOPPING: frozenset({ProcState.STOPPED}),
     ProcState.STOPPED: frozenset(),
     ProcState.FAILED: frozenset({ProcState.STOPPING}),  # a hung proc is failed, then killed
+    ProcState.EXITED: frozenset(),
 }
 
 
@@ -34,7 +38,12 @@ def check_transition(old: ProcState, new: ProcState) -> bool:
     """
     if new in _LEGAL[old]:
         return True
-    if old in (ProcState.FAILED, ProcState.STOPPED, ProcState.STOPPING) and new in (
+    if old in (
+        ProcState.FAILED,
+        ProcState.STOPPED,
+        ProcState.STOPPING,
+        ProcState.EXITED,
+    ) and new in (
         ProcState.FAILED,
         ProcState.STOPPED,
     ):

@@ -18,11 +18,23 @@ full_restart also ``full_restart_back_s`` (kill -> the job commits its next step
 ``phases_s``: for each recovery phase (detected, replacement_started, healed, participating),
 the median time from the kill to it: where the replacement's time goes.
 A second row set runs the llama3 debug model (not with ``--quick``).
+
+Two more configurations run a program of the user's own instead of the built-in trainer
+(``tests/programs/train_ddp.py``, a plain torchft program; ``harness.program``), under each
+quorum backend, started cold (a fresh interpreter: ``program/torchft``, ``program/tree``) and
+warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``).
+Their figures come from what the quorum tap observed (commits one request late, see
+``harness.program``), plus ``cold_start_to_first_commit_s``: from the program's first start to
+its group's first committed step, per group (same machine, same run). ``vs_builtin`` compares
+each program row's ``replacement_back_s`` to the cold row's cold start under the same backend
+(the same program from a cold start; goal: at most 1.5x) and its ``survivor_stall_s`` to the
+built-in trainer's under the same backend (goal: within 1.2x).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -46,6 +58,19 @@ CONFIGS = {
     "in_place/torchft": ["recovery.policy=in_place", "recovery.quorum=torchft"],
     "in_place/tree": ["recovery.policy=in_place", "recovery.quorum=tree"],
     "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
+}
+#: A program of the user's own (harness.program), run from a source checkout.
+PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "programs" / "train_ddp.py"
+PROGRAM_CONFIGS = {
+    f"program{'_warm' if warm else ''}/{quorum}": [
+        "recovery.policy=in_place",
+        f"recovery.quorum={quorum}",
+        f'program.command=["python", "{PROGRAM}", "1000000"]',
+        "program.progress_timeout_s=30",
+        f"program.warm={str(warm).lower()}",
+    ]
+    for warm in (False, True)
+    for quorum in ("torchft", "tree")
 }
 MODELS = {
     "tiny": [],
@@ -125,7 +150,7 @@ def run_config(
         "checkpoint.every_steps=10",
         f"data.seed={seed}",
         *MODELS[model],
-        *CONFIGS[name],
+        *(CONFIGS.get(name) or PROGRAM_CONFIGS[name]),
     ]
     cfg = load_config(
         "experiments/tiny.toml" if Path("experiments/tiny.toml").exists() else _packaged_tiny(),
@@ -149,9 +174,7 @@ def run_config(
         "survivor_stall_s": _stats([r.get("stall_s") for r in recs]),
         "replacement_back_s": _stats([r.get("participate_s") for r in recs]),
         "steps_lost": _stats([r.get("steps_lost") for r in recs]),
-        "step_time_s": round(
-            statistics.median(r["step_time_s"] for r in records if r["event"] == STEP_COMMIT), 4
-        ),
+        "step_time_s": _step_time(records),
         "status": outcome.get("status"),
         "seconds": round(time.monotonic() - t0, 1),
     }
@@ -168,6 +191,9 @@ def run_config(
                     backs.append(min(after) - k["t"])
         row["full_restart_back_s"] = _stats(backs)
     row["phases_s"] = _phase_medians(records, recs)
+    if cfg.program.enabled:
+        row["cold_start_to_first_commit_s"] = _stats(_cold_starts(records))
+        return row  # weights are not observed: the program reports no checksums
     hyp = evaluate_hypotheses(Hypotheses(replicas_equal_after_heal=True), {}, records)
     row["weights_match"] = all(h["passed"] for h in hyp)
     return row
@@ -186,6 +212,35 @@ def _phase_medians(records: list[dict], recs: list[dict]) -> dict[str, float]:
     return {phase: round(statistics.median(xs), 3) for phase, xs in since.items()}
 
 
+def _step_time(records: list[dict[str, Any]]) -> float | None:
+    """The median step time: the trainer's own figure, else (a program) the median gap between
+    a group's consecutive commits."""
+    commits = [r for r in records if r["event"] == STEP_COMMIT]
+    own = [r["step_time_s"] for r in commits if r.get("step_time_s") is not None]
+    if own:
+        return round(statistics.median(own), 4)
+    gaps = []
+    for replica in {r.get("replica") for r in commits}:
+        ts = sorted(r["t"] for r in commits if r.get("replica") == replica)
+        gaps += [b - a for a, b in itertools.pairwise(ts)]
+    return round(statistics.median(gaps), 4) if gaps else None
+
+
+def _cold_starts(records: list[dict[str, Any]]) -> list[float]:
+    """Per group: its first process start -> its first committed step (a cold start)."""
+    out = []
+    for replica in {r.get("replica") for r in records if r["event"] == STEP_COMMIT}:
+        starts = [
+            r["t"] for r in records if r["event"] == "proc.start" and r.get("replica") == replica
+        ]
+        commits = [
+            r["t"] for r in records if r["event"] == STEP_COMMIT and r.get("replica") == replica
+        ]
+        if starts and commits:
+            out.append(min(commits) - min(starts))
+    return out
+
+
 def _packaged_tiny() -> str:
     import experiments
 
@@ -201,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
     reps = default_reps(args)
     models = ["tiny"] if args.quick else ["tiny", "llama3_debug"]
     configs = list(CONFIGS)
+    programs = list(PROGRAM_CONFIGS) if PROGRAM.exists() else []  # needs a source checkout
 
     def log(msg: str) -> None:
         if not args.json:
@@ -210,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ftharness-bench-") as tmp:
         for model in models:
             result["rows"][model] = {}
-            for name in configs:
+            for name in configs + (programs if model == "tiny" else []):
                 log(f"{model} / {name}: starting")
                 row = run_config(model, name, reps, seed=7, workdir=Path(tmp), log=log)
                 result["rows"][model][name] = row
@@ -230,5 +286,28 @@ def main(args: argparse.Namespace) -> int:
             "replacement_back_ratio": round(fb / bb, 2) if fb and bb else None,
             "survivor_stall_ratio": round(fs / bs, 2) if fs and bs else None,
         }
+    result["vs_builtin"] = {
+        name: _vs_builtin(tiny, name) for name in programs if tiny.get(name) is not None
+    }
     print(json.dumps(result))
     return 0
+
+
+def _vs_builtin(rows: dict[str, Any], name: str) -> dict[str, float | None]:
+    """A program's figures against its own cold start and the built-in trainer's stall."""
+
+    def med(row: dict | None, key: str) -> float | None:
+        v = (row or {}).get(key)
+        return v["median"] if v else None
+
+    quorum = name.split("/", 1)[1]
+    prog, builtin = rows[name], rows.get(f"in_place/{quorum}")
+    cold_row = rows.get(f"program/{quorum}")
+    back, cold = med(prog, "replacement_back_s"), med(cold_row, "cold_start_to_first_commit_s")
+    stall, builtin_stall = med(prog, "survivor_stall_s"), med(builtin, "survivor_stall_s")
+    return {
+        "replacement_back_over_cold_start": round(back / cold, 2) if back and cold else None,
+        "survivor_stall_over_builtin": (
+            round(stall / builtin_stall, 2) if stall and builtin_stall else None
+        ),
+    }

@@ -1,0 +1,426 @@
+"""Running a training program of the user's own, unmodified, in place of the built-in trainer
+(``[program]`` in the job config: ``harness.program_config``).
+
+How each piece of the job-level protocol (``harness.job``) applies to a program:
+
+* **Spawn.** Each rank of each replica group is started by its host agent as a plain process
+  (``runtime.program_proc``) with the environment a torchft launcher gives
+  (:func:`launcher_env`): the group's id and count, the quorum service, the group's own store
+  (a fresh one per incarnation), rank and world size; for torchtitan also its
+  ``--fault_tolerance.*`` flags (:func:`program_argv`). Output goes to
+  ``RUN/logs/replica<r>-rank<k>.log``; on a failure the console shows its tail.
+* **Detect.** An exit or a signal is reaped by the agent as for any worker. A program sends no
+  heartbeat: its liveness is its progress. Every group's Manager asks for a quorum once per step
+  through a tap in front of the quorum service (``harness.quorum_tap``), and a group with no
+  request in flight and none for ``program.progress_timeout_s`` (``start_timeout_s`` after it
+  started) is hung: rank 0 is failed like a missed heartbeat and killed.
+* **Observe.** The tap's view is journalled as the group's progress, so every report works
+  unchanged: a request at a higher step than the group's last is a ``step.commit`` (at the time
+  of the request: a few milliseconds after the real commit), a jump of more than one step is a
+  heal (``trainer.healed``: the group loaded a peer's state, seen when it next asks; so it is
+  late by one step's time), a request at the same step is a ``step.abort``. Rank 0 stands for
+  the group (only rank 0's Manager talks to the quorum service). Not observed: loss, samples,
+  checksums, data positions (the records carry ``observed = "quorum"``).
+* **Stop, place, restart**: exactly as for the built-in trainer: the processes are supervised
+  procs of the group's supervisor. A program that exits with code 0 has finished (not a
+  failure); the job is done when every group has.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import quorum_rule as rule
+from harness.program_config import TORCHTITAN_FLAGS
+from harness.quorum_tap import QuorumTap, Request
+from runtime.failure import Failure
+from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
+from runtime.mesh import ProcMesh
+from runtime.messages import SpawnProgram
+
+#: Lines of a failed rank's log shown on the console.
+TAIL_LINES = 20
+
+
+#: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
+HOOKS_DIR = Path(__file__).resolve().parent / "program_hooks"
+#: The signal that tells the hook a fault command is waiting (harness/program_hooks).
+HOOK_SIGNAL = signal.SIGUSR2
+
+
+def launcher_env(
+    cfg: Any,
+    *,
+    replica: int,
+    rank: int,
+    lighthouse: str,
+    store_addr: str,
+    hook_dir: str | None = None,
+) -> dict[str, str]:
+    """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
+    (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
+    they take precedence over the program's own, so the ordering ``harness.config`` checks
+    holds for the program too), then ``program.env``; with ``program.hooks``, ftharness's
+    hook first on ``PYTHONPATH`` and where it finds its commands (``hook_dir``)."""
+    host, port = store_addr.rsplit(":", 1)
+    t = cfg.timeouts
+    env = {
+        "REPLICA_GROUP_ID": str(replica),
+        "NUM_REPLICA_GROUPS": str(cfg.replicas),
+        "TORCHFT_LIGHTHOUSE": lighthouse,
+        "MASTER_ADDR": host,
+        "MASTER_PORT": port,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(cfg.ranks),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(cfg.ranks),
+        # torchft reads whole seconds
+        "TORCHFT_TIMEOUT_SEC": str(math.ceil(t.manager_timeout)),
+        "TORCHFT_QUORUM_TIMEOUT_SEC": str(math.ceil(t.quorum_timeout)),
+        "TORCHFT_CONNECT_TIMEOUT_SEC": str(math.ceil(t.connect_timeout)),
+        "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
+    }
+    env = {**env, **cfg.program.env}
+    if cfg.program.hooks:
+        path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HOOKS_DIR), path) if p)
+        env["FTHARNESS_HOOK_DIR"] = hook_dir or ""
+    return env
+
+
+def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:
+    """``program.command``, plus torchtitan's flags for ``program.kind = "torchtitan"``."""
+    argv = tuple(cfg.program.command)
+    if cfg.program.kind == "torchtitan":
+        enable, replica_id, group_size = TORCHTITAN_FLAGS
+        argv += (enable, f"{replica_id}={replica}", f"{group_size}={cfg.replicas}")
+    return argv
+
+
+def log_name(replica: int, rank: int) -> str:
+    return f"replica{replica}-rank{rank}.log"
+
+
+def read_tail(path: str | Path, lines: int = TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines of a log (empty if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return list(deque(text.splitlines(), maxlen=lines))
+
+
+# -- progress, from the quorum requests (pure) ------------------------------------------------
+
+
+def step_events(last_step: int | None, step: int) -> list[str]:
+    """What a group's quorum request at ``step`` says, given its previous one at ``last_step``
+    (None: its first since it started): ``"healed"`` and/or ``"commit"``, ``"abort"``, or
+    nothing (the first request only sets where the group starts)."""
+    if last_step is None or step < last_step:
+        return []
+    if step == last_step:
+        return ["abort"]  # asked again without committing: the step did not commit
+    return ["healed", "commit"] if step > last_step + 1 else ["commit"]
+
+
+def hung_for(
+    *,
+    now: float,
+    started: float,
+    last: float | None,
+    waiting: int,
+    start_s: float,
+    progress_s: float,
+) -> float | None:
+    """How long a group has been silent past its limit (None: alive). A group with a request in
+    flight waits on the quorum service, not on itself."""
+    if waiting > 0:
+        return None
+    silent = now - (last if last is not None else started)
+    limit = progress_s if last is not None else start_s
+    return silent if silent > limit else None
+
+
+@dataclass
+class _Group:
+    """One incarnation of a program's replica group, as the tap sees it."""
+
+    replica: int
+    incarnation: int
+    store: str
+    procs: list[Any]  # ProcRecords, by rank
+    started: float  # monotonic
+    training: cf.Future
+    ids: set[str] = field(default_factory=set)
+    last_step: int | None = None
+    last: float | None = None  # monotonic time of the last request or answer
+    waiting: int = 0
+    participants: int = 1
+    hung: bool = False
+
+
+class ProgramGroups:
+    """The program's replica groups of one job: spawns them, watches them through the quorum
+    tap, and journals their progress. ``harness.job`` calls :meth:`start`, :meth:`start_groups`
+    and :meth:`stop`; the tap calls the observer methods."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.cfg = job.cfg
+        self._lock = threading.Lock()
+        self._groups: dict[int, _Group] = {}
+        self._by_store: dict[str, _Group] = {}
+        self._stale_ids: set[str] = set()
+        self._logs: dict[str, Path] = {}  # proc id -> its log
+        self._stop = threading.Event()
+        self.tap: QuorumTap | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.tap = QuorumTap(
+            bind_host=self.cfg.bind_host,
+            upstream=lambda: self.job.quorum_addr,
+            observer=self,
+            max_requests=max(64, 4 * self.cfg.replicas + 16),
+        )
+        self.job.controller.add_failure_listener(self._show_tail)
+        threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
+
+    def stop(self) -> None:
+        """The job is stopping: no more hang reports, every group's training ends."""
+        self._stop.set()
+        with self._lock:
+            groups = list(self._groups.values())
+        for g in groups:
+            if not g.training.done():
+                g.training.set_result(None)
+
+    def close(self) -> None:
+        """After every process is stopped: a program still asking would see the tap gone."""
+        if self.tap is not None:
+            self.tap.shutdown()
+
+    def start_groups(
+        self,
+        replicas: list[int],
+        hosts: dict[int, Any],
+        incarnation: dict[int, int],
+        stores: dict[int, tuple[Any, str]],
+        cold: bool = False,
+    ) -> tuple[ProcMesh, dict[int, cf.Future]]:
+        """Start every rank of ``replicas`` (on ``hosts``, with their fresh ``stores``); return
+        them as a mesh {"replica", "rank"} and each group's training future (done when all its
+        ranks exited with code 0). ``cold``: fresh interpreters even with ``program.warm`` (a
+        full restart pays the imports a scheduler's restart pays)."""
+        assert self.tap is not None, "start() first"
+        c = self.job.controller
+        logs = Path(self.job.run_dir) / "logs"
+        hooks = Path(self.job.run_dir) / "hooks"
+        if self.cfg.program.hooks:
+            hooks.mkdir(mode=0o700, exist_ok=True)
+        cwd = self.cfg.program.cwd or os.getcwd()
+        items: dict[tuple[int, ...], Any] = {}
+        training: dict[int, cf.Future] = {}
+        for i, r in enumerate(replicas):
+            store_addr = stores[r][1]
+            recs: list[Any] = []  # filled below: the group is known before its first request
+            g = self._register(r, incarnation[r], store_addr, recs)
+            for k in range(self.cfg.ranks):
+                log = logs / log_name(r, k)
+                with open(log, "a", encoding="utf-8") as f:
+                    f.write(f"=== ftharness: replica {r} rank {k} incarnation {incarnation[r]}\n")
+                env = launcher_env(
+                    self.cfg,
+                    replica=r,
+                    rank=k,
+                    lighthouse=self.tap.address,
+                    store_addr=store_addr,
+                    hook_dir=str(hooks),
+                )
+                spawn = SpawnProgram(
+                    proc_id="",  # assigned by the controller
+                    coords={"replica": r, "rank": k},
+                    argv=program_argv(self.cfg, replica=r),
+                    env=env,
+                    cwd=cwd,
+                    log_path=str(log),
+                    warm=self.cfg.program.warm and not cold,
+                )
+                rec = c.spawn_program(hosts[r], spawn)
+                self._logs[rec.ref.proc_id] = log
+                items[(i, k)] = rec.ref
+                recs.append(rec)
+            training[r] = self._track(g)
+        # Wait for the pids (faults need them); a program that failed to start is a failure
+        # its supervisor handles like any other.
+        cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
+        return ProcMesh(c, {"replica": len(replicas), "rank": self.cfg.ranks}, items), training
+
+    def _all_recs(self, replicas: list[int]) -> list[Any]:
+        with self._lock:
+            return [rec for r in replicas for rec in self._groups[r].procs]
+
+    def _register(self, replica: int, incarnation: int, store: str, recs: list[Any]) -> _Group:
+        """The group's new incarnation replaces the old one (whose ids are stale from now)."""
+        g = _Group(replica, incarnation, store, recs, time.monotonic(), cf.Future())
+        with self._lock:
+            old = self._groups.get(replica)
+            if old is not None:
+                self._stale_ids |= old.ids
+                self._by_store.pop(old.store, None)
+                if not old.training.done():
+                    old.training.set_result(None)
+            self._groups[replica] = g
+            self._by_store[store] = g
+        return g
+
+    def _track(self, g: _Group) -> cf.Future:
+        """``g.training`` ends once every rank of ``g`` has exited with code 0."""
+        left = [len(g.procs)]
+
+        def one_finished(_: cf.Future) -> None:
+            with self._lock:
+                left[0] -= 1
+                done = left[0] == 0 and self._groups.get(g.replica) is g
+            if done and not g.training.done():
+                g.training.set_result(None)
+                self._check_all_done()
+
+        for rec in g.procs:
+            rec.finished.add_done_callback(one_finished)
+        return g.training
+
+    def _check_all_done(self) -> None:
+        with self._lock:
+            groups = list(self._groups.values())
+        if len(groups) == self.cfg.replicas and all(g.training.done() for g in groups):
+            self.job._done.set()
+
+    def member_ids(self, replica: int) -> tuple[str, ...]:
+        """Every quorum id the group's Managers used (its current incarnation's included)."""
+        with self._lock:
+            g = self._groups.get(replica)
+            return tuple(sorted(g.ids)) if g is not None else ()
+
+    # -- faults ---------------------------------------------------------------------------------
+    def run_in_program(self, proc_id: str, func: str, *args: Any) -> None:
+        """An in-process fault for a program. With ``program.hooks`` it runs inside the rank
+        (harness/program_hooks: a command file, then a signal); without, a segfault is a SIGSEGV
+        sent from outside (the supervisor sees the same death) and the others are refused."""
+        rec = self.job.controller.procs.get(proc_id)
+        if rec is None or rec.pid is None:
+            raise RuntimeError(f"{func}: {proc_id} has no process")
+        if self.cfg.program.hooks:
+            hooks = Path(self.job.run_dir) / "hooks"
+            tmp = hooks / f".{rec.pid}.json"
+            tmp.write_text(json.dumps({"func": func, "args": list(args)}))
+            tmp.replace(hooks / f"{rec.pid}.json")
+            os.kill(rec.pid, HOOK_SIGNAL)
+            return
+        if func == "faults.inworker:segfault":
+            os.kill(rec.pid, signal.SIGSEGV)
+            return
+        raise ValueError(
+            f"{func} runs inside the training process: a program of your own takes it only with "
+            "program.hooks = true (kill, segfault, hang, host and network faults need nothing)"
+        )
+
+    # -- the tap's observer ---------------------------------------------------------------------
+    def admit(self, replica_id: str, store_address: str) -> int | None:
+        with self._lock:
+            g = self._by_store.get(store_address)
+            if g is None or replica_id in self._stale_ids:
+                return None
+            g.ids.add(replica_id)
+            return g.replica
+
+    def refused_id(self, replica_id: str) -> bool:
+        with self._lock:
+            return replica_id in self._stale_ids
+
+    def asked(self, req: Request) -> None:
+        with self._lock:
+            g = self._groups.get(req.replica)
+            if g is None or req.replica_id not in g.ids:
+                return
+            g.waiting += 1
+            g.last = time.monotonic()
+            events = step_events(g.last_step, req.step)
+            g.last_step = req.step if g.last_step is None else max(g.last_step, req.step)
+            participants = g.participants
+            host = g.procs[0].host.name
+        base = {"replica": req.replica, "rank": 0, "host": host, "observed": "quorum"}
+        emit = self.job.journal.emit
+        for event in events:
+            if event == "healed":
+                emit(HEALED, t=req.t, step=req.step, **base)
+            elif event == "commit":
+                emit(STEP_COMMIT, t=req.t, step=req.step, participants=participants, **base)
+            elif event == "abort":
+                reason = f"asked for a quorum again at step {req.step} without committing"
+                emit(STEP_ABORT, t=req.t, step=req.step + 1, reason=reason, **base)
+
+    def answered(self, req: Request, members: list[rule.Member] | None) -> None:
+        with self._lock:
+            g = self._groups.get(req.replica)
+            if g is None or req.replica_id not in g.ids:
+                return
+            g.waiting = max(0, g.waiting - 1)
+            g.last = time.monotonic()
+            if members:
+                g.participants = len(members)
+
+    # -- liveness and the console ---------------------------------------------------------------
+    def _watch(self) -> None:
+        p = self.cfg.program
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                groups = list(self._groups.values())
+            for g in groups:
+                if g.hung or g.training.done() or not g.procs:
+                    continue
+                silent = hung_for(
+                    now=now,
+                    started=g.started,
+                    last=g.last,
+                    waiting=g.waiting,
+                    start_s=p.start_timeout_s,
+                    progress_s=p.progress_timeout_s,
+                )
+                if silent is None:
+                    continue
+                g.hung = True
+                what = "since its last quorum request" if g.last is not None else "since it started"
+                detail = (
+                    f"replica group {g.replica} made no quorum request for {silent:.1f} s {what} "
+                    "(hung or stopped; program.progress_timeout_s / start_timeout_s)"
+                )
+                rec = g.procs[0]
+                self.job.controller.report_hung(
+                    rec.ref.proc_id, silent, time.time() - silent, detail
+                )
+
+    def _show_tail(self, failure: Failure) -> None:
+        log = self._logs.get(failure.proc or "")
+        if log is None:
+            return
+        label = log.stem
+        say = self.job.progress.say
+        say(f"{label}: {failure.summary()}; last lines of {log}:")
+        for line in read_tail(log):
+            say(f"{label} | {line}")

@@ -1,0 +1,134 @@
+"""The ``[program]`` section of a job config: a training program of the user's own, run
+unmodified in place of the built-in trainer (``harness.program`` runs it).
+
+    [program]
+    kind = "torchft"                       # or "torchtitan"
+    command = ["python", "train_ddp.py", "200"]
+    env = { LOGLEVEL = "INFO" }
+
+An empty ``command`` (the default) means the built-in trainer. Kept apart from
+``harness.config`` so that module only names the section; the checks here return a message
+(``harness.config.validate`` raises it as a ConfigError).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runtime.program_proc import PYTHON_NAMES  # run as the agent's own interpreter
+
+#: What every rank of a program gets from ftharness, as a torchft launcher (torchx's
+#: ``torchft.torchx`` component, SLURM scripts) would give it. ``program.env`` may not set these.
+LAUNCHER_ENV = (
+    "REPLICA_GROUP_ID",
+    "NUM_REPLICA_GROUPS",
+    "TORCHFT_LIGHTHOUSE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+#: The flags ftharness adds to a torchtitan command (torchtitan does not read REPLICA_GROUP_ID).
+TORCHTITAN_FLAGS = (
+    "--fault_tolerance.enable",
+    "--fault_tolerance.replica_id",
+    "--fault_tolerance.group_size",
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgramConfig:
+    """A program of the user's own: ``command`` (argv; empty: the built-in trainer), run for
+    each rank of each replica group with the launcher environment (:data:`LAUNCHER_ENV`) plus
+    ``env``, in ``cwd`` (default: where ftharness was started).
+
+    Liveness: a program has no ftharness heartbeat; its progress is. A group that has made no
+    quorum request for ``start_timeout_s`` after it started, or none for
+    ``progress_timeout_s`` since its last one (while none is waiting), is hung. Both must
+    exceed the program's longest stretch between two quorum requests (a step, with a collective
+    waiting out its timeout on a stopped peer, or a checkpoint save).
+
+    ``hooks``: put ftharness's ``sitecustomize`` hook on the program's import path, for the
+    in-process faults (``faults.inworker``); off by default (the program then runs exactly as
+    it would without ftharness).
+
+    ``warm``: start each rank as a fork of its host agent's interpreter, with torch (and the
+    agent's other preloads) already imported, as the built-in trainer's workers start, instead
+    of a fresh interpreter: a replacement skips the imports. Only for ``python SCRIPT ...`` and
+    ``python -m MODULE ...``; what torch reads from the environment at import is then the
+    agent's (``runtime.program_proc.fork_program``)."""
+
+    command: tuple[str, ...] = ()
+    kind: Literal["torchft", "torchtitan"] = "torchft"
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    start_timeout_s: float = 120.0
+    progress_timeout_s: float = 30.0
+    hooks: bool = False
+    warm: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.command)
+
+
+def program_problem(cfg: Any) -> str | None:
+    """Why ``cfg.program`` cannot run (a message naming the key), or None. ``cfg``: the
+    JobConfig being validated."""
+    p: ProgramConfig = cfg.program
+    if not p.enabled:
+        return None
+    for i, arg in enumerate(p.command):
+        if not arg or "\0" in arg:
+            return f"program.command[{i}] = {arg!r}: must be a non-empty string"
+    for name in p.env:
+        if not _ENV_NAME.match(name):
+            return f"program.env.{name}: not a valid environment variable name"
+        if name in LAUNCHER_ENV:
+            return (
+                f"program.env.{name}: set by ftharness for every rank (the launcher environment: "
+                f"{', '.join(LAUNCHER_ENV)}); remove it"
+            )
+    if p.kind == "torchtitan":
+        for arg in p.command:
+            for flag in TORCHTITAN_FLAGS:
+                if arg == flag or arg.startswith(flag + "="):
+                    return (
+                        f"program.command: {arg!r} is added by ftharness for "
+                        f"program.kind = 'torchtitan' (with this group's replica id); remove it"
+                    )
+    for key in ("start_timeout_s", "progress_timeout_s"):
+        if getattr(p, key) <= 0:
+            return f"program.{key} = {getattr(p, key)}: must be > 0 seconds"
+    pg = cfg.timeouts.process_group_timeout
+    if p.progress_timeout_s <= pg:
+        return (
+            f"program.progress_timeout_s ({p.progress_timeout_s}) must be > "
+            f"timeouts.process_group_timeout ({pg}): a survivor whose collective waits out its "
+            "timeout on a stopped peer makes no quorum request meanwhile, and would be taken "
+            "for hung"
+        )
+    if p.cwd is not None and not os.path.isdir(p.cwd):
+        return f"program.cwd = {p.cwd!r}: not a directory"
+    if p.warm and (
+        p.command[0] not in PYTHON_NAMES
+        or len(p.command) < 2
+        or (p.command[1].startswith("-") and p.command[1] != "-m")
+        or (p.command[1] == "-m" and len(p.command) < 3)
+    ):
+        return (
+            f"program.warm = true needs command = ['python', SCRIPT, ...] or "
+            f"['python', '-m', MODULE, ...] (it runs them in a fork of ftharness's interpreter), "
+            f"not {list(p.command)}"
+        )
+    exe = p.command[0]
+    if cfg.launcher != "external" and exe not in PYTHON_NAMES and shutil.which(exe) is None:
+        return f"program.command[0] = {exe!r}: no such program on PATH"
+    return None

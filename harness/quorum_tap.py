@@ -1,0 +1,174 @@
+"""A pass-through in front of the quorum service that watches a program's progress.
+
+A program of the user's own (``harness.program``) tells ftharness nothing, but every one of its
+replica groups asks the quorum service for a quorum once per step: torchft's Manager sends its
+``QuorumMember`` (replica id, step, store address, commit failures) to
+``/torchft.LighthouseService/Quorum`` and heartbeats to ``.../Heartbeat``. Programs get this
+tap's address as ``TORCHFT_LIGHTHOUSE``; it decodes each request and reply (the protobuf codec of
+``harness.tree_quorum``), tells an observer, and forwards the bytes unchanged to the real
+service, torchft's Lighthouse or the tree quorum, whichever the job runs. So both backends are
+observed the same way, and neither needs to know programs exist.
+
+Admission: a quorum request is forwarded only if its ``store_address`` is the store of a replica
+group's current incarnation (the job hands each incarnation a fresh store), so a stale
+incarnation, or a process the job did not start, cannot join; a heartbeat only from an id not
+known to belong to a replaced incarnation. Not guaranteed: like the services behind it, the tap
+speaks insecure gRPC; it adds one local hop (about a millisecond) per request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from harness import quorum_rule as rule
+from harness.tree_quorum import (
+    SERVICE,
+    WireError,
+    decode_fields,
+    decode_heartbeat_request,
+    decode_member,
+    decode_quorum_request,
+)
+
+_STORE_ADDRESS = 3  # QuorumMember.store_address (harness.tree_quorum's module doc)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One quorum request as the tap saw it: which group's Manager asked, at which step."""
+
+    replica: int
+    replica_id: str
+    step: int
+    commit_failures: int
+    t: float
+
+
+class Observer(Protocol):
+    def admit(self, replica_id: str, store_address: str) -> int | None:
+        """The replica group whose current incarnation owns ``store_address``, or None."""
+        ...
+
+    def refused_id(self, replica_id: str) -> bool:
+        """True if ``replica_id`` belongs to a replaced incarnation."""
+        ...
+
+    def asked(self, req: Request) -> None: ...
+
+    def answered(self, req: Request, members: list[rule.Member] | None) -> None:
+        """The request ended: with a quorum (its members) or None (an error, a timeout)."""
+        ...
+
+
+def store_address(raw: bytes) -> str:
+    for number, _, value in decode_fields(raw):
+        if number == _STORE_ADDRESS and isinstance(value, bytes):
+            return value.decode()
+    return ""
+
+
+def quorum_members(reply: bytes) -> list[rule.Member]:
+    """The participants of a ``LighthouseQuorumResponse``."""
+    for number, _, value in decode_fields(reply):
+        if number == 1 and isinstance(value, bytes):
+            return [
+                decode_member(v)
+                for n, _, v in decode_fields(value)
+                if n == 2 and isinstance(v, bytes)
+            ]
+    return []
+
+
+class QuorumTap:
+    """Serves the Lighthouse protocol on ``bind_host`` (port 0) and forwards to
+    ``upstream()`` (``http://host:port``, asked per call: a restarted service may move).
+    ``address`` is what programs get as ``TORCHFT_LIGHTHOUSE``."""
+
+    def __init__(
+        self,
+        *,
+        bind_host: str,
+        upstream: Callable[[], str],
+        observer: Observer,
+        max_requests: int = 64,
+    ) -> None:
+        self._upstream = upstream
+        self._observer = observer
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Quorum": grpc.unary_unary_rpc_method_handler(self._quorum),
+                "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
+            },
+        )
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_requests, thread_name_prefix="quorum-tap"),
+            handlers=(handler,),
+            options=(("grpc.so_reuseport", 0),),
+        )
+        port = self._server.add_insecure_port(f"{bind_host}:0")
+        if port == 0:
+            raise OSError(f"quorum tap: cannot bind {bind_host}")
+        self.address = f"http://{bind_host}:{port}"
+        self._server.start()
+
+    def _call(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+        target = self._upstream().split("://", 1)[-1]
+        with self._lock:
+            channel = self._channels.get(target)
+            if channel is None:
+                channel = self._channels[target] = grpc.insecure_channel(target)
+        stub = channel.unary_unary(f"/{SERVICE}/{method}")
+        left = context.time_remaining()  # without a deadline: about 9.2e18, which grpc refuses
+        try:
+            return stub(request, timeout=left if left is not None and left < 1e6 else None)
+        except grpc.RpcError as e:
+            context.abort(e.code(), e.details() or "")
+            raise  # not reached: abort raises
+
+    def _quorum(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            member = decode_quorum_request(request)
+            store = store_address(member.raw)
+        except (WireError, UnicodeDecodeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        replica = self._observer.admit(member.replica_id, store)
+        if replica is None:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{member.replica_id!r}: store {store!r} is no current replica group's",
+            )
+        req = Request(replica, member.replica_id, member.step, member.commit_failures, time.time())
+        self._observer.asked(req)
+        members: list[rule.Member] | None = None
+        try:
+            reply = self._call("Quorum", request, context)
+            members = quorum_members(reply)
+            return reply
+        finally:
+            self._observer.answered(req, members)
+
+    def _heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            rid = decode_heartbeat_request(request)
+        except (WireError, UnicodeDecodeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self._observer.refused_id(rid):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{rid} was replaced")
+        return self._call("Heartbeat", request, context)
+
+    def shutdown(self) -> None:
+        self._server.stop(grace=None).wait(5)
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()

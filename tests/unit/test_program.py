@@ -1,0 +1,167 @@
+"""A program of the user's own: its config section, the environment and argv each rank gets,
+and the pure rules that read its progress from its quorum requests."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.config import ConfigError, load_config
+from harness.program import hung_for, launcher_env, log_name, program_argv, read_tail, step_events
+from harness.program_config import LAUNCHER_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = ["python", "tests/programs/train_ddp.py", "20"]
+
+
+def cfg(*overrides: str):
+    return load_config(
+        "experiments/tiny.toml", [f"program.command={json.dumps(PROGRAM)}", *overrides]
+    )
+
+
+def test_launcher_env_is_what_a_torchft_launcher_gives():
+    c = cfg("replicas=3", "ranks=2", 'program.env={LOGLEVEL="INFO"}')
+    env = launcher_env(
+        c, replica=2, rank=1, lighthouse="http://127.0.0.1:7", store_addr="10.0.0.5:99"
+    )
+    assert {k: env[k] for k in LAUNCHER_ENV} == {
+        "REPLICA_GROUP_ID": "2",
+        "NUM_REPLICA_GROUPS": "3",
+        "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:7",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "99",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    assert env["LOGLEVEL"] == "INFO"
+    # torchft's Manager reads its timeouts from the environment first: ftharness's checked ones
+    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "10"
+    assert env["TORCHFT_TIMEOUT_SEC"] == "10"
+
+
+def test_program_env_may_override_torchft_timeouts_but_not_the_launcher_environment():
+    c = cfg('program.env={TORCHFT_TIMEOUT_SEC="30"}')
+    env = launcher_env(c, replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2")
+    assert env["TORCHFT_TIMEOUT_SEC"] == "30"
+    with pytest.raises(ConfigError, match=r"program.env.MASTER_PORT: set by ftharness"):
+        cfg('program.env={MASTER_PORT="1"}')
+
+
+def test_torchtitan_gets_its_fault_tolerance_flags():
+    c = cfg("replicas=4", "program.kind=torchtitan")
+    assert program_argv(c, replica=3) == (
+        *PROGRAM,
+        "--fault_tolerance.enable",
+        "--fault_tolerance.replica_id=3",
+        "--fault_tolerance.group_size=4",
+    )
+    assert program_argv(cfg(), replica=3) == tuple(PROGRAM)  # torchft: the command as is
+    with pytest.raises(ConfigError, match="added by ftharness"):
+        load_config(
+            "experiments/tiny.toml",
+            [
+                'program.command=["python", "-m", "torchtitan.train", '
+                '"--fault_tolerance.replica_id=0"]',
+                "program.kind=torchtitan",
+            ],
+        )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ('program.command=["python", ""]', r"program.command\[1\] = '': must be a non-empty"),
+        ("program.command=[1]", r"program.command\[0\] = 1: must be a string"),
+        ('program.command="python x.py"', "must be a list of str"),
+        ('program.command=["no-such-program-here"]', "no such program on PATH"),
+        ("program.kind=jax", "must be one of 'torchft', 'torchtitan'"),
+        ('program.env={"A-B"="1"}', "not a valid environment variable name"),
+        ("program.env={A=1}", r"program.env.A = 1: must be a string"),
+        ("program.progress_timeout_s=3", "must be > timeouts.process_group_timeout"),
+        ("program.start_timeout_s=0", "program.start_timeout_s = 0.0: must be > 0"),
+        ('program.cwd="/no/such/dir"', "not a directory"),
+        ("program.hooks=1", "must be true or false"),
+        ("program.comand=[]", "did you mean 'command'"),
+    ],
+)
+def test_program_config_errors_name_the_key(override, message):
+    own_command = override.startswith("program.command")
+    overrides = [override] if own_command else [f"program.command={json.dumps(PROGRAM)}", override]
+    with pytest.raises(ConfigError, match=message):
+        load_config("experiments/tiny.toml", overrides)
+
+
+def test_no_command_means_the_built_in_trainer():
+    c = load_config("experiments/tiny.toml")
+    assert not c.program.enabled
+    assert cfg().program.enabled
+
+
+def test_experiment_takes_an_inline_job_program(tmp_path):
+    from experiments.spec import load_experiment
+
+    p = tmp_path / "exp.toml"
+    p.write_text(
+        'name = "e"\nsteps = 10\npolicies = ["in_place"]\n[job]\nreplicas = 2\n'
+        '[job.program]\ncommand = ["python", "t.py", "10"]\nenv = { A = "1" }\n'
+        '[schedule]\nkind = "at_steps"\nat_steps = [3]\n[faults]\nmix = { kill = 1 }\n'
+    )
+    from experiments.runner import job_config
+
+    job = job_config(load_experiment(p), "in_place")
+    assert job.program.command == ("python", "t.py", "10") and job.program.env == {"A": "1"}
+
+
+def test_step_events_read_progress_from_quorum_requests():
+    assert step_events(None, 0) == []  # the first request: where the group starts
+    assert step_events(None, 40) == []  # resumed from its own checkpoint: not a commit
+    assert step_events(4, 5) == ["commit"]
+    assert step_events(0, 91) == ["healed", "commit"]  # loaded a peer's step 90, committed 91
+    assert step_events(5, 5) == ["abort"]  # asked again without committing
+    assert step_events(5, 3) == []  # an older request arriving late says nothing new
+
+
+def test_hung_for_counts_only_silence_with_no_request_in_flight():
+    kw = {"start_s": 60.0, "progress_s": 6.0}
+    assert hung_for(now=100.0, started=0.0, last=None, waiting=0, **kw) == 100.0
+    assert hung_for(now=50.0, started=0.0, last=None, waiting=0, **kw) is None  # starting
+    assert hung_for(now=100.0, started=0.0, last=95.0, waiting=0, **kw) is None
+    assert hung_for(now=100.0, started=0.0, last=90.0, waiting=0, **kw) == 10.0
+    assert hung_for(now=100.0, started=0.0, last=10.0, waiting=1, **kw) is None  # waits on quorum
+
+
+def test_read_tail(tmp_path):
+    log = tmp_path / log_name(1, 0)
+    assert log.name == "replica1-rank0.log"
+    assert read_tail(log) == []
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert read_tail(log, 3) == ["line 97", "line 98", "line 99"]
+
+
+def test_the_test_program_knows_nothing_of_ftharness():
+    tree = ast.parse((ROOT / "tests" / "programs" / "train_ddp.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported <= {"__future__", "os", "sys", "time", "datetime", "torch", "torchft"}
+
+
+def test_warm_start_needs_a_python_script_or_module():
+    ok = ["python", "-m", "torchtitan.train"]
+    assert load_config(
+        "experiments/tiny.toml", [f"program.command={json.dumps(ok)}", "program.warm=true"]
+    ).program.warm
+    for bad in (["sh", "run.sh"], ["python", "-u", "t.py"], ["python", "-m"], ["python"]):
+        with pytest.raises(ConfigError, match=r"program\.warm = true needs"):
+            load_config(
+                "experiments/tiny.toml", [f"program.command={json.dumps(bad)}", "program.warm=true"]
+            )
