@@ -35,7 +35,13 @@ def job_config(spec: ExperimentSpec, policy: str) -> Any:
 
 
 def run_policy(
-    spec: ExperimentSpec, policy: str, out: Path, *, quiet: bool, prometheus_port: int | None
+    spec: ExperimentSpec,
+    policy: str,
+    out: Path,
+    *,
+    quiet: bool,
+    prometheus_port: int | None,
+    limit: Any = None,
 ) -> dict[str, Any]:
     from faults.injector import Injector
     from faults.targets import Topology
@@ -56,6 +62,8 @@ def run_policy(
     injectors: list[Any] = []
 
     def on_started(job: Any) -> Any:
+        if limit is not None:
+            limit.on_started(job)
         plan = spec.plan(Topology.from_context(job.faults))
         injector = Injector(
             plan,
@@ -81,6 +89,7 @@ def run_policy(
             quiet=quiet,
             on_started=on_started,
             duration_s=spec.duration_s,
+            stop_event=limit.stop_event if limit is not None else None,
         )
     finally:
         if telemetry is not None:
@@ -98,15 +107,45 @@ def run_policy(
     return outcome
 
 
+def with_launcher(spec: ExperimentSpec, launcher: str) -> ExperimentSpec:
+    """The experiment with its job's launcher overridden (``--launcher``); its fault plan is
+    checked against the new launcher (SLURM faults need ``slurm``)."""
+    import dataclasses
+
+    topo = dataclasses.replace(spec.topology, launcher=launcher, networked=launcher == "netns")
+    out = dataclasses.replace(
+        spec, overrides=(*spec.overrides, f"launcher={launcher}"), topology=topo
+    )
+    try:
+        out.plan()
+    except Exception as exc:  # TargetError, ScheduleError: the plan cannot run there
+        raise ExperimentError(f"{spec.source}: with --launcher {launcher}: {exc}") from None
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         spec = load_experiment(args.experiment)
+        if getattr(args, "launcher", None):
+            spec = with_launcher(spec, args.launcher)
     except (ExperimentError, FileNotFoundError) as exc:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
+        return 2
+    from harness.config import ConfigError
+    from harness.slurm import TimeLimit, check_allocation
+
+    try:
+        problem = check_allocation(job_config(spec, spec.policies[0]))
+    except ConfigError as exc:
+        problem = str(exc)
+    if problem is not None:
+        print(f"ftharness chaos: {problem}", file=sys.stderr)
         return 2
     out = run_dir_for("chaos", args.out, spec.name)
     if out is None:
         return 2
+    # SLURM's time-limit signal: checkpoint, stop, skip the remaining policies, write the report
+    limit = TimeLimit() if job_config(spec, spec.policies[0]).launcher == "slurm" else None
     if spec.source is not None:
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
     outcomes = {}
@@ -114,8 +153,15 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[ftharness] === {spec.name}: policy {policy} ===", file=sys.stderr)
         outcomes[policy] = run_policy(
-            spec, policy, out, quiet=args.quiet, prometheus_port=args.prometheus_port
+            spec,
+            policy,
+            out,
+            quiet=args.quiet,
+            prometheus_port=args.prometheus_port,
+            limit=limit,
         )
+        if limit is not None and limit.signalled.is_set():
+            break
 
     from experiments.report import render_markdown, write_report
 

@@ -375,7 +375,11 @@ def _topology_of(cfg: Any) -> Topology:
 
     launcher = cfg.get("launcher", "local") if isinstance(cfg, Mapping) else cfg.launcher
     return Topology.from_counts(
-        get("replicas", 3), get("ranks", 1), get("hosts", 1), networked=launcher == "netns"
+        get("replicas", 3),
+        get("ranks", 1),
+        get("hosts", 1),
+        networked=launcher == "netns",
+        launcher=launcher,
     )
 
 

@@ -62,6 +62,13 @@ def _add_live_options(parser: argparse.ArgumentParser) -> None:
         "the config says otherwise) at PORT (0 picks a free port; the address is printed)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "netns", "external", "slurm"),
+        default=None,
+        help="where the host agents run (overrides the config's launcher): slurm = one agent "
+        "per node of the SLURM allocation this command runs in (salloc, sbatch)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

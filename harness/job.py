@@ -113,6 +113,7 @@ class Job:
         self._cfg_dict = config_to_dict(cfg)
         self._controller: Controller | None = None
         self.network: TestNetwork | None = None  # with launcher = "netns"
+        self.slurm: Any = None  # runtime.slurm.SlurmLauncher with launcher = "slurm"
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._started = False
@@ -185,6 +186,17 @@ class Job:
             return LocalLauncher()
         if self.cfg.launcher == "external":
             return ExternalLauncher()
+        if self.cfg.launcher == "slurm":
+            from harness.slurm import make_launcher
+
+            self.slurm, self.cfg = make_launcher(self.cfg, self.run_dir, self._on_node_gone)
+            self._cfg_dict = config_to_dict(self.cfg)
+            self.progress.say(
+                f"SLURM job {self.slurm.alloc.job_id}: nodes {', '.join(self.slurm.active)}"
+                + (f", spare {', '.join(sorted(self.slurm.spares))}" if self.slurm.spares else "")
+                + f"; controller at {self.cfg.bind_host}"
+            )
+            return self.slurm
         self.network = TestNetwork(self.host_names()).up()
         self.cfg = dataclasses.replace(self.cfg, bind_host=self.network.gateway)
         self._cfg_dict = config_to_dict(self.cfg)
@@ -355,6 +367,8 @@ class Job:
 
     # -- place: hosts ---------------------------------------------------------------------------
     def host_names(self) -> list[str]:
+        if self.slurm is not None:  # node names: the active nodes, then the spares
+            return list(self.slurm.nodes)
         return [f"host{i}" for i in range(self.cfg.hosts)]
 
     def group_host(self, replica: int) -> str:
@@ -378,9 +392,18 @@ class Job:
                 up=n in hosts and not hosts[n].lost,
                 cooling_until=self._cooldown.get(n, 0.0),
                 respawning=n in self._respawning,
+                spare=self.slurm is not None and n in self.slurm.spares,
+                gone=self.slurm is not None and n in self.slurm.gone,
             )
             for n in self.host_names()
         ]
+
+    def _on_node_gone(self, node: str, why: str) -> None:
+        """SLURM shows a node down or drained, or it left the job: never place or respawn
+        there again (the placement rule reads ``gone``)."""
+        self.progress.say(f"{why}: no group goes there again")
+        with self._host_change:
+            self._host_change.notify_all()
 
     def _place(self, replica: int) -> HostAgentHandle:
         """The host for a group now (harness.placement's rule); waits if none is ready."""
