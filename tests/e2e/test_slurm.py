@@ -1,0 +1,169 @@
+"""Jobs on a real SLURM cluster: slurmctld on this machine, one slurmd per network namespace
+(``bin/test-cluster``, started once for this module and torn down after it). Every agent is a
+job step on its node; node failures kill a node's slurmd and every process in its namespace.
+
+Needs root and Debian's slurm-wlm and munge (``bin/setup``); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from e2e_helpers import after_step, check_invariants, events, tiny_cfg
+
+from harness.launch import run_job
+from runtime import netns, slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "bin" / "test-cluster"
+STATE = "/tmp/ftharness-slurm"  # bin/test-cluster's default: one cluster per machine
+
+_ok, _why = netns.available()
+_slurm_ok, _slurm_why = slurm.available()
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not _ok, reason=_why),
+    pytest.mark.skipif(not _slurm_ok, reason=_slurm_why),
+]
+
+FAST = ("timeouts.host_timeout=2.0", "timeouts.controller_silence=4.0", "recovery.quorum=tree")
+
+
+def _cluster(*args: str) -> str:
+    env = {**os.environ, "FTHARNESS_SLURM_DIR": STATE}
+    done = subprocess.run(
+        [str(CLUSTER), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, f"test-cluster {' '.join(args)}: {done.stderr}{done.stdout}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    _cluster("up", "3")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = f"{STATE}/slurm.conf"
+    try:
+        yield
+    finally:
+        _cluster("down")
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+@contextlib.contextmanager
+def allocation(monkeypatch, nodes: int):
+    """An allocation of ``nodes`` nodes (``salloc --no-shell --no-kill``), its environment set
+    in this process as salloc sets it for its command; cancelled afterwards."""
+    done = subprocess.run(
+        ["salloc", f"-N{nodes}", "--no-kill", "--no-shell", "-t", "15", "-J", "ftharness-test"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    m = re.search(r"Granted job allocation (\d+)", done.stderr)
+    assert m, done.stderr
+    job = m.group(1)
+    try:
+        nodelist = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True, timeout=20
+        ).stdout.strip()
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+        monkeypatch.setenv("SLURM_NNODES", str(nodes))
+        yield job
+    finally:
+        subprocess.run(["scancel", job], timeout=20)
+
+
+def _revive_all() -> None:
+    for node in ("n1", "n2", "n3"):
+        _cluster("revive", node)
+
+
+def test_a_two_node_job_trains_to_its_last_step(cluster, tmp_path, monkeypatch):
+    with allocation(monkeypatch, 2):
+        cfg = tiny_cfg("launcher=slurm", "replicas=2", "steps=25", *FAST)
+        out = run_job(cfg, tmp_path, quiet=True, timeout=200)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+    commits = [r for r in records if r["event"] == "step.commit"]
+    assert max(r["step"] for r in commits) >= 25
+    assert {(r["replica"], r["host"]) for r in commits} == {(0, "n1"), (1, "n2")}
+    assert max(r["participants"] for r in commits) == 2  # the groups met across nodes
+    # each agent ran as its own step on its node, with the node's own address
+    starts = [r for r in records if r["event"] == "proc.start"]
+    assert {r["host"] for r in starts} == {"n1", "n2"}
+
+
+def test_a_failed_nodes_groups_restart_on_the_spare_node(cluster, tmp_path, monkeypatch):
+    """n1 fails (its slurmd and every process of the node killed): its group restarts on the
+    spare n3 and heals from n2's group; replicas are equal after the heal; SLURM marks n1 down
+    and it is never chosen again."""
+    cfg = tiny_cfg(
+        "launcher=slurm",
+        "replicas=2",
+        "steps=100000",
+        "slurm.spare_nodes=1",
+        "transport=dataplane",
+        "timeouts.process_group_timeout=10",
+        *FAST,
+    )
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def started(job):
+        def fail():
+            seen["spares"] = sorted(job.slurm.spares)
+            seen["t"] = time.time()
+            job.faults.fail_node("n1")
+            deadline = time.monotonic() + 150
+            while job.group_host(0) == "n1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(0)
+            while "n1" not in job.slurm.gone and time.monotonic() < deadline:
+                time.sleep(0.2)  # SLURM marks it not responding / down (SlurmdTimeout=10)
+            seen["gone"] = job.slurm.gone.get("n1")
+            target = job.faults.committed_step() + 15
+            while job.faults.committed_step() < target and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 10, fail)
+
+    try:
+        with allocation(monkeypatch, 3):
+            out = run_job(
+                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=240
+            )
+    finally:
+        _revive_all()
+    assert out["status"] == "ok", out["reason"]
+    assert seen["spares"] == ["n3"]
+    assert seen["moved_to"] == "n3", seen
+    assert seen["gone"], "SLURM never showed the failed node unusable"
+    records = events(tmp_path)
+    check_invariants(records)  # replicas bitwise equal at every step both groups committed
+    failures = [r for r in records if r["event"] == "failure" and r.get("replica") == 0]
+    assert failures and failures[0]["cause"] == "lost_host", failures
+    t_fail = failures[0]["t"]
+    after = [r for r in records if r["event"] == "step.commit" and r["t"] > t_fail]
+    assert {r["host"] for r in after if r["replica"] == 0} == {"n3"}
+    assert {r["host"] for r in after if r["replica"] == 1} == {"n2"}
+    joint = [r for r in after if r["participants"] == 2 and r.get("checksum")]
+    assert joint, "the groups never committed together after the heal"
+    phases = [r["phase"] for r in records if r["event"] == "recovery.phase" and r["replica"] == 0]
+    assert "participating" in phases
