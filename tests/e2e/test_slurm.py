@@ -167,3 +167,85 @@ def test_a_failed_nodes_groups_restart_on_the_spare_node(cluster, tmp_path, monk
     assert joint, "the groups never committed together after the heal"
     phases = [r["phase"] for r in records if r["event"] == "recovery.phase" and r["replica"] == 0]
     assert "participating" in phases
+
+
+def _tiny_toml(tmp_path: Path, file: str, **values: object) -> Path:
+    """experiments/tiny.toml with top-level values and checkpoint.every_steps replaced."""
+    text = (ROOT / "experiments" / "tiny.toml").read_text()
+    for key, value in values.items():
+        if key == "every_steps":
+            text = re.sub(r"(?m)^every_steps = \d+", f"every_steps = {value}", text)
+        else:
+            text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {json.dumps(value)}", text)
+    path = tmp_path / f"{file}.toml"
+    path.write_text(text)
+    return path
+
+
+def _submit(tmp_path: Path, config: Path, run: Path, *extra: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "slurm", "submit", str(config), "--nodes", "2",
+         "--out", str(run), *extra],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads((run / "slurm.json").read_text())["job_id"]
+
+
+def _wait_state(job_id: str, states: tuple[str, ...], timeout: float) -> str:
+    from experiments.slurm_submit import job_state
+
+    deadline = time.monotonic() + timeout
+    state = job_state(job_id)
+    while state not in states and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = job_state(job_id)
+    return state
+
+
+def test_slurm_submit_runs_a_job_to_completion_and_writes_its_report(cluster, tmp_path):
+    config = _tiny_toml(tmp_path, "sub", name="sub", steps=20, replicas=2)
+    run = tmp_path / "run"
+    job_id = _submit(tmp_path, config, run, "--", "--time=5")
+    script = (run / "sbatch.sh").read_text()
+    assert "#SBATCH --no-kill" in script and "#SBATCH --time=5" in script
+    state = _wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 200)
+    assert state == "COMPLETED", (run / f"slurm-{job_id}.out").read_text()
+    report = json.loads((run / "run" / "report.json").read_text())
+    assert report["summary"]
+    end = [r for r in events(run / "run") if r["event"] == "job.end"]
+    assert end and end[0]["status"] == "ok" and end[0]["steps"] >= 20
+    status = subprocess.run(
+        [sys.executable, "-m", "harness", "slurm", "status", str(run)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert "COMPLETED" in status.stdout and "report.json" in status.stdout
+
+
+def test_the_time_limit_signal_gives_a_checkpoint_and_a_report(cluster, tmp_path):
+    """SLURM's signal before the time limit (here sent now, as --signal=B:USR1@120 would send
+    it): the batch script passes it to the controller, which checkpoints at the next step
+    (every_steps is far away), stops cleanly, and the report is written."""
+    config = _tiny_toml(
+        tmp_path, "limit", name="limit", steps=1000000, replicas=2, every_steps=100000
+    )
+    run = tmp_path / "run"
+    job_id = _submit(tmp_path, config, run)
+    journal = run / "run" / "journal.jsonl"
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and (
+        not journal.exists() or journal.read_text().count('"step.commit"') < 20
+    ):
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+    state = _wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 150)
+    assert state == "COMPLETED", (run / f"slurm-{job_id}.out").read_text()
+    records = events(run / "run")
+    limit = [r for r in records if r["event"] == "slurm.time_limit"]
+    assert limit and limit[0]["checkpoint_step"] is not None, limit
+    saves = [r for r in records if r["event"] == "checkpoint.save"]
+    assert [r["step"] for r in saves] == [limit[0]["checkpoint_step"]]
+    assert Path(saves[0]["path"]).exists()
+    end = [r for r in records if r["event"] == "job.end"]
+    assert end[0]["status"] == "ok"
+    assert (run / "run" / "report.json").exists()
