@@ -167,7 +167,8 @@ class Job:
         if self.cfg.launcher == "external":
             self._wait_for_external_hosts()
         else:
-            self.progress.say(f"starting {self.cfg.hosts} host agent(s) (each imports torch once)")
+            n = len(self.host_names())
+            self.progress.say(f"starting {n} host agent(s) (each imports torch once)")
             for name in self.host_names():
                 self._spawn_host(name)
         if self.recovery_quorum == "tree":

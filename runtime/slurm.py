@@ -376,8 +376,16 @@ def fail_node(node: str) -> list[int]:
     import signal
 
     ns = node_namespace(node)
-    pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+    killed: list[int] = []
+    # A power failure stops everything at once; killing one by one can miss a process forked
+    # between listing and killing (an agent forking a spare), which would then hold the node's
+    # sockets open: list and kill until nothing is left.
+    for _ in range(50):
+        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed += pids
+    return killed
