@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 SCRIPT = "sbatch.sh"
+NO_KILL = "#SBATCH --no-kill                   # a failed node ends its agent's step, not the job"
+REQUEUE = "#SBATCH --requeue                   # a failed node ends the job; SLURM requeues it"
 RECORD = "slurm.json"
 
 
@@ -51,9 +53,18 @@ def sbatch_script(
     partition: str | None = None,
     extra: list[str] | tuple[str, ...] = (),
     signal_s: int = 120,
+    requeue: bool = False,
 ) -> str:
-    """The batch script (see the module docstring); every path in it is absolute."""
+    """The batch script (see the module docstring); every path in it is absolute. With
+    ``requeue`` (a job config only) the job is the classic one: a failed node ends it
+    (``NODE_FAIL``), SLURM requeues it, and the script's next run writes ``run-N`` (N =
+    ``SLURM_RESTART_COUNT``) and resumes from the checkpoints all runs share."""
+    if requeue and experiment:
+        raise ValueError("requeue applies to a job config, not an experiment")
     out = f"{run_dir}/{'chaos' if experiment else 'run'}"
+    if requeue:
+        out = f"{run_dir}/run-${{SLURM_RESTART_COUNT:-0}}"
+        extra = ["--open-mode=append", *extra]  # a requeued run appends to the same output
     command = "chaos" if experiment else "run"
     lines = [
         "#!/bin/bash",
@@ -62,7 +73,7 @@ def sbatch_script(
         f"#SBATCH --job-name=ftharness-{name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --no-kill                   # a failed node ends its agent's step, not the job",
+        NO_KILL if not requeue else REQUEUE,
         f"#SBATCH --signal=B:USR1@{signal_s}        # before the time limit: checkpoint, stop",
         f"#SBATCH --output={run_dir}/slurm-%j.out",
         f"#SBATCH --chdir={workdir}",
@@ -79,7 +90,9 @@ def sbatch_script(
         "",
         "# The controller runs here, on the first node; it starts one host agent per node as its",
         "# own job step (srun -w NODE --overlap), so a lost node ends one step, not the job.",
-        f"$PYTHON -m harness {command} {shlex.quote(source)} --launcher slurm --out {out} &",
+        f"$PYTHON -m harness {command} {shlex.quote(source)} --launcher slurm --out {out}"
+        + (f" --set checkpoint.dir={run_dir}/checkpoints" if requeue else "")
+        + " &",
         "pid=$!",
         "# SLURM signals this shell only (B:): pass the time-limit signal on to the controller.",
         "trap 'kill -USR1 \"$pid\"' USR1",
@@ -109,6 +122,9 @@ def submit(args: argparse.Namespace) -> int:
         print(f"ftharness slurm submit: {source} does not exist", file=sys.stderr)
         return 2
     experiment = is_experiment(source)
+    if experiment and getattr(args, "requeue", False):
+        print("ftharness slurm submit: --requeue applies to a job config", file=sys.stderr)
+        return 2
     problem = _check(source, experiment)
     if problem is not None:
         print(f"ftharness slurm submit: {problem}", file=sys.stderr)
@@ -129,6 +145,7 @@ def submit(args: argparse.Namespace) -> int:
         time_limit=args.time,
         partition=args.partition,
         extra=list(getattr(args, "sbatch_args", [])),
+        requeue=getattr(args, "requeue", False),
     )
     path = run_dir / SCRIPT
     path.write_text(script)

@@ -193,6 +193,12 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
     submit.add_argument(
         "--out", default=None, help="run directory (new or empty); default runs/NAME"
     )
+    submit.add_argument(
+        "--requeue",
+        action="store_true",
+        help="the classic job, for comparison: no spare nodes, no --no-kill; a failed node ends "
+        "the job and SLURM requeues it, resuming from the last checkpoint",
+    )
     submit.epilog = "Options after -- are passed to sbatch, e.g. -- --account=A --gres=gpu:8"
     for name, text in (("status", "the job's state and its report"), ("cancel", "scancel it")):
         c = s.add_parser(name, help=text)

@@ -316,11 +316,16 @@ class SlurmLauncher:
         return True
 
     def kill(self, name: str) -> bool:
+        """``scancel --signal=KILL`` of the node's step, in the background: the controller calls
+        this on the path that declares a host lost, and scancel waits for slurmctld, which
+        waits for an unresponsive node's slurmd (seconds: a failed node's groups would wait)."""
         with self._lock:
             popen = self.procs.get(name)
         if popen is None:
             return False
-        self.cancel_step(name, "KILL")
+        threading.Thread(
+            target=self.cancel_step, args=(name, "KILL"), daemon=True, name=f"scancel-{name}"
+        ).start()
         return True
 
     def stop(self, name: str, timeout_s: float) -> None:
