@@ -45,6 +45,11 @@ _BENCHES = {
         "recovery across namespace hosts (partition, eviction), cross-host heal bandwidth "
         "and the cost of authenticated frames (root)",
     ),
+    "slurm_requeue": (
+        "experiments.bench.slurm_requeue:main",
+        "the baseline for SLURM node loss: a node of a classic job fails, SLURM requeues the "
+        "whole job (root, bin/test-cluster up)",
+    ),
     "scale": (
         "experiments.bench.scale:main",
         "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
