@@ -53,7 +53,8 @@ def measure(workdir: Path, timeout_s: float, log: Any) -> dict[str, Any]:
     config = workdir / "job.toml"
     text = (ROOT / "experiments" / "tiny.toml").read_text()
     text = text.replace("replicas = 3", "replicas = 2").replace("steps = 200", "steps = 1000000")
-    text = text.replace("every_steps = 50", "every_steps = 25").replace('"tiny"', '"requeue"')
+    text = text.replace("every_steps = 50", "every_steps = 25")
+    text = text.replace('name = "tiny"', 'name = "requeue"')
     config.write_text(text)
     run = workdir / "run"
     done = subprocess.run(
