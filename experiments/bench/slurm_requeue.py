@@ -10,7 +10,10 @@ batch script again on the nodes left; the new run resumes from the last checkpoi
   ``participate_s`` is for a spare-node recovery, experiments/slurm_node_loss.toml);
 * ``node_down_s``: node death -> SLURM shows it not responding or down (first ``sinfo`` poll);
 * ``requeued_start_s``: node death -> the requeued run's ``job.start``;
-* ``steps_lost``: steps committed before the failure that the requeued run trained again.
+* ``first_run_ended_s``: node death -> the first run's last commit (it trains on without the
+  node until SLURM ends the job);
+* ``steps_lost``: steps the first run committed past the checkpoint the requeued run resumed
+  from (trained again).
 
 One repetition (a requeue takes minutes); the job is cancelled at the end.
 """
@@ -86,17 +89,21 @@ def measure(workdir: Path, timeout_s: float, log: Any) -> dict[str, Any]:
         ok = _wait(lambda: bool(_events(second, "step.commit")), timeout_s, poll=0.5)
         if not ok:
             raise RuntimeError(f"the requeued job {job_id} did not train ({job_state(job_id)})")
-        before = [r["step"] for r in _events(first, "step.commit") if r["t"] < t0]
+        # the first run trained on (its lost group restarted on the node left) until SLURM
+        # ended the job: everything it committed past the checkpoint is trained again
+        trained = [r["step"] for r in _events(first, "step.commit")]
         resumed = [r["step"] for r in _events(second, "checkpoint.load")]
         commits = _events(second, "step.commit")
+        end = _events(first, "step.commit")[-1]["t"] if trained else t0
         return {
             "job_id": job_id,
             "failed_node": victim,
             "node_down_s": round(down[0], 2) if down else None,
             "requeued_start_s": round(_events(second, "job.start")[0]["t"] - t0, 2),
             "requeue_participate_s": round(min(r["t"] for r in commits) - t0, 2),
+            "first_run_ended_s": round(end - t0, 2),
             "resumed_from_step": max(resumed) if resumed else 0,
-            "steps_lost": max(before) - (max(resumed) if resumed else 0) if before else None,
+            "steps_lost": max(trained) - (max(resumed) if resumed else 0) if trained else None,
         }
     finally:
         subprocess.run(["scancel", job_id], timeout=30)

@@ -249,3 +249,58 @@ def test_the_time_limit_signal_gives_a_checkpoint_and_a_report(cluster, tmp_path
     end = [r for r in records if r["event"] == "job.end"]
     assert end[0]["status"] == "ok"
     assert (run / "run" / "report.json").exists()
+
+
+def test_a_drained_node_is_never_chosen(cluster, tmp_path, monkeypatch):
+    """The spare n3 is drained (an operator's `scontrol update State=DRAIN`), then n1 fails:
+    n1's group goes to n2, not to the drained spare."""
+    cfg = tiny_cfg(
+        "launcher=slurm",
+        "replicas=2",
+        "steps=100000",
+        "slurm.spare_nodes=1",
+        "slurm.poll_s=0.5",
+        *FAST,
+    )
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def scontrol_n3(state: str) -> None:
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n3", f"State={state}", "Reason=ftharness-test"],
+            check=True, timeout=30,
+        )  # fmt: skip
+
+    def started(job):
+        def drain_then_fail():
+            deadline = time.monotonic() + 150
+            scontrol_n3("DRAIN")
+            while "n3" not in job.slurm.gone and time.monotonic() < deadline:
+                time.sleep(0.1)
+            seen["gone"] = job.slurm.gone.get("n3")
+            job.faults.fail_node("n1")
+            while job.group_host(0) == "n1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(0)
+            target = job.faults.committed_step() + 10
+            while job.faults.committed_step() < target and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 10, drain_then_fail)
+
+    try:
+        with allocation(monkeypatch, 3):
+            out = run_job(
+                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=240
+            )
+    finally:
+        scontrol_n3("RESUME")
+        _revive_all()
+    assert out["status"] == "ok", out["reason"]
+    assert "drain" in str(seen["gone"]), seen
+    assert seen["moved_to"] == "n2", seen
+    records = events(tmp_path)
+    check_invariants(records)
+    starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") is not None]
+    assert "n3" not in {r["host"] for r in starts}
