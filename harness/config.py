@@ -156,7 +156,9 @@ class SlurmConfig:
     """``launcher = "slurm"`` (runtime/slurm.py): the last ``spare_nodes`` nodes of the
     allocation hold a ready agent and no group; ``replace`` says where a lost node's groups go:
     ``"spare"`` a spare node if one is ready, else the other nodes; ``"none"`` the other nodes
-    (no spares). ``"new_job"`` (ask SLURM for a replacement node) is not implemented yet."""
+    (no spares); ``"new_job"`` as ``"spare"``, and for every node SLURM takes away (down,
+    drained, dropped from the job) a new single-node job is submitted whose node joins as a
+    spare (runtime/slurm.py, ``SlurmLauncher.request_node``)."""
 
     spare_nodes: int = 0
     replace: Literal["spare", "new_job", "none"] = "spare"
@@ -293,11 +295,6 @@ def _check_slurm(cfg: JobConfig) -> None:
     _positive("slurm.spare_nodes", s.spare_nodes, 0)
     if s.poll_s <= 0:
         raise ConfigError(f"slurm.poll_s = {s.poll_s}: must be > 0 seconds")
-    if s.replace == "new_job":
-        raise ConfigError(
-            'slurm.replace = "new_job" (a new single-node job for a lost node) is not '
-            'implemented yet; use "spare" with slurm.spare_nodes >= 1'
-        )
     if s.replace == "none" and s.spare_nodes:
         raise ConfigError(
             f'slurm.spare_nodes = {s.spare_nodes} with slurm.replace = "none": spare nodes would '

@@ -405,6 +405,10 @@ class Job:
         self.progress.say(f"{why}: no group goes there again")
         with self._host_change:
             self._host_change.notify_all()
+        if self.cfg.slurm.replace == "new_job" and not self._stopping:
+            from harness.slurm import replace_node
+
+            threading.Thread(target=replace_node, args=(self, node), daemon=True).start()
 
     def _place(self, replica: int) -> HostAgentHandle:
         """The host for a group now (harness.placement's rule); waits if none is ready."""

@@ -3,6 +3,7 @@
 * :func:`make_launcher`: ``launcher = "slurm"`` — the allocation (``runtime.slurm``), the address
   the controller binds (one the nodes reach), and the job's host count (allocated nodes minus
   ``slurm.spare_nodes``).
+* :func:`replace_node`: ``slurm.replace = "new_job"``, a replacement node from a new job.
 * :class:`TimeLimit`: the batch script asks SLURM for a signal before the time limit
   (``#SBATCH --signal=B:USR1@120``); on SIGUSR1 the controller asks every replica group to
   checkpoint at its next committed step, waits for that checkpoint (at most ``save_timeout_s``),
@@ -47,6 +48,21 @@ def make_launcher(
     if bind in ("127.0.0.1", "localhost"):  # the default: the nodes could not reach it
         bind = controller_address(alloc)
     return launcher, dataclasses.replace(cfg, bind_host=bind, hosts=len(launcher.active))
+
+
+def replace_node(job: Any, lost: str) -> None:
+    """``slurm.replace = "new_job"``: a new single-node job for the node SLURM took away; its
+    node joins the job as a spare with a ready agent (placement then prefers it)."""
+    try:
+        job.progress.say(f"asking SLURM for a node to replace {lost} (a new single-node job)")
+        node = job.slurm.request_node()
+        job.progress.say(f"replacement node {node} allocated; starting its agent")
+        job._spawn_host(node)
+    except Exception as exc:
+        job.progress.say(f"no replacement for {lost}: {exc}")
+        return
+    with job._host_change:
+        job._host_change.notify_all()
 
 
 def check_allocation(cfg: JobConfig) -> str | None:

@@ -188,10 +188,14 @@ def project_root() -> str:
     return str(Path(__file__).resolve().parents[1])
 
 
-def agent_command(node: str, controller: str, secret_file: str, dial_timeout_s: float) -> list[str]:
-    """The step that runs ``node``'s agent (see the module docstring)."""
+def agent_command(
+    node: str, controller: str, secret_file: str, dial_timeout_s: float, job_id: str | None = None
+) -> list[str]:
+    """The step that runs ``node``'s agent (see the module docstring); ``job_id``: a job other
+    than the one this process runs in (a replacement node's)."""
     return [
-        "srun", "--nodes=1", "--ntasks=1", "-w", node, "--kill-on-bad-exit=0", "--overlap",
+        "srun", *([f"--jobid={job_id}"] if job_id else []),
+        "--nodes=1", "--ntasks=1", "-w", node, "--kill-on-bad-exit=0", "--overlap",
         f"--job-name={STEP_PREFIX}{node}", f"--chdir={os.getcwd()}", "--input=none",
         sys.executable, "-m", "harness", "agent", "--controller", controller,
         "--secret-file", secret_file, "--name", node, "--dial-timeout", f"{dial_timeout_s:g}",
@@ -221,28 +225,35 @@ class SlurmLauncher:
         self.spares = set(self.nodes[len(self.nodes) - spare_nodes :])
         self.active = [n for n in self.nodes if n not in self.spares]
         self.gone: dict[str, str] = {}  # node -> why
+        self.node_job: dict[str, str] = {}  # replacement node -> its own single-node job
         self._on_gone = on_gone
         self._lock = threading.Lock()
         self.procs: dict[str, subprocess.Popen] = {}
         self._poll_s = poll_s
         self._closed = threading.Event()
+        self._extra_jobs: list[str] = []  # replacement jobs (request_node), cancelled on close
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="ftharness-sinfo")
         self._monitor.start()
 
     # -- SLURM's view ----------------------------------------------------------------------
     def refresh(self) -> None:
         """Mark nodes SLURM says are unusable, or that left the job, as gone."""
+        with self._lock:
+            nodes, node_job = list(self.nodes), dict(self.node_job)
         try:
-            states = node_states(self.nodes)
+            states = node_states(nodes)
             held = set(job_nodes(self.alloc.job_id))
+            held_by = {job: set(job_nodes(job)) for job in set(node_job.values())}
         except SlurmError:
             return  # slurmctld busy or restarting: keep the last view
-        for node in self.nodes:
+        for node in nodes:
             state = states.get(node, "unknown")
+            job = node_job.get(node, self.alloc.job_id)
+            mine = held_by[job] if node in node_job else held
             if unusable(state):
                 self._mark_gone(node, f"SLURM shows node {node} {state}")
-            elif held and node not in held:
-                self._mark_gone(node, f"node {node} is no longer part of job {self.alloc.job_id}")
+            elif mine and node not in mine:
+                self._mark_gone(node, f"node {node} is no longer part of job {job}")
 
     def _mark_gone(self, node: str, why: str) -> None:
         with self._lock:
@@ -272,7 +283,11 @@ class SlurmLauncher:
             raise SlurmError(f"not starting an agent on {name}: {why}")
         controller = f"{boot['controller_host']}:{boot['controller_port']}"
         cmd = agent_command(
-            name, controller, str(self.secret_file(boot)), float(boot.get("dial_timeout_s", 60))
+            name,
+            controller,
+            str(self.secret_file(boot)),
+            float(boot.get("dial_timeout_s", 60)),
+            self.node_job.get(name),
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
@@ -291,8 +306,9 @@ class SlurmLauncher:
 
     def step_ids(self, name: str | None = None) -> list[str]:
         """Our agent steps (``JOB.STEP``), of node ``name`` or all."""
+        jobs = ",".join([self.alloc.job_id, *sorted(set(self.node_job.values()))])
         try:
-            text = _run(["squeue", "-h", "-s", "-j", self.alloc.job_id, "-o", "%i %j"])
+            text = _run(["squeue", "-h", "-s", "-j", jobs, "-o", "%i %j"])
         except SlurmError:
             return []
         want = STEP_PREFIX + name if name else None
@@ -303,6 +319,35 @@ class SlurmLauncher:
             if named and (want is None or parts[1] == want):
                 out.append(parts[0])
         return out
+
+    def request_node(self, timeout_s: float = 600.0) -> str:
+        """A replacement node (``slurm.replace = "new_job"``): a new single-node job that holds
+        a node none of ours is on (``sbatch --wrap 'sleep infinity'``); once it runs, its node
+        joins :attr:`nodes` as a spare and agents are started in that job. Cancelled by
+        :meth:`close`. SlurmError if SLURM does not start it within ``timeout_s``."""
+        import time
+
+        with self._lock:
+            exclude = ",".join(self.nodes)
+        job = _run(
+            ["sbatch", "--parsable", "--nodes=1", "--no-kill", f"--exclude={exclude}",
+             f"--job-name=ftharness-replacement-{self.alloc.job_id}", "--output=/dev/null",
+             "--wrap", "exec sleep infinity"]
+        ).strip().split(";")[0]  # fmt: skip
+        with self._lock:
+            self._extra_jobs.append(job)
+        deadline = time.monotonic() + timeout_s
+        while not self._closed.is_set() and time.monotonic() < deadline:
+            parts = _run(["squeue", "-h", "-j", job, "-o", "%T %N"]).split()
+            if len(parts) == 2 and parts[0] == "RUNNING":
+                node = parts[1]
+                with self._lock:
+                    self.node_job[node] = job
+                    self.nodes.append(node)
+                    self.spares.add(node)
+                return node
+            time.sleep(0.5)
+        raise SlurmError(f"replacement job {job} did not start within {timeout_s:g} s")
 
     def cancel_step(self, name: str, signal: str | None = None) -> bool:
         """``scancel`` node ``name``'s agent step (SIGTERM then KILL, as torchft's punisher
@@ -355,6 +400,9 @@ class SlurmLauncher:
                 popen.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=10.0)
+        if self._extra_jobs:
+            with contextlib.suppress(SlurmError):
+                _run(["scancel", *self._extra_jobs])
 
 
 # -- the test cluster's nodes: network namespaces on this machine (bin/test-cluster) -------------

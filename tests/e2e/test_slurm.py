@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import after_step, check_invariants, events, tiny_cfg
+from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
 
 from harness.launch import run_job
 from runtime import netns, slurm
@@ -304,3 +304,63 @@ def test_a_drained_node_is_never_chosen(cluster, tmp_path, monkeypatch):
     check_invariants(records)
     starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") is not None]
     assert "n3" not in {r["host"] for r in starts}
+
+
+def test_with_replace_new_job_slurm_gives_a_node_for_the_one_it_took(
+    cluster, tmp_path, monkeypatch
+):
+    """A 2-node job with no spare and slurm.replace = "new_job": n1 fails, its group doubles up
+    on n2; once SLURM shows n1 unusable a single-node job is submitted, its node (n3) joins as a
+    spare with a ready agent, and the next group that needs a host (group 0, killed) gets it."""
+    cfg = tiny_cfg(
+        "launcher=slurm",
+        "replicas=2",
+        "steps=100000",
+        "slurm.replace=new_job",
+        "slurm.poll_s=0.5",
+        "transport=dataplane",
+        "timeouts.process_group_timeout=10",
+        *FAST,
+    )
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def started(job):
+        def fail_then_replace():
+            deadline = time.monotonic() + 200
+            job.faults.fail_node("n1")
+            hosts = job.controller.hosts
+            while time.monotonic() < deadline and ("n3" not in hosts or hosts["n3"].lost):
+                time.sleep(0.1)
+            seen["replacement_job"] = job.slurm.node_job.get("n3")
+            seen["spare"] = "n3" in job.slurm.spares
+            kill_group(job, 0)
+            while job.group_host(0) != "n3" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(0)
+            target = job.faults.committed_step() + 10
+            while job.faults.committed_step() < target and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 10, fail_then_replace)
+
+    try:
+        with allocation(monkeypatch, 2) as job_id:
+            out = run_job(
+                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=280
+            )
+    finally:
+        _revive_all()
+    assert out["status"] == "ok", out["reason"]
+    assert seen["replacement_job"] not in (None, job_id) and seen["spare"], seen
+    assert seen["moved_to"] == "n3", seen
+    records = events(tmp_path)
+    check_invariants(records)
+    late = [r for r in records if r["event"] == "step.commit" and r["replica"] == 0]
+    assert late[-1]["host"] == "n3"
+    left = subprocess.run(
+        ["squeue", "-h", "-j", str(seen["replacement_job"]), "-o", "%T"],
+        capture_output=True, text=True, timeout=20,
+    ).stdout.strip()  # fmt: skip
+    assert left in ("", "COMPLETING", "CANCELLED"), f"the replacement job is still {left}"

@@ -56,7 +56,7 @@ def test_the_allocation_comes_from_slurms_environment():
 
 
 def test_outside_an_allocation_the_error_names_slurm_job_id():
-    with pytest.raises(SlurmError, match="SLURM_JOB_ID is not set.*salloc"):
+    with pytest.raises(SlurmError, match=r"SLURM_JOB_ID is not set.*salloc"):
         allocation_from_env({}, hostnames=expand_nodelist)
 
 
@@ -89,6 +89,7 @@ def test_each_agent_is_its_own_one_node_step_and_the_secret_stays_in_a_file():
         "--job-name=ftharness-agent-n2",
     ]  # fmt: skip
     tail = cmd[cmd.index("agent") :]
+    assert agent_command("n9", "h:1", "/s", 60, job_id="77")[:2] == ["srun", "--jobid=77"]
     assert tail[:7] == [
         "agent", "--controller", "10.0.0.1:4000", "--secret-file", "/run/agent.secret",
         "--name", "n2",
@@ -97,7 +98,8 @@ def test_each_agent_is_its_own_one_node_step_and_the_secret_stays_in_a_file():
 
 # -- SLURM's view of the nodes ------------------------------------------------------------------
 def test_node_states_and_which_are_unusable():
-    states = parse_node_states("n1 idle\nn2 mixed*\nn3 down*\nn4 drained\nn5 draining\nn6 allocated\n")
+    sinfo = "n1 idle\nn2 mixed*\nn3 down*\nn4 drained\nn5 draining\nn6 allocated\n"
+    states = parse_node_states(sinfo)
     assert states == {
         "n1": "idle", "n2": "mixed*", "n3": "down*", "n4": "drained", "n5": "draining",
         "n6": "allocated",
@@ -142,9 +144,10 @@ def test_slurm_faults_are_planned_only_with_launcher_slurm(kind):
 def test_the_slurm_section_is_validated():
     ok = load_config("experiments/tiny.toml", ["launcher=slurm", "slurm.spare_nodes=1"])
     assert ok.slurm.spare_nodes == 1 and ok.slurm.replace == "spare"
+    new = load_config("experiments/tiny.toml", ["launcher=slurm", "slurm.replace=new_job"])
+    assert new.slurm.replace == "new_job"
     bad = {
         "slurm.spare_nodes=-1": "slurm.spare_nodes",
-        'slurm.replace="new_job"': "not implemented",
         "slurm.replace=bogus": "slurm.replace",
     }
     for override, message in bad.items():
