@@ -107,27 +107,32 @@ def run_policy(
     return outcome
 
 
-def with_launcher(spec: ExperimentSpec, launcher: str) -> ExperimentSpec:
-    """The experiment with its job's launcher overridden (``--launcher``); its fault plan is
-    checked against the new launcher (SLURM faults need ``slurm``)."""
-    import dataclasses
+def with_launcher(path: str | Path, launcher: str) -> ExperimentSpec:
+    """The experiment file with its job's launcher overridden (``--launcher``), validated as a
+    whole with it: a [slurm] section and SLURM faults are checked against the new launcher."""
+    import tomllib
 
-    topo = dataclasses.replace(spec.topology, launcher=launcher, networked=launcher == "netns")
-    out = dataclasses.replace(
-        spec, overrides=(*spec.overrides, f"launcher={launcher}"), topology=topo
-    )
+    from experiments.spec import parse_experiment
+
+    p = Path(path)
     try:
-        out.plan()
-    except Exception as exc:  # TargetError, ScheduleError: the plan cannot run there
-        raise ExperimentError(f"{spec.source}: with --launcher {launcher}: {exc}") from None
-    return out
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExperimentError(f"{p}: no such experiment file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ExperimentError(f"{p}: not valid TOML: {e}") from None
+    overrides = data.get("overrides", [])
+    if isinstance(overrides, list):
+        data["overrides"] = [*overrides, f"launcher={launcher}"]
+    return parse_experiment(data, source=p.resolve())
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        spec = load_experiment(args.experiment)
         if getattr(args, "launcher", None):
-            spec = with_launcher(spec, args.launcher)
+            spec = with_launcher(args.experiment, args.launcher)
+        else:
+            spec = load_experiment(args.experiment)
     except (ExperimentError, FileNotFoundError) as exc:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
         return 2

@@ -170,9 +170,8 @@ def _check(source: Path, experiment: bool) -> str | None:
     try:
         if experiment:
             from experiments.runner import with_launcher
-            from experiments.spec import load_experiment
 
-            with_launcher(load_experiment(source), "slurm")
+            with_launcher(source, "slurm")
         else:
             from harness.config import load_config
 

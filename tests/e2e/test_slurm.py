@@ -364,3 +364,31 @@ def test_with_replace_new_job_slurm_gives_a_node_for_the_one_it_took(
         capture_output=True, text=True, timeout=20,
     ).stdout.strip()  # fmt: skip
     assert left in ("", "COMPLETING", "CANCELLED"), f"the replacement job is still {left}"
+
+
+def test_chaos_with_launcher_slurm_reports_the_node_failure_recovery(cluster, tmp_path):
+    """`salloc -N3 --no-kill ftharness chaos EXP --launcher slurm`, as a user runs it:
+    experiments/slurm_node_loss.toml shortened to one node_failure; its report.json has that
+    recovery with its participate_s, and the hypotheses pass."""
+    text = (ROOT / "experiments" / "slurm_node_loss.toml").read_text()
+    text = text.replace("duration_s = 80", "duration_s = 30")
+    text = text.replace("at_times = [20, 40, 60]", "at_times = [10]")
+    text = text.replace("mix = { node_failure = 1, kill = 1 }", "mix = { node_failure = 1 }")
+    text = text.replace('launcher = "slurm"\n', "")  # from the command line instead
+    exp = tmp_path / "exp.toml"
+    exp.write_text(text)
+    out = tmp_path / "run"
+    try:
+        done = subprocess.run(
+            ["salloc", "-N3", "--no-kill", "-t", "10", sys.executable, "-m", "harness", "chaos",
+             str(exp), "--launcher", "slurm", "--out", str(out), "--quiet"],
+            capture_output=True, text=True, timeout=240, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        _revive_all()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    recoveries = report["summary"]["policies"]["in_place"]["recoveries"]
+    failures = [r for r in recoveries if r["kind"] == "node_failure"]
+    assert len(failures) == 1 and failures[0]["participate_s"] is not None, recoveries
+    assert report["passed"], report["hypotheses"]

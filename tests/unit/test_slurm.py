@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,8 @@ from runtime.slurm import (
     parse_node_states,
     unusable,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- the allocation ---------------------------------------------------------------------------
@@ -219,3 +222,16 @@ def test_an_experiment_is_told_from_a_job_config(tmp_path):
 
     assert is_experiment("experiments/slurm_node_loss.toml")
     assert not is_experiment("experiments/tiny.toml")
+
+
+def test_launcher_on_the_command_line_is_validated_with_the_whole_experiment(tmp_path):
+    from experiments.runner import with_launcher
+    from experiments.spec import ExperimentError
+
+    text = (ROOT / "experiments" / "slurm_node_loss.toml").read_text()
+    path = tmp_path / "exp.toml"
+    path.write_text(text.replace('launcher = "slurm"\n', ""))  # only [slurm] and SLURM faults
+    spec = with_launcher(path, "slurm")
+    assert spec.topology.launcher == "slurm" and "launcher=slurm" in spec.job_overrides("in_place")
+    with pytest.raises(ExperimentError, match="launcher"):
+        with_launcher(path, "local")
