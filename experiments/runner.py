@@ -37,7 +37,13 @@ def job_config(spec: ExperimentSpec, policy: str) -> Any:
 
 
 def run_policy(
-    spec: ExperimentSpec, run: Run, out: Path, *, quiet: bool, prometheus_port: int | None
+    spec: ExperimentSpec,
+    run: Run,
+    out: Path,
+    *,
+    quiet: bool,
+    prometheus_port: int | None,
+    limit: Any = None,
 ) -> dict[str, Any]:
     from faults.injector import Injector
     from faults.targets import Topology
@@ -62,6 +68,8 @@ def run_policy(
     injectors: list[Any] = []
 
     def on_started(job: Any) -> Any:
+        if limit is not None:
+            limit.on_started(job)
         if policy == CONTROL:
             job.progress.say(f"{run.folder}: no faults, {run.duration_s} s (goodput's baseline)")
             return None
@@ -90,6 +98,7 @@ def run_policy(
             quiet=quiet,
             on_started=on_started,
             duration_s=run.duration_s,
+            stop_event=limit.stop_event if limit is not None else None,
         )
     finally:
         if telemetry is not None:
@@ -107,15 +116,50 @@ def run_policy(
     return outcome
 
 
+def with_launcher(path: str | Path, launcher: str) -> ExperimentSpec:
+    """The experiment file with its job's launcher overridden (``--launcher``), validated as a
+    whole with it: a [slurm] section and SLURM faults are checked against the new launcher."""
+    import tomllib
+
+    from experiments.spec import parse_experiment
+
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExperimentError(f"{p}: no such experiment file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ExperimentError(f"{p}: not valid TOML: {e}") from None
+    overrides = data.get("overrides", [])
+    if isinstance(overrides, list):
+        data["overrides"] = [*overrides, f"launcher={launcher}"]
+    return parse_experiment(data, source=p.resolve())
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        spec = load_experiment(args.experiment)
+        if getattr(args, "launcher", None):
+            spec = with_launcher(args.experiment, args.launcher)
+        else:
+            spec = load_experiment(args.experiment)
     except (ExperimentError, FileNotFoundError) as exc:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
+        return 2
+    from harness.config import ConfigError
+    from harness.slurm import TimeLimit, check_allocation
+
+    try:
+        problem = check_allocation(job_config(spec, spec.policies[0]))
+    except ConfigError as exc:
+        problem = str(exc)
+    if problem is not None:
+        print(f"ftharness chaos: {problem}", file=sys.stderr)
         return 2
     out = run_dir_for("chaos", args.out, spec.name)
     if out is None:
         return 2
+    # SLURM's time-limit signal: checkpoint, stop, skip the remaining policies, write the report
+    limit = TimeLimit() if job_config(spec, spec.policies[0]).launcher == "slurm" else None
     if spec.source is not None:
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
     outcomes = {}
@@ -123,8 +167,15 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[ftharness] === {spec.name}: {run.folder} ===", file=sys.stderr)
         outcomes[run.folder] = run_policy(
-            spec, run, out, quiet=args.quiet, prometheus_port=args.prometheus_port
+            spec,
+            run,
+            out,
+            quiet=args.quiet,
+            prometheus_port=args.prometheus_port,
+            limit=limit,
         )
+        if limit is not None and limit.signalled.is_set():
+            break
 
     from experiments.report import render_markdown, write_report
 

@@ -431,8 +431,16 @@ def _topology_of(cfg: Any) -> Topology:
         return int(getattr(cfg, name, default))
 
     launcher = cfg.get("launcher", "local") if isinstance(cfg, Mapping) else cfg.launcher
+    hosts = get("hosts", 1)
+    if launcher == "slurm":  # the allocation's nodes: hosts, then the spare nodes
+        section = cfg.get("slurm", {}) if isinstance(cfg, Mapping) else vars(cfg.slurm)
+        hosts += int(section.get("spare_nodes", 0))
     return Topology.from_counts(
-        get("replicas", 3), get("ranks", 1), get("hosts", 1), networked=launcher == "netns"
+        get("replicas", 3),
+        get("ranks", 1),
+        hosts,
+        networked=launcher == "netns",
+        launcher=launcher,
     )
 
 

@@ -50,6 +50,7 @@ _CATALOGUE_MODULES = (
     "faults.service",
     "faults.straggler",
     "faults.network",
+    "faults.slurm",
 )
 
 
@@ -124,6 +125,15 @@ class FaultContext(Protocol):
         ...
 
     def clear_link(self, host: str) -> None: ...
+
+    def fail_node(self, host: str) -> None:
+        """Kill the SLURM node's slurmd and every process of the node (launcher = "slurm" on
+        nodes that are network namespaces here, bin/test-cluster; ValueError otherwise)."""
+        ...
+
+    def cancel_step(self, host: str) -> None:
+        """``scancel`` the node's agent step (launcher = "slurm"; ValueError otherwise)."""
+        ...
 
 
 class Fault(Protocol):

@@ -145,6 +145,12 @@ def plan(
                 f"{kind} needs hosts with a network of their own: set the job's "
                 "launcher = 'netns' (test hosts in network namespaces; root only)"
             )
+        needed = getattr(fault_class(kind), "needs_launcher", None)
+        if needed is not None and topology.launcher != needed:
+            raise TargetError(
+                f"{kind} acts on the job's {needed} nodes: it needs launcher = {needed!r} "
+                f"(this job's launcher is {topology.launcher!r})"
+            )
     out = []
     for i, (at_s, at_step) in enumerate(slots):
         kind = kind_rng.choices(kinds, weights)[0]

@@ -33,6 +33,7 @@ class Topology:
     hosts: tuple[str, ...]
     replica_hosts: tuple[str, ...]
     networked: bool = False  # each host has a link of its own (network faults can act on it)
+    launcher: str = "local"  # the job's launcher (SLURM faults need "slurm")
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1 or not self.hosts:
@@ -42,7 +43,12 @@ class Topology:
 
     @classmethod
     def from_counts(
-        cls, replicas: int, ranks: int, hosts: int, networked: bool = False
+        cls,
+        replicas: int,
+        ranks: int,
+        hosts: int,
+        networked: bool = False,
+        launcher: str = "local",
     ) -> Topology:
         """Hosts named ``host0..hostN-1``, groups placed round-robin (the harness's default
         placement). Use :meth:`from_context` once the job runs."""
@@ -53,6 +59,7 @@ class Topology:
             hosts=names,
             replica_hosts=tuple(names[r % len(names)] for r in range(replicas)),
             networked=networked,
+            launcher=launcher,
         )
 
     @classmethod
@@ -63,6 +70,7 @@ class Topology:
             hosts=tuple(ctx.hosts()),
             replica_hosts=tuple(ctx.replica_host(r) for r in range(ctx.replicas)),
             networked=ctx.networked,
+            launcher=getattr(ctx, "launcher", "local"),
         )
 
 

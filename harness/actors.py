@@ -103,6 +103,14 @@ def stop_training() -> None:
             actor.trainer.stop()
 
 
+def checkpoint_next_step() -> None:
+    """System call: every trainer in this worker checkpoints at its next committed step (SLURM's
+    time-limit signal, harness/slurm.py)."""
+    for actor in current_actors().values():
+        if isinstance(actor, TrainerActor):
+            actor.trainer.checkpoint_next_step()
+
+
 class LighthouseActor(Actor):
     """torchft's Lighthouse as a supervised process; a restart binds the same port.
 

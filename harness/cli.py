@@ -1,4 +1,4 @@
-"""The ``ftharness`` command line: run | chaos | report | bench | agent.
+"""The ``ftharness`` command line: run | chaos | report | bench | agent | slurm.
 
 Each subcommand's implementation is imported only when it runs, so ``ftharness --help`` stays
 fast (no torch import) and a broken optional part cannot break the others.
@@ -17,6 +17,7 @@ _HANDLERS = {
     "chaos": "experiments.runner:main",
     "report": "experiments.report:main",
     "agent": "runtime.agent:cli",
+    "slurm": "experiments.slurm_submit:main",
 }
 _BENCHES = {
     "runtime": (
@@ -44,6 +45,11 @@ _BENCHES = {
         "recovery across namespace hosts (partition, eviction), cross-host heal bandwidth "
         "and the cost of authenticated frames (root)",
     ),
+    "slurm_requeue": (
+        "experiments.bench.slurm_requeue:main",
+        "the baseline for SLURM node loss: a node of a classic job fails, SLURM requeues the "
+        "whole job (root, bin/test-cluster up)",
+    ),
     "scale": (
         "experiments.bench.scale:main",
         "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
@@ -62,6 +68,13 @@ def _add_live_options(parser: argparse.ArgumentParser) -> None:
         "the config says otherwise) at PORT (0 picks a free port; the address is printed)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "netns", "external", "slurm"),
+        default=None,
+        help="where the host agents run (overrides the config's launcher): slurm = one agent "
+        "per node of the SLURM allocation this command runs in (salloc, sbatch)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to keep trying to reach the controller",
     )
 
+    _add_slurm(sub)
+
     bench = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (_, text) in _BENCHES.items():
@@ -167,13 +182,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_slurm(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "slurm",
+        help="submit a job or experiment to SLURM; its status; cancel it",
+        description="Run a job config or chaos experiment as a SLURM batch job: a readable "
+        "sbatch script is written into the run directory (RUN/sbatch.sh) and submitted.",
+    )
+    s = p.add_subparsers(dest="slurm_command", metavar="SUBCOMMAND", required=True)
+    submit = s.add_parser("submit", help="write RUN/sbatch.sh and submit it with sbatch")
+    submit.add_argument("config", help="a job config or experiment TOML file")
+    submit.add_argument("--nodes", type=int, default=2, help="nodes to allocate (default 2)")
+    submit.add_argument("--partition", default=None, help="the SLURM partition")
+    submit.add_argument("--time", default=None, help="time limit, e.g. 1:00:00")
+    submit.add_argument(
+        "--out", default=None, help="run directory (new or empty); default runs/NAME"
+    )
+    submit.add_argument(
+        "--requeue",
+        action="store_true",
+        help="the classic job, for comparison: no spare nodes, no --no-kill; a failed node ends "
+        "the job and SLURM requeues it, resuming from the last checkpoint",
+    )
+    submit.epilog = "Options after -- are passed to sbatch, e.g. -- --account=A --gres=gpu:8"
+    for name, text in (("status", "the job's state and its report"), ("cancel", "scancel it")):
+        c = s.add_parser(name, help=text)
+        c.add_argument("run", help="the run directory `slurm submit` wrote")
+
+
 def _resolve(target: str):
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if argv[:2] == ["slurm", "submit"] and "--" in argv:  # the rest is sbatch's
+        i = argv.index("--")
+        argv, passthrough = argv[:i], argv[i + 1 :]
     args = build_parser().parse_args(argv)
+    if args.command == "slurm":
+        args.sbatch_args = passthrough
     if args.command == "bench":
         handler = _resolve(_BENCHES[args.bench][0])
     else:

@@ -158,6 +158,20 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """``launcher = "slurm"`` (runtime/slurm.py): the last ``spare_nodes`` nodes of the
+    allocation hold a ready agent and no group; ``replace`` says where a lost node's groups go:
+    ``"spare"`` a spare node if one is ready, else the other nodes; ``"none"`` the other nodes
+    (no spares); ``"new_job"`` as ``"spare"``, and for every node SLURM takes away (down,
+    drained, dropped from the job) a new single-node job is submitted whose node joins as a
+    spare (runtime/slurm.py, ``SlurmLauncher.request_node``)."""
+
+    spare_nodes: int = 0
+    replace: Literal["spare", "new_job", "none"] = "spare"
+    poll_s: float = 2.0  # how often SLURM's view of the nodes (sinfo, squeue) is read
+
+
+@dataclass(frozen=True, kw_only=True)
 class TelemetryConfig:
     """Live exports besides the JSONL journal (None = off)."""
 
@@ -183,7 +197,8 @@ class JobConfig:
     # Where hosts come from: "local" child processes of the controller; "netns" test hosts, each
     # in its own network namespace with its own address (root only; runtime/netns.py); or
     # "external": agents started on other machines with `ftharness agent`, which dial in.
-    launcher: Literal["local", "netns", "external"] = "local"
+    launcher: Literal["local", "netns", "external", "slurm"] = "local"
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -283,6 +298,23 @@ def _check_optim(o: OptimConfig) -> None:
             raise ConfigError(f"optim.betas[{i}] = {beta!r}: must be in [0, 1)")
 
 
+def _check_slurm(cfg: JobConfig) -> None:
+    s = cfg.slurm
+    _positive("slurm.spare_nodes", s.spare_nodes, 0)
+    if s.poll_s <= 0:
+        raise ConfigError(f"slurm.poll_s = {s.poll_s}: must be > 0 seconds")
+    if s.replace == "none" and s.spare_nodes:
+        raise ConfigError(
+            f'slurm.spare_nodes = {s.spare_nodes} with slurm.replace = "none": spare nodes would '
+            'never be used; set replace = "spare" or spare_nodes = 0'
+        )
+    if cfg.launcher != "slurm" and s != SlurmConfig():
+        raise ConfigError(
+            f"a [slurm] section with launcher = {cfg.launcher!r}: it applies only to "
+            'launcher = "slurm"'
+        )
+
+
 def validate(cfg: JobConfig) -> None:
     """Raise :class:`ConfigError` for the first rule ``cfg`` breaks (numbers, sizes, then
     timeouts)."""
@@ -313,6 +345,7 @@ def validate(cfg: JobConfig) -> None:
             f"recovery.within_s = {cfg.recovery.within_s} must be > 0 and "
             f"recovery.restart_delay_s = {cfg.recovery.restart_delay_s} must be >= 0 (seconds)"
         )
+    _check_slurm(cfg)
     port = cfg.telemetry.prometheus_port
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"telemetry.prometheus_port = {port}: must be 0..65535 (0 = any free)")

@@ -42,6 +42,7 @@ class RunningJob(Protocol):
     def restart_tree_quorum(self) -> None: ...
 
     network: Any  # the job's TestNetwork with launcher = "netns", else None
+    slurm: Any  # the job's runtime.slurm.SlurmLauncher with launcher = "slurm", else None
 
 
 class JobFaultContext:
@@ -54,6 +55,10 @@ class JobFaultContext:
     @property
     def networked(self) -> bool:
         return self._job.network is not None
+
+    @property
+    def launcher(self) -> str:
+        return self._job.cfg.launcher
 
     def hosts(self) -> list[str]:
         return self._job.host_names()
@@ -121,6 +126,21 @@ class JobFaultContext:
 
     def clear_link(self, host: str) -> None:
         self._network("network delay or loss").clear(host)
+
+    def _slurm(self, what: str) -> Any:
+        launcher = getattr(self._job, "slurm", None)
+        if launcher is None:
+            raise ValueError(f"{what} needs launcher = 'slurm'")
+        return launcher
+
+    def fail_node(self, host: str) -> None:
+        from runtime.slurm import fail_node
+
+        self._slurm("a node failure")
+        fail_node(host)
+
+    def cancel_step(self, host: str) -> None:
+        self._slurm("scancel of a step").cancel_step(host)
 
     def healthy_replicas(self) -> list[int]:
         """Replica groups not in the middle of a recovery."""

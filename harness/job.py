@@ -115,6 +115,7 @@ class Job:
         self._cfg_dict = config_to_dict(cfg)
         self._controller: Controller | None = None
         self.network: TestNetwork | None = None  # with launcher = "netns"
+        self.slurm: Any = None  # runtime.slurm.SlurmLauncher with launcher = "slurm"
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._started = False
@@ -146,6 +147,8 @@ class Job:
 
     # -- start: the tree per policy -------------------------------------------------------------
     def start(self) -> None:
+        from harness.model import model_modules, prebuild_call  # (model.py imports torch)
+
         launcher = self._make_launcher()
         t = self.cfg.timeouts
         spec = ControllerSpec(
@@ -159,9 +162,9 @@ class Job:
             # Imported once per agent, before it forks: a replacement then starts without
             # paying for torch, torchft, the model code, or the dynamo import that the first
             # optimizer construction triggers (~1-3 s each on this machine).
-            preload=("torch", "torch._dynamo", "harness.actors", *self._model_modules()),
+            preload=("torch", "torch._dynamo", "harness.actors", *model_modules(self.cfg)),
             # ... and the initial model built once, before forking (harness.model.prebuild).
-            warmup=() if self.cfg.program.enabled else (self._prebuild_model(),),
+            warmup=() if self.cfg.program.enabled else (prebuild_call(self.cfg),),
         )
         self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()
@@ -177,7 +180,8 @@ class Job:
         if self.cfg.launcher == "external":
             self._wait_for_external_hosts()
         else:
-            self.progress.say(f"starting {self.cfg.hosts} host agent(s) (each imports torch once)")
+            n = len(self.host_names())
+            self.progress.say(f"starting {n} host agent(s) (each imports torch once)")
             for name in self.host_names():
                 self._spawn_host(name)
         if self.recovery_quorum == "tree":
@@ -196,6 +200,17 @@ class Job:
             return LocalLauncher()
         if self.cfg.launcher == "external":
             return ExternalLauncher()
+        if self.cfg.launcher == "slurm":
+            from harness.slurm import make_launcher
+
+            self.slurm, self.cfg = make_launcher(self.cfg, self.run_dir, self._on_node_gone)
+            self._cfg_dict = config_to_dict(self.cfg)
+            self.progress.say(
+                f"SLURM job {self.slurm.alloc.job_id}: nodes {', '.join(self.slurm.active)}"
+                + (f", spare {', '.join(sorted(self.slurm.spares))}" if self.slurm.spares else "")
+                + f"; controller at {self.cfg.bind_host}"
+            )
+            return self.slurm
         self.network = TestNetwork(self.host_names()).up()
         self.cfg = dataclasses.replace(self.cfg, bind_host=self.network.gateway)
         self._cfg_dict = config_to_dict(self.cfg)
@@ -273,23 +288,6 @@ class Job:
         if group is not None and failure.proc not in group.mesh.proc_ids:
             return  # a late report about a replaced incarnation: fencing would drop its successor
         self._tree.replica_failed(replica, self.program.member_ids(replica) if self.program else ())
-
-    def _prebuild_model(self) -> tuple[str, dict[str, Any]]:
-        """The agents' warm-up call that builds the built-in trainer's initial model."""
-        return (
-            "harness.model:prebuild",
-            {
-                "model": dataclasses.asdict(self.cfg.model),
-                "vocab_size": self.cfg.data.vocab_size,
-                "seed": self.cfg.data.seed,
-            },
-        )
-
-    def _model_modules(self) -> tuple[str, ...]:
-        """The model code to preload: torchtitan (~2 s to import) only for its model."""
-        if self.cfg.model.kind == "llama3_debug":
-            return ("torchtitan.models.llama3", "torchtitan.models.common.attention")
-        return ()
 
     # -- the quorum service ---------------------------------------------------------------------
     def _start_tree_quorum(self, port: int = 0) -> None:
@@ -428,6 +426,8 @@ class Job:
 
     # -- place: hosts ---------------------------------------------------------------------------
     def host_names(self) -> list[str]:
+        if self.slurm is not None:  # node names: the active nodes, then the spares
+            return list(self.slurm.nodes)
         return [f"host{i}" for i in range(self.cfg.hosts)]
 
     def group_host(self, replica: int) -> str:
@@ -451,9 +451,22 @@ class Job:
                 up=n in hosts and not hosts[n].lost,
                 cooling_until=self._cooldown.get(n, 0.0),
                 respawning=n in self._respawning,
+                spare=self.slurm is not None and n in self.slurm.spares,
+                gone=self.slurm is not None and n in self.slurm.gone,
             )
             for n in self.host_names()
         ]
+
+    def _on_node_gone(self, node: str, why: str) -> None:
+        """SLURM shows a node down or drained, or it left the job: never place or respawn
+        there again (the placement rule reads ``gone``)."""
+        self.progress.say(f"{why}: no group goes there again")
+        with self._host_change:
+            self._host_change.notify_all()
+        if self.cfg.slurm.replace == "new_job" and not self._stopping:
+            from harness.slurm import replace_node
+
+            threading.Thread(target=replace_node, args=(self, node), daemon=True).start()
 
     def _place(self, replica: int) -> HostAgentHandle:
         """The host for a group now (harness.placement's rule); waits if none is ready."""

@@ -81,11 +81,21 @@ def main(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.prometheus_port is not None:
         overrides.append(f"telemetry.prometheus_port={args.prometheus_port}")
+    if getattr(args, "launcher", None):
+        overrides.append(f"launcher={args.launcher}")
     try:
         cfg = load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return 2
+    from harness.slurm import TimeLimit, check_allocation
+
+    problem = check_allocation(cfg)
+    if problem is not None:
+        print(f"ftharness run: {problem}", file=sys.stderr)
+        return 2
+    # SLURM's time-limit signal (sbatch --signal=B:USR1@120): checkpoint, then stop cleanly.
+    limit = TimeLimit() if cfg.launcher == "slurm" else None
     from harness.rundir import run_dir_for
 
     run_dir = run_dir_for("run", args.out, cfg.name)
@@ -94,7 +104,14 @@ def main(args: argparse.Namespace) -> int:
     journal = Journal(run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
     telemetry = attach_telemetry(cfg, journal, quiet=args.quiet)
     try:
-        outcome = run_job(cfg, run_dir, journal=journal, quiet=args.quiet)
+        outcome = run_job(
+            cfg,
+            run_dir,
+            journal=journal,
+            quiet=args.quiet,
+            on_started=limit.on_started if limit else None,
+            stop_event=limit.stop_event if limit else None,
+        )
     finally:
         if telemetry is not None:
             telemetry.shutdown()

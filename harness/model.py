@@ -7,13 +7,14 @@ token ids ``(B, L)`` and returns logits ``(B, L, vocab)``. torchtitan is importe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.config import ModelConfig
+from harness.config import JobConfig, ModelConfig
 
 #: The llama3 debug model's vocabulary (torchtitan's ``debugmodel``); data must match it.
 LLAMA3_DEBUG_VOCAB = 2048
@@ -109,6 +110,25 @@ def prebuild(model: dict, vocab_size: int, seed: int) -> None:
         _prebuilt[(cfg, vocab_size, seed)] = _build(cfg, vocab_size, seed)
     finally:
         torch.set_num_threads(threads)
+
+
+def prebuild_call(cfg: JobConfig) -> tuple[str, dict]:
+    """The host agents' warm-up call (``AgentConfig.warmup``) that prebuilds ``cfg``'s model."""
+    return (
+        "harness.model:prebuild",
+        {
+            "model": dataclasses.asdict(cfg.model),
+            "vocab_size": cfg.data.vocab_size,
+            "seed": cfg.data.seed,
+        },
+    )
+
+
+def model_modules(cfg: JobConfig) -> tuple[str, ...]:
+    """The model code host agents preload: torchtitan (~2 s to import) only for its model."""
+    if cfg.model.kind == "llama3_debug":
+        return ("torchtitan.models.llama3", "torchtitan.models.common.attention")
+    return ()
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:

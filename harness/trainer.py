@@ -92,6 +92,7 @@ class Trainer:
         self.rank = rank
         self._emit = emit
         self._stop = threading.Event()
+        self._checkpoint_asked = threading.Event()  # checkpoint_next_step (a time limit)
         self._step_delay = 0.0
         self._quorum_failures = 0
         # Overlapping the quorum with the pass (``_quorum_overlapped``): a heal takes the lock.
@@ -379,10 +380,12 @@ class Trainer:
     def _maybe_checkpoint(self, step: int) -> None:
         # One writer per rank index per step: the group with replica rank 0 in this quorum.
         # Each group writes its own folder, so two writers never share (or prune) one.
-        if self._ckpt_dir is None or step % self.cfg.checkpoint.every_steps:
+        asked = self._checkpoint_asked.is_set()
+        if self._ckpt_dir is None or (step % self.cfg.checkpoint.every_steps and not asked):
             return
         if self.manager.participating_rank() != 0:
             return
+        self._checkpoint_asked.clear()
         t0 = time.perf_counter()
         state = {**self.state_dict(), "manager": self.manager.state_dict()}
         folder = self._ckpt_dir / f"replica_{self.replica_id}_rank_{self.rank}"
@@ -423,6 +426,11 @@ class Trainer:
     def stop(self) -> None:
         """Finish the current step, then return from :meth:`train`. Thread-safe."""
         self._stop.set()
+
+    def checkpoint_next_step(self) -> None:
+        """Write a checkpoint at the next committed step, whatever ``every_steps`` says (the
+        group that is replica rank 0 in that quorum writes it). Thread-safe."""
+        self._checkpoint_asked.set()
 
     def set_step_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` inside every step from now on (0 heals it). Thread-safe."""

@@ -45,6 +45,7 @@ def test_soak_ci_loses_nothing_and_leaves_nothing_behind(tmp_path):
         for k in fault_kinds()
         if fault_class(k).__module__.startswith("faults.")
         and not getattr(fault_class(k), "needs_network", False)
+        and not getattr(fault_class(k), "needs_launcher", None)  # SLURM faults: launcher slurm
     }
     assert {r["kind"] for r in injected} == local
     assert (out / "in_place" / "postrun.json").is_file()

@@ -224,6 +224,7 @@ def test_the_soaks_fire_every_kind_in_place_and_claim_nothing_is_lost(name, faul
         for k in fault_kinds()
         if fault_class(k).__module__.startswith("faults.")
         and not getattr(fault_class(k), "needs_network", False)
+        and not getattr(fault_class(k), "needs_launcher", None)  # SLURM faults: launcher slurm
     }
     spec = load_experiment(ROOT / "experiments" / name)
     plan = spec.plan()

@@ -108,6 +108,15 @@ class FakeContext:
     def clear_link(self, host: str) -> None:
         self.calls.append(("clear_link", host))
 
+    def fail_node(self, host: str) -> None:  # a SLURM node: every process on it dies
+        self.calls.append(("fail_node", host))
+        for (r, _), p in self.workers.items():
+            if self.replica_host(r) == host:
+                p.kill()
+
+    def cancel_step(self, host: str) -> None:
+        self.calls.append(("cancel_step", host))
+
     def committed_step(self) -> int:
         return self.step
 
@@ -189,6 +198,17 @@ def test_host_eviction_sets_cooldown_then_kills_every_process_on_the_host(ctx):
     assert ctx.workers[(0, 0)].wait(timeout=10) == -9  # replicas 0 and 2 live on host0
     assert ctx.workers[(2, 0)].wait(timeout=10) == -9
     assert ctx.workers[(1, 0)].poll() is None
+
+
+def test_slurm_faults_act_on_their_node(ctx):
+    make_fault("node_failure").fire(ctx, Target(host="host1"), RNG)
+    assert ctx.calls == [("fail_node", "host1")]
+    assert ctx.workers[(1, 0)].wait(timeout=10) == -9  # replica 1 lives on host1
+    assert ctx.workers[(0, 0)].poll() is None
+    make_fault("scancel_step").fire(ctx, Target(host="host0"), RNG)
+    assert ctx.calls[-1] == ("cancel_step", "host0")
+    with pytest.raises(ValueError, match="needs a host"):
+        make_fault("scancel_step").fire(ctx, Target(replica=0), RNG)
 
 
 def test_lighthouse_crash_kills_the_quorum_service(ctx):

@@ -1,0 +1,150 @@
+"""A job on SLURM: its hosts from the allocation, and SLURM's time-limit signal.
+
+* :func:`make_launcher`: ``launcher = "slurm"`` — the allocation (``runtime.slurm``), the address
+  the controller binds (one the nodes reach), and the job's host count (allocated nodes minus
+  ``slurm.spare_nodes``).
+* :func:`replace_node`: ``slurm.replace = "new_job"``, a replacement node from a new job.
+* :class:`TimeLimit`: the batch script asks SLURM for a signal before the time limit
+  (``#SBATCH --signal=B:USR1@120``); on SIGUSR1 the controller asks every replica group to
+  checkpoint at its next committed step, waits for that checkpoint (at most ``save_timeout_s``),
+  and then stops the job the normal way: the run ends ``ok`` with the reason "stopped by its
+  caller", the journal says why (``slurm.time_limit``), and the report is written from it.
+
+Not guaranteed: a checkpoint needs ``checkpoint.every_steps > 0`` (a checkpoint folder); without
+one the job only stops cleanly. A step that takes longer than the time left is not waited for
+past ``save_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.config import JobConfig
+from runtime.journal import CHECKPOINT_SAVE, Record
+from runtime.slurm import SlurmLauncher, allocation_from_env, controller_address
+
+TIME_LIMIT = "slurm.time_limit"
+
+
+def make_launcher(
+    cfg: JobConfig, run_dir: str | Path, on_gone: Callable[[str, str], None] | None = None
+) -> tuple[SlurmLauncher, JobConfig]:
+    """The launcher and the config as it runs here (SlurmError outside an allocation)."""
+    alloc = allocation_from_env()
+    launcher = SlurmLauncher(
+        alloc,
+        run_dir,
+        spare_nodes=cfg.slurm.spare_nodes,
+        poll_s=cfg.slurm.poll_s,
+        on_gone=on_gone,
+    )
+    bind = cfg.bind_host
+    if bind in ("127.0.0.1", "localhost"):  # the default: the nodes could not reach it
+        bind = controller_address(alloc)
+    return launcher, dataclasses.replace(cfg, bind_host=bind, hosts=len(launcher.active))
+
+
+def replace_node(job: Any, lost: str) -> None:
+    """``slurm.replace = "new_job"``: a new single-node job for the node SLURM took away; its
+    node joins the job as a spare with a ready agent (placement then prefers it)."""
+    try:
+        job.progress.say(f"asking SLURM for a node to replace {lost} (a new single-node job)")
+        node = job.slurm.request_node()
+        job.progress.say(f"replacement node {node} allocated; starting its agent")
+        job._spawn_host(node)
+    except Exception as exc:
+        job.progress.say(f"no replacement for {lost}: {exc}")
+        return
+    with job._host_change:
+        job._host_change.notify_all()
+
+
+def check_allocation(cfg: JobConfig) -> str | None:
+    """What is wrong with running ``cfg`` here, before anything launches (None: nothing)."""
+    if cfg.launcher != "slurm":
+        return None
+    from runtime.slurm import SlurmError
+
+    try:
+        alloc = allocation_from_env()
+    except SlurmError as exc:
+        return str(exc)
+    if cfg.slurm.spare_nodes >= len(alloc.nodes):
+        return (
+            f"slurm.spare_nodes = {cfg.slurm.spare_nodes} but job {alloc.job_id} has "
+            f"{len(alloc.nodes)} node(s) ({', '.join(alloc.nodes)}): at least one must train"
+        )
+    return None
+
+
+class TimeLimit:
+    """SIGUSR1 -> checkpoint at the next committed step -> stop (see the module docstring).
+    Construct it on the main thread (signal handlers are installed there)."""
+
+    def __init__(self, signum: int = signal.SIGUSR1, save_timeout_s: float = 90.0) -> None:
+        self.stop_event = threading.Event()
+        self.signalled = threading.Event()
+        self.save_timeout_s = save_timeout_s
+        self._job: Any = None
+        self._signum = signum
+        self._previous = signal.signal(signum, self._on_signal)
+
+    def on_started(self, job: Any) -> None:
+        self._job = job
+        if self.signalled.is_set():  # the signal came while the job was starting
+            self._start_thread()
+
+    def restore(self) -> None:
+        signal.signal(self._signum, self._previous)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signalled.is_set():
+            return
+        self.signalled.set()
+        if self._job is not None:
+            self._start_thread()
+        # else: on_started acts on it; a job that never starts never needs a checkpoint
+
+    def _start_thread(self) -> None:
+        threading.Thread(target=self._checkpoint_then_stop, daemon=True).start()
+
+    def _checkpoint_then_stop(self) -> None:
+        job = self._job
+        try:
+            job.progress.say("SLURM time limit near (SIGUSR1): checkpointing, then stopping")
+            saved = checkpoint_now(job, self.save_timeout_s)
+            job.journal.emit(TIME_LIMIT, checkpoint_step=saved)
+        finally:
+            self.stop_event.set()
+
+
+def checkpoint_now(job: Any, timeout_s: float) -> int | None:
+    """Ask every group to write a checkpoint at its next committed step; return that step once
+    one is saved, None if checkpoints are off or none came within ``timeout_s``."""
+    if job.cfg.checkpoint.every_steps <= 0:
+        return None
+    t0 = time.time()
+    saved: list[int] = []
+    done = threading.Event()
+
+    def sink(r: Record) -> None:
+        if r.get("event") == CHECKPOINT_SAVE and r["t"] >= t0:
+            saved.append(int(r["step"]))
+            done.set()
+
+    job.journal.add_sink(sink)
+    for replica in range(job.cfg.replicas):
+        mesh = job.mesh_of(replica)
+        for pid in mesh.proc_ids if mesh is not None else []:
+            try:
+                job.controller.run_in_worker(pid, "harness.actors:checkpoint_next_step")
+            except Exception:  # a group being restarted: the others checkpoint
+                continue
+    done.wait(timeout_s)
+    return saved[0] if saved else None

@@ -1,0 +1,444 @@
+"""Hosts from a SLURM allocation: one host agent per allocated node, each its own job step.
+
+The controller runs where the command runs, inside an allocation (``salloc``, or the batch
+script of ``sbatch``). :func:`allocation_from_env` is the one place SLURM's environment is read
+(``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST`` expanded by ``scontrol show hostnames``,
+``SLURM_NNODES``, ``SLURMD_NODENAME``). Host names are node names.
+
+:class:`SlurmLauncher` starts each host's agent as its own step::
+
+    srun --nodes=1 --ntasks=1 -w NODE --kill-on-bad-exit=0 --overlap -J ftharness-agent-NODE \\
+         python -m harness agent --controller ADDR:PORT --secret-file RUN/agent.secret --name NODE
+
+so that losing a node ends that node's step, not the job (the allocation itself must be made with
+``--no-kill``: without it SLURM ends the whole job when one of its nodes fails). The secret is a
+0600 file in the run directory, which every node sees (a shared filesystem, as SLURM sites
+have). ``kill`` is ``scancel --signal=KILL`` of that step.
+
+SLURM's view of the nodes is part of supervision: a monitor thread polls ``sinfo`` and the job's
+node list, and a node that is down, drained or draining, not responding, or no longer in the
+job (SLURM drops a failed node from a ``--no-kill`` job) is *gone*: never chosen for a group,
+never started again (:attr:`SlurmLauncher.gone`).
+
+The last ``spare_nodes`` nodes of the allocation are spares: they run an agent (with its warm
+spare processes) but no group until a node is lost (``harness.placement``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEP_PREFIX = "ftharness-agent-"
+#: Node states (``sinfo %T``, lower case, flags stripped) that mean: never use this node.
+UNUSABLE = frozenset(
+    {"down", "drain", "drained", "draining", "fail", "failing", "future", "unknown", "inval"}
+)
+
+
+class SlurmError(RuntimeError):
+    """Not inside an allocation, a SLURM command failed, or a node cannot be used."""
+
+
+def _run(cmd: list[str], timeout: float = 20.0) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"{cmd[0]} not found: SLURM's client commands are not installed") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(cmd)}: no answer within {timeout:g} s") from None
+    if done.returncode != 0:
+        raise SlurmError(f"{' '.join(cmd)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def available() -> tuple[bool, str]:
+    """Whether SLURM's commands are here, and if not, why."""
+    import shutil
+
+    for tool in ("srun", "sbatch", "scontrol", "scancel", "sinfo", "squeue"):
+        if shutil.which(tool) is None:
+            return False, f"{tool} is not installed (apt-get install slurm-wlm munge)"
+    return True, ""
+
+
+# -- the allocation: SLURM's environment, read in one place --------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    job_id: str
+    nodes: tuple[str, ...]  # in SLURM's order
+    this_node: str | None  # the node this process runs on (in a batch script), else None
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """``n[1-3],gpu07`` -> ``[n1, n2, n3, gpu07]``, as ``scontrol show hostnames`` does (the
+    zero padding of a range is kept)."""
+    out: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if m is None:
+            out.append(item)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                out.append(f"{prefix}{lo}{suffix}")
+                continue
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise SlurmError(f"node list {text!r}: bad range {part!r}")
+            for i in range(int(lo), int(hi) + 1):
+                out.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
+    return out
+
+
+def allocation_from_env(
+    env: Mapping[str, str] | None = None, hostnames: Callable[[str], list[str]] | None = None
+) -> Allocation:
+    """The allocation this process runs in. ``hostnames`` expands a node list (default:
+    ``scontrol show hostnames``). SlurmError with what to do when there is none."""
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job_id:
+        raise SlurmError(
+            "launcher = 'slurm' runs inside a SLURM allocation, but SLURM_JOB_ID is not set: run "
+            "it under salloc (salloc -N3 --no-kill ftharness run ...), in an sbatch script, or "
+            "let `ftharness slurm submit` write and submit one"
+        )
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise SlurmError(f"SLURM_JOB_ID={job_id} is set but SLURM_JOB_NODELIST is not")
+    nodes = (hostnames or scontrol_hostnames)(nodelist)
+    n = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    if n is not None and (not n.isdigit() or int(n) != len(nodes)):
+        raise SlurmError(
+            f"SLURM_NNODES={n} but SLURM_JOB_NODELIST={nodelist} names {len(nodes)} node(s)"
+        )
+    return Allocation(job_id=job_id, nodes=tuple(nodes), this_node=env.get("SLURMD_NODENAME"))
+
+
+def scontrol_hostnames(nodelist: str) -> list[str]:
+    return _run(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+# -- SLURM's view of the nodes --------------------------------------------------------------------
+
+
+def parse_node_states(text: str) -> dict[str, str]:
+    """``sinfo -h -N -o '%N %T'`` output -> {node: state}, lower case. A trailing ``*`` (not
+    responding) and other flag characters are kept: :func:`unusable` reads them."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            out[parts[0]] = parts[1].lower()
+    return out
+
+
+def unusable(state: str) -> bool:
+    """Whether a node in this state must not get a group: down, drained/draining, failing...,
+    or not responding (``*``: slurmctld has missed its pings; DOWN follows)."""
+    base = state.rstrip("*~#!%$@^-")
+    return state.endswith("*") or base in UNUSABLE or "drain" in base
+
+
+def node_states(nodes: list[str] | tuple[str, ...]) -> dict[str, str]:
+    return parse_node_states(_run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"]))
+
+
+def job_nodes(job_id: str) -> list[str]:
+    """The nodes the job holds now (a ``--no-kill`` job loses a failed node)."""
+    text = _run(["squeue", "-h", "-j", job_id, "-o", "%N"]).strip()
+    return expand_nodelist(text) if text else []
+
+
+def node_address(node: str) -> str:
+    text = _run(["scontrol", "show", "node", node])
+    m = re.search(r"NodeAddr=(\S+)", text)
+    if m is None:
+        raise SlurmError(f"scontrol show node {node}: no NodeAddr")
+    return m.group(1)
+
+
+def controller_address(alloc: Allocation) -> str:
+    """The address of this machine that the allocated nodes reach: the source address of the
+    route to the last node (the bridge's gateway on the test cluster's host; the node's own
+    address when the controller runs on a node, as in a batch script)."""
+    target = node_address(alloc.nodes[-1])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(target), 9))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+# -- the launcher ----------------------------------------------------------------------------------
+
+
+def project_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def agent_command(
+    node: str, controller: str, secret_file: str, dial_timeout_s: float, job_id: str | None = None
+) -> list[str]:
+    """The step that runs ``node``'s agent (see the module docstring); ``job_id``: a job other
+    than the one this process runs in (a replacement node's)."""
+    return [
+        "srun", *([f"--jobid={job_id}"] if job_id else []),
+        "--nodes=1", "--ntasks=1", "-w", node, "--kill-on-bad-exit=0", "--overlap",
+        f"--job-name={STEP_PREFIX}{node}", f"--chdir={os.getcwd()}", "--input=none",
+        sys.executable, "-m", "harness", "agent", "--controller", controller,
+        "--secret-file", secret_file, "--name", node, "--dial-timeout", f"{dial_timeout_s:g}",
+    ]  # fmt: skip
+
+
+class SlurmLauncher:
+    """Each host's agent as a job step on its node (see the module docstring)."""
+
+    def __init__(
+        self,
+        alloc: Allocation,
+        run_dir: str | Path,
+        *,
+        spare_nodes: int = 0,
+        poll_s: float = 2.0,
+        on_gone: Callable[[str, str], None] | None = None,
+    ) -> None:
+        if spare_nodes >= len(alloc.nodes):
+            raise SlurmError(
+                f"slurm.spare_nodes = {spare_nodes} but the allocation (job {alloc.job_id}) has "
+                f"{len(alloc.nodes)} node(s): at least one must train"
+            )
+        self.alloc = alloc
+        self.run_dir = Path(run_dir)
+        self.nodes = list(alloc.nodes)
+        self.spares = set(self.nodes[len(self.nodes) - spare_nodes :])
+        self.active = [n for n in self.nodes if n not in self.spares]
+        self.gone: dict[str, str] = {}  # node -> why
+        self.node_job: dict[str, str] = {}  # replacement node -> its own single-node job
+        self._on_gone = on_gone
+        self._lock = threading.Lock()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._poll_s = poll_s
+        self._closed = threading.Event()
+        self._extra_jobs: list[str] = []  # replacement jobs (request_node), cancelled on close
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="ftharness-sinfo")
+        self._monitor.start()
+
+    # -- SLURM's view ----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Mark nodes SLURM says are unusable, or that left the job, as gone."""
+        with self._lock:
+            nodes, node_job = list(self.nodes), dict(self.node_job)
+        try:
+            states = node_states(nodes)
+            held = set(job_nodes(self.alloc.job_id))
+            held_by = {job: set(job_nodes(job)) for job in set(node_job.values())}
+        except SlurmError:
+            return  # slurmctld busy or restarting: keep the last view
+        for node in nodes:
+            state = states.get(node, "unknown")
+            job = node_job.get(node, self.alloc.job_id)
+            mine = held_by[job] if node in node_job else held
+            if unusable(state):
+                self._mark_gone(node, f"SLURM shows node {node} {state}")
+            elif mine and node not in mine:
+                self._mark_gone(node, f"node {node} is no longer part of job {job}")
+
+    def _mark_gone(self, node: str, why: str) -> None:
+        with self._lock:
+            if node in self.gone:
+                return
+            self.gone[node] = why
+        if self._on_gone is not None:
+            self._on_gone(node, why)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._poll_s):
+            self.refresh()
+
+    # -- Launcher ----------------------------------------------------------------------------
+    def secret_file(self, boot: Mapping[str, Any]) -> Path:
+        path = self.run_dir / "agent.secret"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(str(boot["secret"]) + "\n")
+        return path
+
+    def start(self, name: str, boot: Mapping[str, Any]) -> None:
+        with self._lock:
+            why = self.gone.get(name)
+        if why is not None:
+            raise SlurmError(f"not starting an agent on {name}: {why}")
+        controller = f"{boot['controller_host']}:{boot['controller_port']}"
+        cmd = agent_command(
+            name,
+            controller,
+            str(self.secret_file(boot)),
+            float(boot.get("dial_timeout_s", 60)),
+            self.node_job.get(name),
+        )
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (project_root(), env.get("PYTHONPATH", "")) if p
+        )
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "logs" / f"agent-{name}.log", "ab") as log:
+            popen = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        with self._lock:
+            old = self.procs.get(name)
+            self.procs[name] = popen
+        if old is not None:
+            old.poll()
+
+    def step_ids(self, name: str | None = None) -> list[str]:
+        """Our agent steps (``JOB.STEP``), of node ``name`` or all."""
+        jobs = ",".join([self.alloc.job_id, *sorted(set(self.node_job.values()))])
+        try:
+            text = _run(["squeue", "-h", "-s", "-j", jobs, "-o", "%i %j"])
+        except SlurmError:
+            return []
+        want = STEP_PREFIX + name if name else None
+        out = []
+        for line in text.splitlines():
+            parts = line.split()
+            named = len(parts) == 2 and parts[1].startswith(STEP_PREFIX)
+            if named and (want is None or parts[1] == want):
+                out.append(parts[0])
+        return out
+
+    def request_node(self, timeout_s: float = 600.0) -> str:
+        """A replacement node (``slurm.replace = "new_job"``): a new single-node job that holds
+        a node none of ours is on (``sbatch --wrap 'sleep infinity'``); once it runs, its node
+        joins :attr:`nodes` as a spare and agents are started in that job. Cancelled by
+        :meth:`close`. SlurmError if SLURM does not start it within ``timeout_s``."""
+        import time
+
+        with self._lock:
+            exclude = ",".join(self.nodes)
+        job = _run(
+            ["sbatch", "--parsable", "--nodes=1", "--no-kill", f"--exclude={exclude}",
+             f"--job-name=ftharness-replacement-{self.alloc.job_id}", "--output=/dev/null",
+             "--wrap", "exec sleep infinity"]
+        ).strip().split(";")[0]  # fmt: skip
+        with self._lock:
+            self._extra_jobs.append(job)
+        deadline = time.monotonic() + timeout_s
+        while not self._closed.is_set() and time.monotonic() < deadline:
+            parts = _run(["squeue", "-h", "-j", job, "-o", "%T %N"]).split()
+            if len(parts) == 2 and parts[0] == "RUNNING":
+                node = parts[1]
+                with self._lock:
+                    self.node_job[node] = job
+                    self.nodes.append(node)
+                    self.spares.add(node)
+                return node
+            time.sleep(0.5)
+        raise SlurmError(f"replacement job {job} did not start within {timeout_s:g} s")
+
+    def cancel_step(self, name: str, signal: str | None = None) -> bool:
+        """``scancel`` node ``name``'s agent step (SIGTERM then KILL, as torchft's punisher
+        does), or send it ``signal``."""
+        steps = self.step_ids(name)
+        if not steps:
+            return False
+        extra = [f"--signal={signal}"] if signal else []
+        with contextlib.suppress(SlurmError):
+            _run(["scancel", *extra, *steps])
+        return True
+
+    def kill(self, name: str) -> bool:
+        """``scancel --signal=KILL`` of the node's step, in the background: the controller calls
+        this on the path that declares a host lost, and scancel waits for slurmctld, which
+        waits for an unresponsive node's slurmd (seconds: a failed node's groups would wait)."""
+        with self._lock:
+            popen = self.procs.get(name)
+        if popen is None:
+            return False
+        threading.Thread(
+            target=self.cancel_step, args=(name, "KILL"), daemon=True, name=f"scancel-{name}"
+        ).start()
+        return True
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        with self._lock:
+            popen = self.procs.get(name)
+        if popen is None:
+            return
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.cancel_step(name, "KILL")
+            popen.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=10.0)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            procs = dict(self.procs)
+        if any(p.poll() is None for p in procs.values()):
+            with contextlib.suppress(SlurmError):
+                steps = self.step_ids()
+                if steps:
+                    _run(["scancel", "--signal=KILL", *steps])
+        for popen in procs.values():
+            if popen.poll() is None:
+                popen.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=10.0)
+        if self._extra_jobs:
+            with contextlib.suppress(SlurmError):
+                _run(["scancel", *self._extra_jobs])
+
+
+# -- the test cluster's nodes: network namespaces on this machine (bin/test-cluster) -------------
+
+
+def node_namespace(node: str) -> str:
+    """The network namespace that holds ``node``'s address (nodes of ``bin/test-cluster``).
+    SlurmError when the node is not a namespace on this machine (a real node: a node failure
+    is then the operator's power switch, not ours)."""
+    addr = node_address(node)
+    for line in _run(["ip", "netns", "list"]).splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns and f" {addr}/" in _run(["ip", "-n", ns, "-4", "-o", "addr", "show"]):
+            return ns
+    raise SlurmError(
+        f"node {node} ({addr}) is not a network namespace on this machine: node_failure acts on "
+        "the nodes of bin/test-cluster only"
+    )
+
+
+def fail_node(node: str) -> list[int]:
+    """Kill ``node``'s slurmd and every process of the node (everything in its namespace), as
+    a power failure would; SLURM marks it DOWN after ``SlurmdTimeout``. Returns the pids."""
+    import signal
+
+    ns = node_namespace(node)
+    killed: list[int] = []
+    # A power failure stops everything at once; killing one by one can miss a process forked
+    # between listing and killing (an agent forking a spare), which would then hold the node's
+    # sockets open: list and kill until nothing is left.
+    for _ in range(50):
+        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed += pids
+    return killed

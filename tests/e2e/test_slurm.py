@@ -1,0 +1,394 @@
+"""Jobs on a real SLURM cluster: slurmctld on this machine, one slurmd per network namespace
+(``bin/test-cluster``, started once for this module and torn down after it). Every agent is a
+job step on its node; node failures kill a node's slurmd and every process in its namespace.
+
+Needs root and Debian's slurm-wlm and munge (``bin/setup``); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
+
+from harness.launch import run_job
+from runtime import netns, slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "bin" / "test-cluster"
+STATE = "/tmp/ftharness-slurm"  # bin/test-cluster's default: one cluster per machine
+
+_ok, _why = netns.available()
+_slurm_ok, _slurm_why = slurm.available()
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not _ok, reason=_why),
+    pytest.mark.skipif(not _slurm_ok, reason=_slurm_why),
+]
+
+FAST = ("timeouts.host_timeout=2.0", "timeouts.controller_silence=4.0", "recovery.quorum=tree")
+
+
+def _cluster(*args: str) -> str:
+    env = {**os.environ, "FTHARNESS_SLURM_DIR": STATE}
+    done = subprocess.run(
+        [str(CLUSTER), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, f"test-cluster {' '.join(args)}: {done.stderr}{done.stdout}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    _cluster("up", "3")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = f"{STATE}/slurm.conf"
+    try:
+        yield
+    finally:
+        _cluster("down")
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+@contextlib.contextmanager
+def allocation(monkeypatch, nodes: int):
+    """An allocation of ``nodes`` nodes (``salloc --no-shell --no-kill``), its environment set
+    in this process as salloc sets it for its command; cancelled afterwards."""
+    done = subprocess.run(
+        ["salloc", f"-N{nodes}", "--no-kill", "--no-shell", "-t", "15", "-J", "ftharness-test"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    m = re.search(r"Granted job allocation (\d+)", done.stderr)
+    assert m, done.stderr
+    job = m.group(1)
+    try:
+        nodelist = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True, timeout=20
+        ).stdout.strip()
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+        monkeypatch.setenv("SLURM_NNODES", str(nodes))
+        yield job
+    finally:
+        subprocess.run(["scancel", job], timeout=20)
+
+
+def _revive_all() -> None:
+    for node in ("n1", "n2", "n3"):
+        _cluster("revive", node)
+
+
+def test_a_two_node_job_trains_to_its_last_step(cluster, tmp_path, monkeypatch):
+    with allocation(monkeypatch, 2):
+        cfg = tiny_cfg("launcher=slurm", "replicas=2", "steps=25", *FAST)
+        out = run_job(cfg, tmp_path, quiet=True, timeout=200)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    check_invariants(records)
+    commits = [r for r in records if r["event"] == "step.commit"]
+    assert max(r["step"] for r in commits) >= 25
+    assert {(r["replica"], r["host"]) for r in commits} == {(0, "n1"), (1, "n2")}
+    assert max(r["participants"] for r in commits) == 2  # the groups met across nodes
+    # each agent ran as its own step on its node, with the node's own address
+    starts = [r for r in records if r["event"] == "proc.start"]
+    assert {r["host"] for r in starts} == {"n1", "n2"}
+
+
+def test_a_failed_nodes_groups_restart_on_the_spare_node(cluster, tmp_path, monkeypatch):
+    """n1 fails (its slurmd and every process of the node killed): its group restarts on the
+    spare n3 and heals from n2's group; replicas are equal after the heal; SLURM marks n1 down
+    and it is never chosen again."""
+    cfg = tiny_cfg(
+        "launcher=slurm",
+        "replicas=2",
+        "steps=100000",
+        "slurm.spare_nodes=1",
+        "transport=dataplane",
+        "timeouts.process_group_timeout=10",
+        *FAST,
+    )
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def started(job):
+        def fail():
+            seen["spares"] = sorted(job.slurm.spares)
+            seen["t"] = time.time()
+            job.faults.fail_node("n1")
+            deadline = time.monotonic() + 150
+            while job.group_host(0) == "n1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(0)
+            while "n1" not in job.slurm.gone and time.monotonic() < deadline:
+                time.sleep(0.2)  # SLURM marks it not responding / down (SlurmdTimeout=10)
+            seen["gone"] = job.slurm.gone.get("n1")
+            target = job.faults.committed_step() + 15
+            while job.faults.committed_step() < target and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 10, fail)
+
+    try:
+        with allocation(monkeypatch, 3):
+            out = run_job(
+                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=240
+            )
+    finally:
+        _revive_all()
+    assert out["status"] == "ok", out["reason"]
+    assert seen["spares"] == ["n3"]
+    assert seen["moved_to"] == "n3", seen
+    assert seen["gone"], "SLURM never showed the failed node unusable"
+    records = events(tmp_path)
+    check_invariants(records)  # replicas bitwise equal at every step both groups committed
+    failures = [r for r in records if r["event"] == "failure" and r.get("replica") == 0]
+    assert failures and failures[0]["cause"] == "lost_host", failures
+    t_fail = failures[0]["t"]
+    after = [r for r in records if r["event"] == "step.commit" and r["t"] > t_fail]
+    assert {r["host"] for r in after if r["replica"] == 0} == {"n3"}
+    assert {r["host"] for r in after if r["replica"] == 1} == {"n2"}
+    joint = [r for r in after if r["participants"] == 2 and r.get("checksum")]
+    assert joint, "the groups never committed together after the heal"
+    phases = [r["phase"] for r in records if r["event"] == "recovery.phase" and r["replica"] == 0]
+    assert "participating" in phases
+
+
+def _tiny_toml(tmp_path: Path, file: str, **values: object) -> Path:
+    """experiments/tiny.toml with top-level values and checkpoint.every_steps replaced."""
+    text = (ROOT / "experiments" / "tiny.toml").read_text()
+    for key, value in values.items():
+        if key == "every_steps":
+            text = re.sub(r"(?m)^every_steps = \d+", f"every_steps = {value}", text)
+        else:
+            text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {json.dumps(value)}", text)
+    path = tmp_path / f"{file}.toml"
+    path.write_text(text)
+    return path
+
+
+def _submit(tmp_path: Path, config: Path, run: Path, *extra: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "slurm", "submit", str(config), "--nodes", "2",
+         "--out", str(run), *extra],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads((run / "slurm.json").read_text())["job_id"]
+
+
+def _wait_state(job_id: str, states: tuple[str, ...], timeout: float) -> str:
+    from experiments.slurm_submit import job_state
+
+    deadline = time.monotonic() + timeout
+    state = job_state(job_id)
+    while state not in states and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = job_state(job_id)
+    return state
+
+
+def test_slurm_submit_runs_a_job_to_completion_and_writes_its_report(cluster, tmp_path):
+    config = _tiny_toml(tmp_path, "sub", name="sub", steps=20, replicas=2)
+    run = tmp_path / "run"
+    job_id = _submit(tmp_path, config, run, "--", "--time=5")
+    script = (run / "sbatch.sh").read_text()
+    assert "#SBATCH --no-kill" in script and "#SBATCH --time=5" in script
+    state = _wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 200)
+    assert state == "COMPLETED", (run / f"slurm-{job_id}.out").read_text()
+    report = json.loads((run / "run" / "report.json").read_text())
+    assert report["summary"]
+    end = [r for r in events(run / "run") if r["event"] == "job.end"]
+    assert end and end[0]["status"] == "ok" and end[0]["steps"] >= 20
+    status = subprocess.run(
+        [sys.executable, "-m", "harness", "slurm", "status", str(run)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert "COMPLETED" in status.stdout and "report.json" in status.stdout
+
+
+def test_the_time_limit_signal_gives_a_checkpoint_and_a_report(cluster, tmp_path):
+    """SLURM's signal before the time limit (here sent now, as --signal=B:USR1@120 would send
+    it): the batch script passes it to the controller, which checkpoints at the next step
+    (every_steps is far away), stops cleanly, and the report is written."""
+    config = _tiny_toml(
+        tmp_path, "limit", name="limit", steps=1000000, replicas=2, every_steps=100000
+    )
+    run = tmp_path / "run"
+    job_id = _submit(tmp_path, config, run)
+    journal = run / "run" / "journal.jsonl"
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and (
+        not journal.exists() or journal.read_text().count('"step.commit"') < 20
+    ):
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+    state = _wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 150)
+    assert state == "COMPLETED", (run / f"slurm-{job_id}.out").read_text()
+    records = events(run / "run")
+    limit = [r for r in records if r["event"] == "slurm.time_limit"]
+    assert limit and limit[0]["checkpoint_step"] is not None, limit
+    saves = [r for r in records if r["event"] == "checkpoint.save"]
+    assert [r["step"] for r in saves] == [limit[0]["checkpoint_step"]]
+    assert Path(saves[0]["path"]).exists()
+    end = [r for r in records if r["event"] == "job.end"]
+    assert end[0]["status"] == "ok"
+    assert (run / "run" / "report.json").exists()
+
+
+def test_a_drained_node_is_never_chosen(cluster, tmp_path, monkeypatch):
+    """The spare n3 is drained (an operator's `scontrol update State=DRAIN`), then n1 fails:
+    n1's group goes to n2, not to the drained spare."""
+    cfg = tiny_cfg(
+        "launcher=slurm",
+        "replicas=2",
+        "steps=100000",
+        "slurm.spare_nodes=1",
+        "slurm.poll_s=0.5",
+        *FAST,
+    )
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def scontrol_n3(state: str) -> None:
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n3", f"State={state}", "Reason=ftharness-test"],
+            check=True, timeout=30,
+        )  # fmt: skip
+
+    def started(job):
+        def drain_then_fail():
+            deadline = time.monotonic() + 150
+            scontrol_n3("DRAIN")
+            while "n3" not in job.slurm.gone and time.monotonic() < deadline:
+                time.sleep(0.1)
+            seen["gone"] = job.slurm.gone.get("n3")
+            job.faults.fail_node("n1")
+            while job.group_host(0) == "n1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(0)
+            target = job.faults.committed_step() + 10
+            while job.faults.committed_step() < target and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 10, drain_then_fail)
+
+    try:
+        with allocation(monkeypatch, 3):
+            out = run_job(
+                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=240
+            )
+    finally:
+        scontrol_n3("RESUME")
+        _revive_all()
+    assert out["status"] == "ok", out["reason"]
+    assert "drain" in str(seen["gone"]), seen
+    assert seen["moved_to"] == "n2", seen
+    records = events(tmp_path)
+    check_invariants(records)
+    starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") is not None]
+    assert "n3" not in {r["host"] for r in starts}
+
+
+def test_with_replace_new_job_slurm_gives_a_node_for_the_one_it_took(
+    cluster, tmp_path, monkeypatch
+):
+    """A 2-node job with no spare and slurm.replace = "new_job": n1 fails, its group doubles up
+    on n2; once SLURM shows n1 unusable a single-node job is submitted, its node (n3) joins as a
+    spare with a ready agent, and the next group that needs a host (group 0, killed) gets it."""
+    cfg = tiny_cfg(
+        "launcher=slurm",
+        "replicas=2",
+        "steps=100000",
+        "slurm.replace=new_job",
+        "slurm.poll_s=0.5",
+        "transport=dataplane",
+        "timeouts.process_group_timeout=10",
+        *FAST,
+    )
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def started(job):
+        def fail_then_replace():
+            deadline = time.monotonic() + 200
+            job.faults.fail_node("n1")
+            hosts = job.controller.hosts
+            while time.monotonic() < deadline and ("n3" not in hosts or hosts["n3"].lost):
+                time.sleep(0.1)
+            seen["replacement_job"] = job.slurm.node_job.get("n3")
+            seen["spare"] = "n3" in job.slurm.spares
+            kill_group(job, 0)
+            while job.group_host(0) != "n3" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["moved_to"] = job.group_host(0)
+            target = job.faults.committed_step() + 10
+            while job.faults.committed_step() < target and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+
+        after_step(job, 10, fail_then_replace)
+
+    try:
+        with allocation(monkeypatch, 2) as job_id:
+            out = run_job(
+                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=280
+            )
+    finally:
+        _revive_all()
+    assert out["status"] == "ok", out["reason"]
+    assert seen["replacement_job"] not in (None, job_id) and seen["spare"], seen
+    assert seen["moved_to"] == "n3", seen
+    records = events(tmp_path)
+    check_invariants(records)
+    late = [r for r in records if r["event"] == "step.commit" and r["replica"] == 0]
+    assert late[-1]["host"] == "n3"
+    left = subprocess.run(
+        ["squeue", "-h", "-j", str(seen["replacement_job"]), "-o", "%T"],
+        capture_output=True, text=True, timeout=20,
+    ).stdout.strip()  # fmt: skip
+    assert left in ("", "COMPLETING", "CANCELLED"), f"the replacement job is still {left}"
+
+
+def test_chaos_with_launcher_slurm_reports_the_node_failure_recovery(cluster, tmp_path):
+    """`salloc -N3 --no-kill ftharness chaos EXP --launcher slurm`, as a user runs it:
+    experiments/slurm_node_loss.toml shortened to one node_failure; its report.json has that
+    recovery with its participate_s, and the hypotheses pass."""
+    text = (ROOT / "experiments" / "slurm_node_loss.toml").read_text()
+    text = text.replace("duration_s = 80", "duration_s = 30")
+    text = text.replace("at_times = [20, 40, 60]", "at_times = [10]")
+    text = text.replace("mix = { node_failure = 1, kill = 1 }", "mix = { node_failure = 1 }")
+    text = text.replace('launcher = "slurm"\n', "")  # from the command line instead
+    exp = tmp_path / "exp.toml"
+    exp.write_text(text)
+    out = tmp_path / "run"
+    try:
+        done = subprocess.run(
+            ["salloc", "-N3", "--no-kill", "-t", "10", sys.executable, "-m", "harness", "chaos",
+             str(exp), "--launcher", "slurm", "--out", str(out), "--quiet"],
+            capture_output=True, text=True, timeout=240, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        _revive_all()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    recoveries = report["summary"]["policies"]["in_place"]["recoveries"]
+    failures = [r for r in recoveries if r["kind"] == "node_failure"]
+    assert len(failures) == 1 and failures[0]["participate_s"] is not None, recoveries
+    assert report["passed"], report["hypotheses"]
