@@ -39,15 +39,19 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   that stretch holds fewer than two commit times.
 * **control run**: the records of policy ``control`` (experiments/spec.py): the same job with no
   faults, run in pieces (``control_run`` = 1, 2, ...) interleaved with the policies.
-  ``control_samples_per_s`` = the mean of its pieces' samples_per_s; its spread = their min and
-  max.
-* **goodput** = samples_per_s / control_samples_per_s when the experiment has a control run
-  (``goodput_basis`` = ``"control"``), with ``goodput_spread`` = samples_per_s / the control's max
-  and / its min: the control's own noise. Without a control it is samples_per_s /
-  baseline_samples_per_s (``goodput_basis`` = ``"in_run"``; the fault-free stretch includes
-  warm-up, so this one can exceed 1). ``goodput_above_control``: the whole spread is above 1,
-  which only a measurement defect explains. Live (the telemetry gauge) it is the in-run goodput
-  of the records so far. The control's own summary has no goodput.
+  A run's **steady rate** is its samples_per_s over the commits from ``STEADY_WARMUP_S`` after its
+  first commit on (a control piece is shorter than a policy run: with warm-up in both, the
+  shorter one would look slower). ``control_samples_per_s`` = the mean of the control pieces'
+  steady rates; its spread = their min and max.
+* **goodput** = the policy's steady rate (``steady_samples_per_s``) / control_samples_per_s when
+  the experiment has a control run (``goodput_basis`` = ``"control"``), with ``goodput_spread`` =
+  that rate / the control's max and / its min: the control's own noise. Without a control it
+  is samples_per_s / baseline_samples_per_s (``goodput_basis`` = ``"in_run"``; the fault-free
+  stretch includes warm-up, so this one can exceed 1). ``goodput_above_control``: the whole
+  spread is above 1: a disturbed control, or groups sharing CPUs that ran faster while one of
+  them was down (this 2-core machine; not where every group has its own devices). Live (the
+  telemetry gauge) it is the in-run goodput of the records so far. The control's own summary
+  has no goodput.
 * **data**: which sequences of the stream the policy trained and skipped
   (``dashboards.data_coverage``; None for the control and for journals without that field).
 * **fault of a recovery**: its ``fault_id`` (``harness/recovery.py`` links it). One fault can
@@ -120,6 +124,8 @@ Record = Mapping[str, Any]
 DEFAULT_POLICY = "in_place"
 #: The fault-free control run's policy name (experiments/spec.py runs it).
 CONTROL = "control"
+#: Seconds after a run's first commit left out of the rates goodput-against-control compares.
+STEADY_WARMUP_S = 5.0
 #: How many of a survivor's gaps before the origin set its typical gap (see stall_s).
 TYPICAL_GAPS = 50
 #: The figures of one recovery, as computed by :func:`recovery_figures`.
@@ -241,6 +247,25 @@ class Throughput:
         if first is not None and base_end is not None and base_end > first:
             base = self.base_samples / (base_end - first)
         return {"samples_per_s": run, "baseline_samples_per_s": base, "goodput": _ratio(run, base)}
+
+
+def steady_rate(records: Iterable[Record], warmup_s: float | None = None) -> float | None:
+    """Committed samples per second after the first ``warmup_s`` (default
+    :data:`STEADY_WARMUP_S`) seconds from the first commit, to the last commit: the rate that
+    goodput against a control run compares, so that runs of different lengths carry the same
+    warm-up (none)."""
+    warm = STEADY_WARMUP_S if warmup_s is None else warmup_s
+    commits = sorted(
+        (r for r in records if r.get("event") == STEP_COMMIT), key=lambda r: r.get("t", 0.0)
+    )
+    if not commits:
+        return None
+    start = float(commits[0].get("t", 0.0)) + warm
+    fold = Throughput()
+    for r in commits:
+        if float(r.get("t", 0.0)) >= start:
+            fold.add(r)
+    return fold.figures()["samples_per_s"]
 
 
 def throughput(records: Iterable[Record]) -> dict[str, float | None]:
@@ -556,8 +581,9 @@ def summarize_control(records: Sequence[Record]) -> dict[str, Any]:
     pieces: dict[Any, list[Record]] = defaultdict(list)
     for r in records:
         pieces[r.get("control_run", 1)].append(r)
-    parts = [summarize_policy(rs) for _, rs in sorted(pieces.items(), key=lambda kv: str(kv[0]))]
-    rates = [p["samples_per_s"] for p in parts if p["samples_per_s"] is not None]
+    ordered = [rs for _, rs in sorted(pieces.items(), key=lambda kv: str(kv[0]))]
+    parts = [summarize_policy(rs) for rs in ordered]
+    rates = [x for x in (steady_rate(rs) for rs in ordered) if x is not None]
     out = summarize_policy(records)
     out.update(
         committed_steps=max((p["committed_steps"] for p in parts), default=0),
@@ -573,12 +599,15 @@ def summarize_control(records: Sequence[Record]) -> dict[str, Any]:
     return out
 
 
-def _against_control(p: dict[str, Any], control: Mapping[str, Any]) -> None:
+def _against_control(
+    p: dict[str, Any], records: Sequence[Record], control: Mapping[str, Any]
+) -> None:
     """Goodput of policy summary ``p`` against the control run (module docstring)."""
     rate, spread = control["samples_per_s"], control["control_spread"]
     if rate is None or spread is None:
         return
-    run = p["samples_per_s"]
+    run = steady_rate(records)
+    p["steady_samples_per_s"] = run
     p["goodput_basis"] = "control"
     p["control_samples_per_s"] = rate
     p["goodput"] = _ratio(run, rate)
@@ -597,7 +626,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
     if CONTROL in policies:
         for name, p in policies.items():
             if name != CONTROL:
-                _against_control(p, policies[CONTROL])
+                _against_control(p, by_policy[name], policies[CONTROL])
     out: dict[str, Any] = {"policies": policies}
     if "in_place" in policies and "full_restart" in policies:
         ip, fr = policies["in_place"], policies["full_restart"]

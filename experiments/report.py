@@ -444,8 +444,9 @@ def _throughput_lines(policy: str, p: Mapping[str, Any]) -> list[str]:
         ]
         if p.get("goodput_above_control"):
             lines.append(
-                "- ⚠ goodput above the control beyond the control's spread: a measurement defect "
-                "(or a control run that was disturbed), not a faster job"
+                "- ⚠ goodput above the control beyond the control's spread: the control was "
+                "disturbed, or groups that share CPUs ran faster while one was down (not "
+                "possible when every group has devices of its own)"
             )
     else:
         lines = [

@@ -352,10 +352,10 @@ def _control_and_in_place(tmp_path, gaps: tuple[float, float], run_gap: float) -
     for i, gap in enumerate(gaps, 1):
         c = Journal(tmp_path / f"control-{i}" / "journal.jsonl", job="t", policy="control",
                     control_run=i)  # fmt: skip
-        _steady(c, 1000.0 * i, 20, gap)
+        _steady(c, 1000.0 * i, 60, gap)
         c.close()
     a = Journal(tmp_path / "in_place" / "journal.jsonl", job="t", policy="in_place")
-    _steady(a, 5000.0, 20, run_gap)
+    _steady(a, 5000.0, 60, run_gap)
     a.close()
     return summarize(read_journal(tmp_path))
 
@@ -368,7 +368,7 @@ def test_goodput_is_measured_against_the_control_runs_with_their_spread(tmp_path
     assert control["control_runs"] == pytest.approx([4.0 * S, 5.0 * S])
     assert control["samples_per_s"] == pytest.approx(4.5 * S)
     assert control["goodput"] is None  # the yardstick has none of its own
-    assert control["committed_steps"] == 20  # per piece, not the pieces added up
+    assert control["committed_steps"] == 60  # per piece, not the pieces added up
     assert ip["goodput_basis"] == "control"
     assert ip["control_samples_per_s"] == pytest.approx(4.5 * S)
     assert ip["goodput"] == pytest.approx(4.0 / 4.5)
@@ -388,3 +388,18 @@ def test_without_a_control_goodput_is_against_the_runs_own_fault_free_stretch(re
     assert ip["goodput_basis"] == "in_run"
     assert ip["goodput_spread"] is None
     assert ip["goodput"] == pytest.approx(ip["samples_per_s"] / ip["baseline_samples_per_s"])
+
+
+def test_the_steady_rate_leaves_out_the_warm_up(tmp_path):
+    from dashboards.metrics import STEADY_WARMUP_S, steady_rate
+
+    j = Journal(tmp_path / "j.jsonl", job="t", policy="control")
+    t, step = 0.0, 0
+    while t < 30.0:  # 1 step/s while warming up, then 4 steps/s
+        t += 1.0 if t < STEADY_WARMUP_S else 0.25
+        step += 1
+        commit(j, t, 0, step)
+    j.close()
+    records = read_journal(tmp_path)
+    assert steady_rate(records) == pytest.approx(4 * S)
+    assert steady_rate(records, warmup_s=0.0) < 4 * S  # the warm-up pulls the plain rate down

@@ -420,10 +420,10 @@ def test_the_control_run_is_the_goodput_yardstick_and_is_not_judged(run_dir):
 
     c = Journal(run_dir / "control-1.jsonl", job="t", policy="control", control_run=1)
     c.emit("job.start", t=300.0, config={}, replicas=3, ranks=1)
-    for step in range(1, 11):
+    for step in range(1, 31):
         for r in range(3):
             commit(c, 300.0 + step * 0.5, r, step)
-    c.emit("job.end", t=306.0, status="ok", reason="", steps=10)
+    c.emit("job.end", t=316.0, status="ok", reason="", steps=30)
     c.close()
     records = read_journal(run_dir)
     summary = summarize(records)
