@@ -310,6 +310,7 @@ class Job:
             secret=old.secret if old is not None else None,
             incarnations=old.incarnations if old is not None else None,
             highest_step=old.highest_step if old is not None else -1,
+            reported=old.reported if old is not None else None,
             # a program's Managers pick their own ids; the quorum tap admits them (by store)
             allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
         )

@@ -133,6 +133,8 @@ class QuorumState:
     incarnations: Mapping[int, int] = field(default_factory=lambda: _frozen({}))
     #: the highest step an admitted member has reported; -1 before any
     highest_step: int = -1
+    #: each live (not fenced) member's last reported step: the steps whose state still exists
+    reported: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
 
 
 # --- member ids and admission --------------------------------------------------------------------
@@ -238,6 +240,7 @@ def join(state: QuorumState, member: Member, now: float) -> QuorumState:
         heartbeats=_with(state.heartbeats, rid, now),
         participants=_with(state.participants, rid, Joined(joined=now, member=member)),
         highest_step=max(state.highest_step, member.step),
+        reported=_with(state.reported, rid, member.step),
     )
 
 
@@ -292,6 +295,7 @@ def _fence(state: QuorumState, match: Callable[[str], bool]) -> tuple[QuorumStat
         state,
         heartbeats=_frozen({k: v for k, v in state.heartbeats.items() if k not in dropped}),
         participants=_frozen({k: v for k, v in state.participants.items() if k not in dropped}),
+        reported=_frozen({k: v for k, v in state.reported.items() if k not in dropped}),
         fenced=state.fenced | dropped,
     )
     return new, dropped
@@ -366,22 +370,30 @@ def _behind(state: QuorumState, candidates: list[Member]) -> str | None:
     already committed (seen in a soak: three groups restarted from an old checkpoint met
     without the one healthy group and re-committed 160 steps). So the quorum waits for a member
     at the job's step to take part, which torchft then heals the others from. A whole-job
-    restart from a checkpoint (``full_restart``) resets this mark (:func:`job_restarted`)."""
+    restart from a checkpoint (``full_restart``) resets this mark (:func:`job_restarted`).
+
+    Only state that still exists is waited for: the mark is the highest step a live (not
+    fenced) member has reported. When every member that held a step has been declared failed,
+    that step is lost for good, and waiting for it would stall the job forever (seen in the CI
+    soak: a group committed a step alone right after a quorum-service restart, then died)."""
     if not candidates:
         return None
     top = max(m.step for m in candidates)
-    if top >= state.highest_step:
+    mark = max(state.reported.values(), default=-1)
+    if top >= mark:
         return None
     return (
-        f"Waiting for a member at step {state.highest_step}: the participants are at most at "
-        f"step {top}, and a quorum of them would commit again steps the job already committed"
+        f"Waiting for a member at step {mark}: the participants are at most at step {top}, "
+        "and a quorum of them would commit again steps the job already committed"
     )
 
 
 def job_restarted(state: QuorumState) -> QuorumState:
     """The whole job restarted from a checkpoint (every process new): steps before the
     checkpoint are committed again on purpose, so the high-water mark starts over."""
-    return replace(state, highest_step=-1, participants=_frozen({}), prev_quorum=None)
+    return replace(
+        state, highest_step=-1, reported=_frozen({}), participants=_frozen({}), prev_quorum=None
+    )
 
 
 def issue(state: QuorumState, members: tuple[Member, ...]) -> tuple[QuorumState, Quorum]:

@@ -213,6 +213,7 @@ class TreeQuorum:
         secret: bytes | None = None,
         incarnations: Mapping[int, int] | None = None,
         highest_step: int = -1,
+        reported: Mapping[str, int] | None = None,
         allow_hosts: Iterable[str] | None = None,
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
@@ -229,7 +230,9 @@ class TreeQuorum:
         self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
         self._cond = threading.Condition()  # guards everything below; waiters are the long polls
-        self._state = rule.QuorumState(highest_step=highest_step)
+        self._state = rule.QuorumState(
+            highest_step=highest_step, reported=rule._frozen(dict(reported or {}))
+        )
         for replica, incarnation in (incarnations or {}).items():
             self._state, _ = rule.admit(self._state, replica, incarnation)
         # Issued quorums, newest last, with a sequence number so a waiter sees each one once,
@@ -262,6 +265,12 @@ class TreeQuorum:
         self._ticker.start()
 
     # --- inputs from the controller --------------------------------------------------------
+    @property
+    def reported(self) -> dict[str, int]:
+        """Each live member's last reported step (a restarted service keeps them)."""
+        with self._cond:
+            return dict(self._state.reported)
+
     @property
     def highest_step(self) -> int:
         """The highest step any admitted member has reported (a restarted service keeps it)."""

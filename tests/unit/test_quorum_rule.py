@@ -384,3 +384,20 @@ def test_a_whole_job_restart_may_commit_earlier_steps_again() -> None:
     state = joined(state, "b", "c", step=1400, now=T + 1)
     _, quorum, _ = rule.tick(state, T + 3, opts)
     assert quorum is not None and ids(quorum.members) == ["b", "c"]
+
+
+def test_a_step_whose_only_holders_failed_is_not_waited_for() -> None:
+    """The CI soak's livelock: right after a quorum-service restart one group committed a step
+    alone, then died; the others, a step behind, waited for a member at that step forever. Once
+    every member that reported the step is fenced, its state is gone: the others go on."""
+    opts = rule.QuorumOpts(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=5.0)
+    state = joined(rule.QuorumState(), "a", step=2357)
+    state, quorum, _ = rule.tick(state, T, opts)
+    assert quorum is not None
+    state = joined(state, "b", "c", step=2356, now=T + 1)
+    state, quorum, reason = rule.tick(state, T + 3, opts)
+    assert quorum is None and "Waiting for a member at step 2357" in reason  # a is alive
+    state, dropped = rule.drop_failed(state, "a")
+    assert dropped == {"a"}
+    state, quorum, _ = rule.tick(state, T + 4, opts)
+    assert quorum is not None and ids(quorum.members) == ["b", "c"]
