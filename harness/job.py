@@ -311,6 +311,7 @@ class Job:
             incarnations=old.incarnations if old is not None else None,
             highest_step=old.highest_step if old is not None else -1,
             reported=old.reported if old is not None else None,
+            quorum_id=old.quorum_id + 1 if old is not None else 0,
             # a program's Managers pick their own ids; the quorum tap admits them (by store)
             allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
         )

@@ -214,6 +214,7 @@ class TreeQuorum:
         incarnations: Mapping[int, int] | None = None,
         highest_step: int = -1,
         reported: Mapping[str, int] | None = None,
+        quorum_id: int = 0,
         allow_hosts: Iterable[str] | None = None,
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
@@ -230,8 +231,12 @@ class TreeQuorum:
         self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
         self._cond = threading.Condition()  # guards everything below; waiters are the long polls
+        # A restarted service continues the quorum ids: torchft keys each quorum's rendezvous
+        # in the group stores by its id, and a reused id would meet the old quorum's addresses.
         self._state = rule.QuorumState(
-            highest_step=highest_step, reported=rule._frozen(dict(reported or {}))
+            highest_step=highest_step,
+            reported=rule._frozen(dict(reported or {})),
+            quorum_id=quorum_id,
         )
         for replica, incarnation in (incarnations or {}).items():
             self._state, _ = rule.admit(self._state, replica, incarnation)
@@ -270,6 +275,12 @@ class TreeQuorum:
         """Each live member's last reported step (a restarted service keeps them)."""
         with self._cond:
             return dict(self._state.reported)
+
+    @property
+    def quorum_id(self) -> int:
+        """The id of the last quorum issued (a restarted service continues from it)."""
+        with self._cond:
+            return self._state.quorum_id
 
     @property
     def highest_step(self) -> int:
