@@ -119,21 +119,7 @@ def run_policy(
 def with_launcher(path: str | Path, launcher: str) -> ExperimentSpec:
     """The experiment file with its job's launcher overridden (``--launcher``), validated as a
     whole with it: a [slurm] section and SLURM faults are checked against the new launcher."""
-    import tomllib
-
-    from experiments.spec import parse_experiment
-
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ExperimentError(f"{p}: no such experiment file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ExperimentError(f"{p}: not valid TOML: {e}") from None
-    overrides = data.get("overrides", [])
-    if isinstance(overrides, list):
-        data["overrides"] = [*overrides, f"launcher={launcher}"]
-    return parse_experiment(data, source=p.resolve())
+    return load_experiment(path, (f"launcher={launcher}",))
 
 
 def main(args: argparse.Namespace) -> int:

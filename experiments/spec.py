@@ -266,8 +266,9 @@ def _int_list(w: _Where, key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def load_experiment(path: str | Path) -> ExperimentSpec:
-    """Read and validate an experiment file. Raises ExperimentError; launches nothing."""
+def load_experiment(path: str | Path, extra_overrides: tuple[str, ...] = ()) -> ExperimentSpec:
+    """Read and validate an experiment file, with ``extra_overrides`` after its own job
+    overrides (the command line's). Raises ExperimentError; launches nothing."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -275,6 +276,9 @@ def load_experiment(path: str | Path) -> ExperimentSpec:
         raise ExperimentError(f"{p}: no such experiment file") from None
     except tomllib.TOMLDecodeError as e:
         raise ExperimentError(f"{p}: not valid TOML: {e}") from None
+    overrides = data.get("overrides", [])
+    if extra_overrides and isinstance(overrides, list):
+        data["overrides"] = [*overrides, *extra_overrides]
     return parse_experiment(data, source=p.resolve())
 
 

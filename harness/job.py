@@ -388,20 +388,35 @@ class Job:
             str(self.run_dir),
             member_ids,
         )
-        training = actors.train.call()
+        call = actors.train.call()
+        training = {r: call.futures[(i, 0)] for i, r in enumerate(replicas)}
+        self._record_groups(replicas, hosts, incarnation, stores, actors, training)
+        for future in training.values():
+            future.add_done_callback(lambda _: self._check_done())
+        return actors
+
+    def _record_groups(
+        self,
+        replicas: list[int],
+        hosts: dict[int, HostAgentHandle],
+        incarnation: dict[int, int],
+        stores: dict[int, Any],
+        mesh: Any,
+        training: dict[int, cf.Future],
+    ) -> None:
+        """Each started group's record (its slice of ``mesh``, stacked on "replica"), then its
+        ``replacement_started`` phase."""
         for i, r in enumerate(replicas):
             with self._lock:
                 self.groups[r] = ReplicaGroup(
                     replica=r,
                     incarnation=incarnation[r],
                     host=hosts[r].name,
-                    mesh=actors.slice(replica=slice(i, i + 1)),
+                    mesh=mesh.slice(replica=slice(i, i + 1)),
                     store=stores[r][0],
-                    training=training.futures[(i, 0)],
+                    training=training[r],
                 )
             self.tracker.replacement_started(r)
-            training.futures[(i, 0)].add_done_callback(lambda _: self._check_done())
-        return actors
 
     def _start_programs(
         self,
@@ -413,17 +428,7 @@ class Job:
     ) -> ProcMesh:
         """Spawn: a program of the user's own in place of trainer actors (harness.program)."""
         procs, training = self.program.start_groups(replicas, hosts, incarnation, stores, cold)
-        for i, r in enumerate(replicas):
-            with self._lock:
-                self.groups[r] = ReplicaGroup(
-                    replica=r,
-                    incarnation=incarnation[r],
-                    host=hosts[r].name,
-                    mesh=procs.slice(replica=slice(i, i + 1)),
-                    store=stores[r][0],
-                    training=training[r],
-                )
-            self.tracker.replacement_started(r)
+        self._record_groups(replicas, hosts, incarnation, stores, procs, training)
         return procs
 
     # -- place: hosts ---------------------------------------------------------------------------
