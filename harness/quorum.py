@@ -41,7 +41,10 @@ dataplane transport.
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib
+import json
+import secrets
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -49,7 +52,8 @@ from typing import Any
 
 import torch
 from torch.distributed import TCPStore
-from torchft import Manager, ProcessGroupGloo
+from torchft import Manager
+from torchft import ProcessGroupGloo as _TorchftProcessGroupGloo
 from torchft._torchft import LighthouseServer
 from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.checkpointing.pg_transport import PGTransport
@@ -57,6 +61,45 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from harness.config import JobConfig, TimeoutConfig
 from runtime.actor import host_address
+
+
+class ProcessGroupGloo(_TorchftProcessGroupGloo):
+    """torchft's reconfigurable gloo process group, rendezvousing where no earlier one did.
+
+    torchft rendezvouses every reconfiguration on the first member's store under the prefix
+    ``torchft/<quorum id>``, and the keys of earlier rendezvous stay there. torchft's Lighthouse
+    numbers its quorums from 1 again after a restart, so a later quorum can reuse a prefix whose
+    keys name listeners that closed long ago: gloo's connectFullMesh reads a stale peer address,
+    is refused, and the group stalls for its connect timeout (seen in CI: a Lighthouse crash left
+    one group out for 15 s, ``tests/e2e/test_fault_kinds.py``).
+
+    Here each member's handle carries a nonce that it renews every time it reconfigures, and the
+    communicator id is a digest of the quorum id and all handles. Every member computes the same
+    id from the same quorum, and no two rendezvous on a store share one: whoever wrote keys under
+    an id has renewed its nonce since, so the id cannot recur. torchft's Lighthouse compares only
+    replica ids to decide whether a quorum changed, so a renewed nonce triggers no reconfiguration.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self._nonce = secrets.token_hex(8)
+
+    def get_reconfigure_handle(self) -> str:
+        handle = json.loads(super().get_reconfigure_handle())
+        handle["nonce"] = self._nonce
+        return json.dumps(handle, sort_keys=True)
+
+    def reconfigure(self, opts: Any) -> Any:
+        opts.uuid = communicator_id(opts.uuid, list(opts.handles))
+        self._nonce = secrets.token_hex(8)
+        return super().reconfigure(opts)
+
+
+def communicator_id(quorum_id: int, handles: list[str]) -> int:
+    """A positive 62-bit id for the rendezvous of ``handles`` (ordered) in quorum ``quorum_id``."""
+    digest = hashlib.sha256(json.dumps([quorum_id, handles]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
+
 
 #: ``factory(pg, timeout, state_dict_fn) -> CheckpointTransport``; ``pg`` is the rank's
 #: cross-group process group, ``state_dict_fn`` returns the state a healing peer needs.
