@@ -230,7 +230,11 @@ class TreeQuorum:
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
-        self._cond = threading.Condition()  # guards everything below; waiters are the long polls
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # guards everything below; waiters: long polls
+        # The ticker waits on its own condition (same lock), so issuing a quorum wakes only the
+        # long polls, and a join wakes the ticker only when it opens a round.
+        self._ticker_wake = threading.Condition(lock)
         # A restarted service continues the quorum ids: torchft keys each quorum's rendezvous
         # in the group stores by its id, and a reused id would meet the old quorum's addresses.
         self._state = rule.QuorumState(
@@ -358,6 +362,7 @@ class TreeQuorum:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._ticker_wake.notify()
         self._server.stop(grace=None).wait(5)
         self._ticker.join(timeout=5)
 
@@ -375,13 +380,16 @@ class TreeQuorum:
             self._cond.notify_all()
 
     def _run_ticker(self) -> None:
-        # Stragglers and heartbeat expiry are time-driven: re-run the rule every tick.
+        # Stragglers and heartbeat expiry are time-driven: re-run the rule every tick while a
+        # round is open. With no join pending time changes no decision (a stale heartbeat is
+        # pruned by the next round's first tick), so the ticker sleeps until a join opens one:
+        # an idle job's service does not wake a hundred times a second.
         while True:
             with self._cond:
                 if self._closed:
                     return
                 self._tick_locked()
-                self._cond.wait(self._tick_s)
+                self._ticker_wake.wait(self._tick_s if self._state.participants else None)
 
     # --- gRPC handlers -----------------------------------------------------------------------
 
@@ -424,17 +432,15 @@ class TreeQuorum:
             if refused is not None:
                 log.warning("tree quorum: refused %r from %s: %s", rid, context.peer(), refused)
                 context.abort(grpc.StatusCode.OUT_OF_RANGE, refused)
-            self._state = rule.join(self._state, member, time.monotonic())
             seen = self._seq
-            if rule.may_complete(self._state):
-                self._tick_locked()
+            self._join_locked(member)
             while True:
                 for seq, quorum, reply in self._issued_after(seen):
                     seen = seq
                     if rid in quorum.id_set:
                         return reply
                     # Issued without us (we joined too late for it): ask again for the next one.
-                    self._state = rule.join(self._state, member, time.monotonic())
+                    self._join_locked(member)
                 if self._closed:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "tree quorum shut down")
                 if rid in self._state.fenced:
@@ -448,6 +454,16 @@ class TreeQuorum:
                 if left <= 0:
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time")
                 self._cond.wait(left)
+
+    def _join_locked(self, member: rule.Member) -> None:
+        """Record ``member``'s join (lock held); decide at once if it may complete the round,
+        and wake the ticker if it opened one."""
+        opens_round = not self._state.participants
+        self._state = rule.join(self._state, member, time.monotonic())
+        if rule.may_complete(self._state):
+            self._tick_locked()
+        if opens_round and self._state.participants:
+            self._ticker_wake.notify()
 
     def _issued_after(self, seen: int) -> list[tuple[int, rule.Quorum, bytes]]:
         """The quorums issued after sequence number ``seen``, oldest first (lock held): the
