@@ -14,8 +14,9 @@ phase), which is what lets the live sink and the offline summary give the same n
         "committed_steps", "duration_s", "samples_per_s", "baseline_samples_per_s", "goodput",
         "goodput_basis", "control_samples_per_s", "goodput_spread": {"min", "max"},
         "goodput_above_control", "data": {"data_policy", "due", "skipped", ...} | None,
-        "faults": {kind: {"count", "recovered", "detection_s": {"mean", "p50", "p95"},
-                          "stall_s": {...}, "participate_s": {...}, "steps_lost"}},
+        "faults": {kind: {"count", "recovered", "no_recovery",
+                          "detection_s": {"mean", "p50", "p95"}, "stall_s": {...},
+                          "participate_s": {...}, "steps_lost"}},
         "all_faults": {"detection_s": {...}, "stall_s": {...}, "participate_s": {...}},
         "recoveries": [{"recovery_id", "fault_id", "kind", "replica", "detection_s", "stall_s",
                         "participate_s", "steps_lost", "phases": {phase: t}, "derived",
@@ -87,7 +88,8 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   ``all_faults``: the same over every recovery a fault explains (unplanned ones excluded).
 * A fault with no ``recovery.phase`` records but ``failure`` records after it gets **derived**
   recoveries, one per failed group (the target replica, or every group that failed on the target
-  host; for an untargeted fault, the first failure only): detected = that group's first failure
+  host, not its idle spares; for an untargeted fault, the first failure only): detected = that
+  group's first failure
   t; participating = its first commit after its next ``proc.start``.
 * **comparison**: ratios full_restart / in_place of the ``all_faults`` mean participate_s and mean
   stall_s, and of the goodput; None where either side is missing or the denominator is 0.
@@ -439,7 +441,9 @@ def _derived(records: Sequence[Record], fault: Record, until: float | None) -> l
             return False
         if target.get("replica") is not None:
             return r.get("replica") == target["replica"]
-        return host is None or r.get("host") == host
+        if host is not None:  # a group on it; an idle warm spare lost with the host is none
+            return r.get("host") == host and r.get("replica") is not None
+        return True
 
     first_failure: dict[Any, Record] = {}
     for r in _of(records, FAILURE):
@@ -557,6 +561,8 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
         by_kind[kind] = {
             "count": len(ids),
             "recovered": len(recovered),
+            # faults that took down no group (the report's every_fault_recovered judges them)
+            "no_recovery": sum(1 for i in ids if not any(r["fault_id"] == i for r in mine)),
             **_figure_stats(mine),
             "steps_lost": sum(lost_by_fault.get(i, 0) or 0 for i in ids),
         }

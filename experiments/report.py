@@ -492,8 +492,10 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
                 "|---|---|---|---|---|---|---|",
             ]
             for kind, k in p["faults"].items():
+                none = k.get("no_recovery", 0)
+                recovered = f"{k['recovered']}" + (f" ({none} took down no group)" if none else "")
                 lines.append(
-                    f"| {kind} | {k['count']} | {k['recovered']} | "
+                    f"| {kind} | {k['count']} | {recovered} | "
                     + " | ".join(_stat(k[str(m.quantity)]) for m in N.RECOVERY_METRICS)
                     + f" | {k['steps_lost']} |"
                 )

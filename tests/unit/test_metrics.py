@@ -336,6 +336,25 @@ def test_derived_recoveries_of_a_host_fault_one_per_group(tmp_path):
     assert p["faults"]["host_eviction"]["recovered"] == 1
 
 
+def test_a_host_fault_that_took_down_only_an_idle_spare_has_no_recovery(tmp_path):
+    """Seen in a soak with warm spares: every group had moved off host1, whose eviction killed
+    only its idle spare. That is no group's recovery (it was listed as one with no figures)."""
+    j = Journal(tmp_path / "j.jsonl", job="t")
+    for step in range(1, 4):
+        for r in range(2):
+            commit(j, 10.0 + step, r, step, host="h0")
+    target = {"replica": None, "rank": None, "host": "h1"}
+    j.emit("fault.inject", t=13.2, fault_id="f000", kind="host_eviction", target=target, seed=0)
+    j.emit("failure", t=13.3, host="h1", cause="lost_host", coords={"idle": 0}, pid=9)
+    for r in range(2):
+        commit(j, 14.0, r, 4, host="h0")
+    j.close()
+    p = summarize(read_journal(tmp_path / "j.jsonl"))["policies"]["in_place"]
+    assert p["recoveries"] == []
+    kind = p["faults"]["host_eviction"]
+    assert (kind["count"], kind["recovered"], kind["no_recovery"]) == (1, 0, 1)
+
+
 # -- goodput against a fault-free control run ---------------------------------------------------
 
 
