@@ -12,7 +12,10 @@ order, rep 2: all four, ...) so every configuration sees the same machine:
 * ``ftharness``           — ``harness.launch.run_job`` on the job's default config (supervision
   tree, its quorum service, heartbeats, checkpoints), telemetry off;
 * ``ftharness_telemetry`` — the same with OpenTelemetry (OTLP/HTTP to a stand-in collector in its
-  own process) and the Prometheus endpoint on, scraped every 2 s by that process.
+  own process) and the Prometheus endpoint on, scraped every 2 s by that process;
+* ``ftharness_lighthouse`` — the default config with ``recovery.quorum = "torchft"``: torchft's
+  Lighthouse (Rust, in a supervised worker process) serves the quorum instead of the tree quorum
+  (Python gRPC, in the controller). The price of the tree's faster failover, side by side.
 
 Figures per configuration (all over the steady-state window: steps ``warmup`` .. end):
 
@@ -23,7 +26,8 @@ Figures per configuration (all over the steady-state window: steps ``warmup`` ..
 * ``ratio_to_plain``: median over repetitions of (median step / plain's median step in the same
   repetition); ``ratio_per_rep`` lists them (the spread is the noise on this machine);
 * ``cpu``: fraction of one core over the window: ``controller`` (ftharness: the controller,
-  i.e. this process, less the sampler's own thread; torchft: the Lighthouse process; plain:
+  i.e. this process, less the sampler's own thread, plus the Lighthouse's process where it
+  serves the quorum; torchft: the Lighthouse process; plain:
   none, 0) and ``agent_max`` (the busiest host agent; 0 where there are none);
   ``worker_mean`` too (mean over the trainer processes);
 * ``cpu_ms_per_step``: CPU time of all the job's processes (controller or Lighthouse, agents,
@@ -52,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry"]
+CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry", "ftharness_lighthouse"]
 MODELS: dict[str, list[str]] = {
     "tiny": [],
     "llama3_debug": [
@@ -284,7 +288,7 @@ def _hwm_mb(pid: int) -> float:
 # --- one run of one configuration ----------------------------------------------------------
 
 
-def _job_config(model: str, steps: int, seed: int, telemetry: bool = False) -> Any:
+def _job_config(model: str, steps: int, seed: int, quorum: str | None = None) -> Any:
     from harness.config import load_config
 
     overrides = [
@@ -294,6 +298,7 @@ def _job_config(model: str, steps: int, seed: int, telemetry: bool = False) -> A
         f"steps={steps}",
         f"data.seed={seed}",
         *MODELS[model],
+        *([f"recovery.quorum={quorum}"] if quorum else []),
     ]
     return load_config(str(REPO / "experiments" / "tiny.toml"), overrides)
 
@@ -353,9 +358,9 @@ def _run_subprocess_config(
 
 def _run_ftharness(
     cfg: Any, workdir: Path, telemetry: bool, sampler_period: float
-) -> tuple[list[list[float]], Sampler, int, set[int]]:
+) -> tuple[list[list[float]], Sampler, int, set[int], set[int]]:
     from harness.launch import attach_telemetry, run_job
-    from runtime.journal import STEP_COMMIT, Journal, read_journal
+    from runtime.journal import PROC_START, STEP_COMMIT, Journal, read_journal
 
     collector = None
     run_dir = workdir / "run"
@@ -410,18 +415,27 @@ def _run_ftharness(
     for r in records:
         if r["event"] == STEP_COMMIT and r.get("rank", 0) == 0:
             times[r["replica"]].append(r["t"])
-    return times, sampler, nprocs[0], {collector.pid} if collector is not None else set()
+    # the quorum service's process (torchft's Lighthouse in a worker): the controller's part
+    service = {r["pid"] for r in records if r["event"] == PROC_START and "service" in r}
+    aside = {collector.pid} if collector is not None else set()
+    return times, sampler, nprocs[0], aside, service
 
 
 def _roles(
-    mode: str, procs: dict[int, dict[str, Any]], me: int, aside: set[int]
+    mode: str,
+    procs: dict[int, dict[str, Any]],
+    me: int,
+    aside: set[int],
+    service: frozenset[int] = frozenset(),
 ) -> dict[str, list[dict]]:
     """Sort the sampled processes into controller / agents / workers per configuration.
-    ``aside``: the Lighthouse (torchft) or the stand-in collector (ftharness_telemetry)."""
+    ``aside``: the Lighthouse (torchft) or the stand-in collector (ftharness_telemetry).
+    ``service``: an ftharness job's quorum service process (its Lighthouse), counted with the
+    controller as torchft's Lighthouse is."""
     roles: dict[str, list[dict]] = {"controller": [], "agents": [], "workers": [], "other": []}
     for pid, rec in procs.items():
         if mode.startswith("ftharness"):
-            if pid == me:
+            if pid == me or pid in service:
                 roles["controller"].append(rec)
             elif rec["ppid"] == me:
                 # host agents are the controller's children (the collector is not the job's)
@@ -439,12 +453,16 @@ def _roles(
 
 
 def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: int) -> dict:
-    cfg = _job_config(model, steps, seed=7)
+    cfg = _job_config(
+        model, steps, seed=7, quorum="torchft" if mode.endswith("lighthouse") else None
+    )
     d = workdir / f"{model}_{mode}_{rep}"
+    service: set[int] = set()
     if mode in ("plain", "torchft"):
         times, sampler, nprocs, aside = _run_subprocess_config(mode, cfg, d, 0.25)
     else:
-        times, sampler, nprocs, aside = _run_ftharness(cfg, d, mode == "ftharness_telemetry", 0.25)
+        telemetry = mode == "ftharness_telemetry"
+        times, sampler, nprocs, aside, service = _run_ftharness(cfg, d, telemetry, 0.25)
     gaps: list[float] = []
     for ts in times:
         ts = ts[warmup:]
@@ -456,7 +474,7 @@ def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: 
     n_commits = sum(len([t for t in ts if t0 <= t <= t1]) for ts in times)
     tokens = cfg.data.batch_size * cfg.data.seq_len * cfg.ranks
     win = sampler.window(t0, t1)
-    roles = _roles(mode, win["procs"], sampler.me.pid, aside)
+    roles = _roles(mode, win["procs"], sampler.me.pid, aside, frozenset(service))
     # peak RSS over the whole run (the last sample holds the highest VmHWM seen)
     hwm = max((r["hwm_mb"] for r in roles["workers"]), default=0.0)
     workers = roles["workers"]
