@@ -88,10 +88,13 @@ class RecoveryTracker:
         elif event == STEP_ABORT and r.get("rank") == 0:
             # An aborted step is its own recovery only when a fault hit this group without
             # killing it (collective_abort); survivors of a peer's death abort a step too, and
-            # that stall belongs to the peer's recovery.
+            # that stall belongs to the peer's recovery. Only the latest fault can explain it:
+            # an earlier one on this group that aborted nothing (a straggler) must not claim
+            # the abort a later fault on another group causes here (seen in a soak).
             with self._lock:
                 fault_id = self._link(r.get("replica"), None, r["t"])
-            if fault_id is not None:
+                latest = self._faults[-1]["fault_id"] if self._faults else None
+            if fault_id is not None and fault_id == latest:
                 self._begin(r.get("replica"), "step_abort", r["t"], r.get("host"))
         elif event == HEALED and r.get("rank") == 0:
             self._phase(r.get("replica"), "healed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harness.recovery import HEALED, RecoveryTracker
 from runtime.failure import Cause, Failure
-from runtime.journal import FAULT_INJECT, RECOVERY_PHASE, STEP_COMMIT, Journal
+from runtime.journal import FAULT_INJECT, RECOVERY_PHASE, STEP_ABORT, STEP_COMMIT, Journal
 
 
 def _tracker() -> tuple[Journal, RecoveryTracker, list[dict]]:
@@ -133,3 +133,22 @@ def test_an_idle_spare_lost_with_its_host_is_not_a_recovery() -> None:
     _lost(tracker, 1, "host1", 100.1)
     assert [(p["replica"], p["fault_id"]) for p in phases] == [(1, "f007")]
     assert tracker.open_replicas() == {1}
+
+
+def test_a_step_abort_is_explained_only_by_the_latest_fault() -> None:
+    # A straggler on group 2 aborts nothing; then host1 is evicted and group 2, a survivor,
+    # aborts its step: that is the eviction's doing, not a recovery of the straggler's.
+    journal, tracker, phases = _tracker()
+    target = {"replica": 2, "rank": 0, "host": "host0"}
+    journal.emit(FAULT_INJECT, t=100.0, fault_id="f010", kind="slow_rank", target=target)
+    journal.emit(
+        FAULT_INJECT, t=106.7, fault_id="f011", kind="host_eviction", target={"host": "host1"}
+    )
+    _lost(tracker, 1, "host1", 106.7)
+    journal.emit(STEP_ABORT, t=106.73, replica=2, rank=0, step=5)
+    assert {p["replica"] for p in phases} == {1}
+    # a collective abort on group 2 is the latest fault: its abort is its recovery
+    journal.emit(FAULT_INJECT, t=120.0, fault_id="f012", kind="collective_abort", target=target)
+    journal.emit(STEP_ABORT, t=120.01, replica=2, rank=0, step=9)
+    detected = [(p["replica"], p["fault_id"]) for p in phases if p["phase"] == "detected"]
+    assert detected == [(1, "f011"), (2, "f012")]
