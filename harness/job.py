@@ -328,6 +328,8 @@ class Job:
     def _start_lighthouse(self) -> ActorMesh:
         from harness.actors import LighthouseActor
 
+        if self._started and self.program is not None and self.program.tap is not None:
+            self.program.tap.upstream_restarted()  # a new Lighthouse numbers from 1 again
         host = self._place(0)
         mesh = host.spawn_procs({"service": 1}, log_dir=str(self.run_dir / "logs"))
         self._lighthouse = mesh.spawn(

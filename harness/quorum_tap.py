@@ -9,6 +9,13 @@ tap's address as ``TORCHFT_LIGHTHOUSE``; it decodes each request and reply (the 
 service, torchft's Lighthouse or the tree quorum, whichever the job runs. So both backends are
 observed the same way, and neither needs to know programs exist.
 
+Quorum ids: torchft's Lighthouse numbers its quorums from 1 again when it restarts, and a
+torchft process group rendezvouses each reconfiguration under its quorum id on a store where the
+first use of that id left stale peer addresses (``harness.quorum.ProcessGroupGloo``, for the
+built-in trainer). A program's process group is its own, so the tap renumbers instead: after
+:meth:`QuorumTap.upstream_restarted`, every reply's quorum id is raised by the highest id handed
+out before, so the ids a program sees never repeat. (The tree quorum continues its own ids.)
+
 Admission: a quorum request is forwarded only if its ``store_address`` is the store of a replica
 group's current incarnation (the job hands each incarnation a fresh store), so a stale
 incarnation, or a process the job did not start, cannot join; a heartbeat only from an id not
@@ -35,6 +42,8 @@ from harness.tree_quorum import (
     decode_heartbeat_request,
     decode_member,
     decode_quorum_request,
+    encode_field,
+    encode_varint,
 )
 
 _STORE_ADDRESS = 3  # QuorumMember.store_address (harness.tree_quorum's module doc)
@@ -86,6 +95,36 @@ def quorum_members(reply: bytes) -> list[rule.Member]:
     return []
 
 
+def quorum_id(reply: bytes) -> int:
+    """The quorum id of a ``LighthouseQuorumResponse`` (0 if absent: proto3's default)."""
+    for number, _, value in decode_fields(reply):
+        if number == 1 and isinstance(value, bytes):
+            for n, wire, v in decode_fields(value):
+                if n == 1 and wire == 0 and isinstance(v, int):
+                    return v
+    return 0
+
+
+def renumbered(reply: bytes, new_id: int) -> bytes:
+    """``reply`` (a ``LighthouseQuorumResponse``) with its quorum's id set to ``new_id``; every
+    other field as it was, byte for byte."""
+    out = []
+    for number, wire, value in decode_fields(reply):
+        if number == 1 and isinstance(value, bytes):
+            fields = [(n, w, v) for n, w, v in decode_fields(value) if not (n == 1 and w == 0)]
+            value = encode_field(1, new_id) + b"".join(_field(n, w, v) for n, w, v in fields)
+        out.append(_field(number, wire, value))
+    return b"".join(out)
+
+
+def _field(number: int, wire: int, value: int | bytes) -> bytes:
+    if wire in (0, 2):
+        return encode_field(number, value)
+    width = 8 if wire == 1 else 4  # fixed64 / fixed32 (decode_fields refuses the others)
+    assert isinstance(value, int)
+    return encode_varint(number << 3 | wire) + value.to_bytes(width, "little")
+
+
 class QuorumTap:
     """Serves the Lighthouse protocol on ``bind_host`` (port 0) and forwards to
     ``upstream()`` (``http://host:port``, asked per call: a restarted service may move).
@@ -102,6 +141,8 @@ class QuorumTap:
         self._upstream = upstream
         self._observer = observer
         self._lock = threading.Lock()
+        self._id_offset = 0  # added to the upstream's quorum ids (upstream_restarted)
+        self._id_max = 0  # the highest quorum id handed out
         self._channels: dict[str, grpc.Channel] = {}
         handler = grpc.method_handlers_generic_handler(
             SERVICE,
@@ -151,11 +192,24 @@ class QuorumTap:
         self._observer.asked(req)
         members: list[rule.Member] | None = None
         try:
-            reply = self._call("Quorum", request, context)
+            reply = self._continue_ids(self._call("Quorum", request, context))
             members = quorum_members(reply)
             return reply
         finally:
             self._observer.answered(req, members)
+
+    def upstream_restarted(self) -> None:
+        """The quorum service was restarted (call it before the new one serves): its quorum ids
+        start over, so they are handed out from above the highest one handed out so far."""
+        with self._lock:
+            self._id_offset = self._id_max
+
+    def _continue_ids(self, reply: bytes) -> bytes:
+        qid = quorum_id(reply)
+        with self._lock:
+            offset = self._id_offset
+            self._id_max = max(self._id_max, qid + offset)
+        return renumbered(reply, qid + offset) if offset else reply
 
     def _heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         try:

@@ -13,7 +13,7 @@ import grpc
 import psutil
 import pytest
 
-from harness.quorum_tap import QuorumTap, Request
+from harness.quorum_tap import QuorumTap, Request, quorum_members
 from harness.tree_quorum import SERVICE, TreeQuorum, encode_field
 from runtime.controller import Controller
 from runtime.failure import Cause
@@ -167,6 +167,50 @@ def test_quorum_tap_forwards_observes_and_admits_by_store():
         channel.close()
         tap.shutdown()
         tree.shutdown()
+
+
+def _lighthouse(port: int = 0):
+    from torchft._torchft import LighthouseServer
+
+    for _ in range(50):  # a restart rebinds the port the old server just released
+        try:
+            return LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1, join_timeout_ms=100)
+        except RuntimeError:
+            time.sleep(0.1)
+    raise AssertionError(f"port {port} stayed taken")
+
+
+def test_quorum_tap_continues_the_ids_of_a_restarted_lighthouse():
+    """torchft's Lighthouse numbers its quorums from 1 again after a restart; a program's torchft
+    process group would rendezvous on the stale keys of the first quorum 1. Through the tap the
+    ids go on: the restarted Lighthouse's quorum 1 reaches the program as quorum 2."""
+    from harness.quorum_tap import quorum_id
+
+    lighthouse = _lighthouse()
+    port = int(lighthouse.address().rsplit(":", 1)[1])
+    upstream = f"http://127.0.0.1:{port}"
+    tap = QuorumTap(bind_host="127.0.0.1", upstream=lambda: upstream, observer=Seen())
+    request = encode_field(1, _member("train_ddp_0:u1", "127.0.0.1:1234", 7))
+    channels = [grpc.insecure_channel(tap.address.split("://")[1])]
+    try:
+        quorum = channels[0].unary_unary(f"/{SERVICE}/Quorum")
+        first = quorum(request, timeout=10)
+        assert quorum_id(first) == 1
+        lighthouse.shutdown()
+        tap.upstream_restarted()
+        lighthouse = _lighthouse(port)
+        again = quorum(request, timeout=10)
+        assert quorum_id(again) == 2
+        assert quorum_members(again) == quorum_members(first)  # the rest as it was
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        direct = channels[1].unary_unary(f"/{SERVICE}/Quorum")(request, timeout=10)
+        assert quorum_id(direct) == 1  # the control: what the Lighthouse itself says
+        assert quorum_id(quorum(request, timeout=10)) == 2  # unchanged membership, same id
+    finally:
+        for channel in channels:
+            channel.close()
+        tap.shutdown()
+        lighthouse.shutdown()
 
 
 BEATING = "import sys, time\nfor i in range(600):\n    print(i, flush=True)\n    time.sleep(0.05)\n"
