@@ -149,13 +149,13 @@ class RecoveryConfig:
     max_restarts: int = 10
     within_s: float = 600.0
     restart_delay_s: float = 0.0
-    # The default quorum is the fastest correct one measured (`ftharness bench recovery`): the
-    # supervision tree's own, which fences a dead group at once instead of waiting out a
-    # heartbeat timeout; torchft's Lighthouse stays selectable (quorum = "torchft"). Warm spares
-    # (a forked process per host that a replacement adopts) are faster still but stay opt-in:
-    # under the CI soak's fault rate they stalled heals for 13-20 s (README, "The defaults").
+    # The defaults are the fastest correct configuration measured (`ftharness bench recovery`):
+    # the supervision tree's own quorum, which fences a dead group at once instead of waiting
+    # out a heartbeat timeout, and one warm spare process per host, which a replacement adopts
+    # instead of forking (README, "The defaults"). torchft's Lighthouse stays selectable
+    # (quorum = "torchft"); spares_per_host = 0 forks each replacement when it is needed.
     quorum: Literal["torchft", "tree"] = "tree"
-    spares_per_host: int = 0
+    spares_per_host: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

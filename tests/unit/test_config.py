@@ -137,10 +137,10 @@ def test_shipped_tiny_experiment_loads() -> None:
         ("timeouts.connect_timeout=" + "9" * 400, "timeouts.connect_timeout = 9999"),
         (
             "replicas=100000",
-            "replicas x ranks \\+ hosts x recovery.spares_per_host = 100000 x 1 \\+ 1 x 0 = "
-            "100000 worker processes: must be <= 1024",
+            "replicas x ranks \\+ hosts x recovery.spares_per_host = 100000 x 1 \\+ 1 x 1 = "
+            "100001 worker processes: must be <= 1024",
         ),
-        ("ranks=2000", "= 3 x 2000 \\+ 1 x 0 = 6000 worker processes"),
+        ("ranks=2000", "= 3 x 2000 \\+ 1 x 1 = 6001 worker processes"),
         ("recovery.spares_per_host=5000", "= 5003 worker processes: must be <= 1024"),
         ("hosts=1000", "hosts = 1000: must be <= 64"),
         (
