@@ -40,10 +40,10 @@ from harness.tree_quorum import (
     WireError,
     decode_fields,
     decode_heartbeat_request,
-    decode_member,
     decode_quorum_request,
+    decode_quorum_response,
     encode_field,
-    encode_varint,
+    encode_wire_field,
 )
 
 _STORE_ADDRESS = 3  # QuorumMember.store_address (harness.tree_quorum's module doc)
@@ -83,28 +83,6 @@ def store_address(raw: bytes) -> str:
     return ""
 
 
-def quorum_members(reply: bytes) -> list[rule.Member]:
-    """The participants of a ``LighthouseQuorumResponse``."""
-    for number, _, value in decode_fields(reply):
-        if number == 1 and isinstance(value, bytes):
-            return [
-                decode_member(v)
-                for n, _, v in decode_fields(value)
-                if n == 2 and isinstance(v, bytes)
-            ]
-    return []
-
-
-def quorum_id(reply: bytes) -> int:
-    """The quorum id of a ``LighthouseQuorumResponse`` (0 if absent: proto3's default)."""
-    for number, _, value in decode_fields(reply):
-        if number == 1 and isinstance(value, bytes):
-            for n, wire, v in decode_fields(value):
-                if n == 1 and wire == 0 and isinstance(v, int):
-                    return v
-    return 0
-
-
 def renumbered(reply: bytes, new_id: int) -> bytes:
     """``reply`` (a ``LighthouseQuorumResponse``) with its quorum's id set to ``new_id``; every
     other field as it was, byte for byte."""
@@ -112,17 +90,9 @@ def renumbered(reply: bytes, new_id: int) -> bytes:
     for number, wire, value in decode_fields(reply):
         if number == 1 and isinstance(value, bytes):
             fields = [(n, w, v) for n, w, v in decode_fields(value) if not (n == 1 and w == 0)]
-            value = encode_field(1, new_id) + b"".join(_field(n, w, v) for n, w, v in fields)
-        out.append(_field(number, wire, value))
+            value = encode_field(1, new_id) + b"".join(encode_wire_field(*f) for f in fields)
+        out.append(encode_wire_field(number, wire, value))
     return b"".join(out)
-
-
-def _field(number: int, wire: int, value: int | bytes) -> bytes:
-    if wire in (0, 2):
-        return encode_field(number, value)
-    width = 8 if wire == 1 else 4  # fixed64 / fixed32 (decode_fields refuses the others)
-    assert isinstance(value, int)
-    return encode_varint(number << 3 | wire) + value.to_bytes(width, "little")
 
 
 class QuorumTap:
@@ -192,9 +162,9 @@ class QuorumTap:
         self._observer.asked(req)
         members: list[rule.Member] | None = None
         try:
-            reply = self._continue_ids(self._call("Quorum", request, context))
-            members = quorum_members(reply)
-            return reply
+            reply = self._call("Quorum", request, context)
+            qid, members = decode_quorum_response(reply)
+            return self._continue_ids(reply, qid)
         finally:
             self._observer.answered(req, members)
 
@@ -204,8 +174,9 @@ class QuorumTap:
         with self._lock:
             self._id_offset = self._id_max
 
-    def _continue_ids(self, reply: bytes) -> bytes:
-        qid = quorum_id(reply)
+    def _continue_ids(self, reply: bytes, qid: int) -> bytes:
+        """``reply`` (whose quorum id is ``qid``) as the program gets it: renumbered after a
+        restart of the service."""
         with self._lock:
             offset = self._id_offset
             self._id_max = max(self._id_max, qid + offset)

@@ -134,6 +134,15 @@ def encode_field(number: int, value: int | bytes) -> bytes:
     return encode_varint(number << 3) + encode_varint(value)
 
 
+def encode_wire_field(number: int, wire: int, value: int | bytes) -> bytes:
+    """A field as :func:`decode_fields` returned it, re-encoded: varint and length-delimited as
+    :func:`encode_field`, fixed64/fixed32 as little-endian bytes."""
+    if wire in (0, 2):
+        return encode_field(number, value)
+    assert isinstance(value, int)
+    return encode_varint(number << 3 | wire) + value.to_bytes(8 if wire == 1 else 4, "little")
+
+
 def decode_member(raw: bytes) -> rule.Member:
     """A ``QuorumMember``'s rule fields; ``raw`` kept as is. Unknown fields are skipped."""
     m: dict[str, Any] = {}
@@ -167,6 +176,20 @@ def decode_heartbeat_request(buf: bytes) -> str:
         if number == 1 and wire == 2 and isinstance(value, bytes):
             return value.decode()
     raise WireError("LighthouseHeartbeatRequest without replica_id")
+
+
+def decode_quorum_response(reply: bytes) -> tuple[int, list[rule.Member]]:
+    """A ``LighthouseQuorumResponse``'s quorum id (0 if absent: proto3's default) and members,
+    in one pass (see :func:`encode_quorum_response`)."""
+    qid, members = 0, []
+    for number, _, value in decode_fields(reply):
+        if number == 1 and isinstance(value, bytes):
+            for n, wire, v in decode_fields(value):
+                if n == 1 and wire == 0 and isinstance(v, int):
+                    qid = v
+                elif n == 2 and isinstance(v, bytes):
+                    members.append(decode_member(v))
+    return qid, members
 
 
 def encode_quorum_response(quorum: rule.Quorum, created: float) -> bytes:

@@ -453,9 +453,8 @@ def _roles(
 
 
 def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: int) -> dict:
-    cfg = _job_config(
-        model, steps, seed=7, quorum="torchft" if mode.endswith("lighthouse") else None
-    )
+    quorum = "torchft" if mode == "ftharness_lighthouse" else None
+    cfg = _job_config(model, steps, seed=7, quorum=quorum)
     d = workdir / f"{model}_{mode}_{rep}"
     service: set[int] = set()
     if mode in ("plain", "torchft"):

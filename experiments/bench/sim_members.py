@@ -396,14 +396,7 @@ class Service:
 
 def quorum_members(reply: bytes) -> tuple[int, list[str]]:
     """The quorum id and the participants' replica ids of a ``LighthouseQuorumResponse``."""
-    from harness.tree_quorum import decode_fields, decode_member
+    from harness.tree_quorum import decode_quorum_response
 
-    (quorum,) = [v for num, _, v in decode_fields(reply) if num == 1]
-    assert isinstance(quorum, bytes)
-    qid, ids = 0, []
-    for num, _, v in decode_fields(quorum):
-        if num == 1 and isinstance(v, int):
-            qid = v
-        elif num == 2 and isinstance(v, bytes):
-            ids.append(decode_member(v).replica_id)
-    return qid, ids
+    qid, members = decode_quorum_response(reply)
+    return qid, [m.replica_id for m in members]
