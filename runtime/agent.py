@@ -47,6 +47,7 @@ import tenacity
 from runtime import channel, process
 from runtime.channel import FrameError
 from runtime.messages import (
+    WORKER_STARTED,
     AgentBeat,
     AgentConfig,
     AgentReady,
@@ -75,6 +76,9 @@ class _Worker:
     pid: int
     hb: socket.socket | None  # None: a program of the user's own (no heartbeat)
     last_beat: float
+    # False while a cold worker imports (until it sends WORKER_STARTED): silence is then judged
+    # against the start timeout, not the heartbeat timeout
+    started: bool = True
     hung_reported: bool = False
     kill_at: float | None = None
     kill_pids: list[int] = field(default_factory=list)
@@ -254,7 +258,7 @@ class Agent:
         child_hb.close()
         parent_hb.setblocking(False)
         # The first beat gets a full extra timeout of grace: a fork on a loaded host can be slow.
-        w = _Worker(proc_id, pid, parent_hb, time.monotonic() + self.hb_timeout)
+        w = _Worker(proc_id, pid, parent_hb, time.monotonic() + self.hb_timeout, started=not cold)
         self.workers[pid] = w
         self.sel.register(parent_hb, selectors.EVENT_READ, ("hb", w))
         return pid
@@ -339,6 +343,8 @@ class Agent:
             data = b""
         if data:
             w.last_beat = time.monotonic()
+            if not w.started and WORKER_STARTED in data:
+                w.started = True
         else:  # the worker closed its end: it is exiting; waitpid reports how
             self.sel.unregister(w.hb)
 
@@ -376,7 +382,8 @@ class Agent:
             silent = now - w.last_beat
             if w.hb is None:
                 continue  # a program: its liveness is its progress (harness.program)
-            if not w.hung_reported and w.kill_at is None and silent > self.hb_timeout:
+            limit = self.hb_timeout if w.started else self.cfg.start_timeout_s
+            if not w.hung_reported and w.kill_at is None and silent > limit:
                 w.hung_reported = True
                 t_last = time.time() - silent
                 self._send(Hung(w.proc_id, w.pid, silent, t_last))

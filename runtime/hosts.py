@@ -137,6 +137,7 @@ class HostTable:
                 agent_heartbeat_interval_s=spec.agent_heartbeat.interval_s,
                 controller_silence_s=spec.controller_silence_s,
                 connect_timeout_s=spec.connect_timeout_s,
+                start_timeout_s=spec.spawn_timeout_s,
             )
         )
         conn.sock.settimeout(spec.connect_timeout_s + 30.0)  # preloading torch takes seconds

@@ -25,6 +25,11 @@ from typing import Any
 # -- controller -> host agent -------------------------------------------------------------------
 
 
+#: The byte a cold worker sends on its heartbeat socket once its imports are done: until then its
+#: agent allows it ``AgentConfig.start_timeout_s`` of silence instead of the heartbeat timeout.
+WORKER_STARTED = b"S"
+
+
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     """How the agent runs: what it imports before forking, its workers' heartbeats, its own,
@@ -37,6 +42,10 @@ class AgentConfig:
     agent_heartbeat_interval_s: float
     controller_silence_s: float
     connect_timeout_s: float
+    # A cold worker (a fresh interpreter importing torch) may be silent this long before it says
+    # it has started (WORKER_STARTED): loading a library holds the GIL, and three cold starts at
+    # once on a loaded host stop its heartbeat thread for seconds; it is no hang.
+    start_timeout_s: float = 60.0
     # Called once after the preload imports, before any fork: ("module:function", kwargs).
     # What they build (a model, say) every worker forked from the agent inherits, copy-on-write.
     warmup: tuple[tuple[str, dict[str, Any]], ...] = ()

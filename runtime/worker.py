@@ -28,7 +28,14 @@ from typing import Any
 
 from runtime import actor as actor_mod
 from runtime.channel import ChannelError, Connection, FrameError, connect, encode
-from runtime.messages import CallEndpoint, HelloWorker, Result, SpawnActor, SysCall
+from runtime.messages import (
+    WORKER_STARTED,
+    CallEndpoint,
+    HelloWorker,
+    Result,
+    SpawnActor,
+    SysCall,
+)
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +216,7 @@ def main() -> None:
     ).start()  # beat while the imports run: a slow import is not a hang
     for mod in cfg["preload"]:
         importlib.import_module(mod)
+    hb.send(WORKER_STARTED)
     worker_main(
         proc_id=cfg["proc_id"],
         coords=cfg["coords"],

@@ -243,3 +243,24 @@ def test_process_ids_stay_unique_when_a_host_gets_a_new_agent(ctl):
     ctl.host_table.lost(ctl.hosts["h0"], "test")
     second = ctl.spawn_host("h0").spawn_procs({"rank": 2}).proc_ids
     assert not set(first) & set(second), (first, second)
+
+
+def test_a_cold_worker_slow_to_import_is_not_hung():
+    """A cold worker's imports may hold the GIL (its heartbeat thread stops) far longer than the
+    heartbeat timeout: until it says it has started it is judged against the start timeout. Once
+    started, the heartbeat timeout applies again: the same GIL held then is a hang."""
+    import dataclasses
+
+    failures: list[Failure] = []
+    spec = dataclasses.replace(FAST, preload=("slow_cold_import",))  # heartbeat timeout 0.6 s
+    c = Controller(spec, on_failure=lambda f: failures.append(f) or True)
+    try:
+        (proc_id,) = c.spawn_host("h0").spawn_procs({"rank": 1}, cold=True).proc_ids
+        time.sleep(2 * FAST.heartbeat.timeout_s)
+        assert c.run_in_worker(proc_id, "os:getpid").result(timeout=10) > 0
+        assert failures == [], failures
+        c.run_in_worker(proc_id, "faults.inworker:hold_gil", 30.0).result(timeout=10)
+        wait_for(lambda: failures, timeout=10, what="the started worker to be found hung")
+        assert failures[0].cause is Cause.MISSED_HEARTBEAT, failures[0]
+    finally:
+        c.shutdown(grace_s=0.5)
