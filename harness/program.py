@@ -70,7 +70,8 @@ def launcher_env(
     """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
     (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
     they take precedence over the program's own, so the ordering ``harness.config`` checks
-    holds for the program too), then ``program.env``; with ``program.hooks``, ftharness's
+    holds for the program too; the quorum timeout outlasts a hung group's fencing:
+    :func:`program_quorum_timeout`), then ``program.env``; with ``program.hooks``, ftharness's
     hook first on ``PYTHONPATH`` and where it finds its commands (``hook_dir``)."""
     host, port = store_addr.rsplit(":", 1)
     t = cfg.timeouts
@@ -86,7 +87,7 @@ def launcher_env(
         "LOCAL_WORLD_SIZE": str(cfg.ranks),
         # torchft reads whole seconds
         "TORCHFT_TIMEOUT_SEC": str(math.ceil(t.manager_timeout)),
-        "TORCHFT_QUORUM_TIMEOUT_SEC": str(math.ceil(t.quorum_timeout)),
+        "TORCHFT_QUORUM_TIMEOUT_SEC": str(math.ceil(program_quorum_timeout(cfg))),
         "TORCHFT_CONNECT_TIMEOUT_SEC": str(math.ceil(t.connect_timeout)),
         "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
     }
@@ -96,6 +97,24 @@ def launcher_env(
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HOOKS_DIR), path) if p)
         env["FTHARNESS_HOOK_DIR"] = hook_dir or ""
     return env
+
+
+#: Slack between fencing a hung program group and the survivors' quorum deadline: the progress
+#: check's poll, the kill, and the quorum service noticing (torchft's Lighthouse: its heartbeat
+#: timeout, added separately).
+FENCE_SLACK_S = 5.0
+
+
+def program_quorum_timeout(cfg: Any) -> float:
+    """The quorum timeout a program's ranks get: ``timeouts.quorum_timeout``, raised where
+    needed to outlast the fencing of a hung group. A group hung with its GIL held still
+    heartbeats (torchft's Manager beats from a Rust thread), so the survivors' quorum waits for
+    it until ftharness fences it, ``program.progress_timeout_s`` after its last request; an
+    unmodified program exits when its quorum request times out first (seen in CI with both at
+    10 s). ``program.env`` may still set ``TORCHFT_QUORUM_TIMEOUT_SEC`` itself."""
+    t = cfg.timeouts
+    fenced = cfg.program.progress_timeout_s + t.lighthouse_heartbeat_timeout + FENCE_SLACK_S
+    return max(t.quorum_timeout, fenced)
 
 
 def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:

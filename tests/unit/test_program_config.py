@@ -41,8 +41,19 @@ def test_launcher_env_is_what_a_torchft_launcher_gives():
     }
     assert env["LOGLEVEL"] == "INFO"
     # torchft's Manager reads its timeouts from the environment first: ftharness's checked ones
-    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "10"
     assert env["TORCHFT_TIMEOUT_SEC"] == "10"
+    # the quorum timeout (10) is raised past the default progress timeout (30) + the
+    # Lighthouse's heartbeat timeout (1) + slack (5): survivors outwait a hung group's fencing
+    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "36"
+
+
+def test_program_quorum_timeout_is_kept_where_it_already_outlasts_fencing():
+    c = cfg("program.progress_timeout_s=10", "timeouts.quorum_timeout=40")
+    env = launcher_env(c, replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2")
+    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "40"
+    c = cfg("program.progress_timeout_s=10", "timeouts.quorum_timeout=12")
+    env = launcher_env(c, replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2")
+    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "16"
 
 
 def test_program_env_may_override_torchft_timeouts_but_not_the_launcher_environment():
