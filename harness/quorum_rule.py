@@ -419,6 +419,22 @@ def prune(state: QuorumState, now: float, opts: QuorumOpts) -> QuorumState:
     return replace(state, heartbeats=_frozen(keep))
 
 
+def next_change(state: QuorumState, opts: QuorumOpts) -> float | None:
+    """When time alone could next change what :func:`compute` says (no join, fence or
+    admission in between): the oldest heartbeat going stale, or the join timeout passing after
+    the earliest join; None when no round is open (then nothing is time-driven). A service
+    sleeps until then instead of re-running the rule on a fixed period: a round stays open
+    most of a step while the groups arrive, and nothing in it changes on its own before this."""
+    if not state.participants:
+        return None
+    first_joined = min(j.joined for j in state.participants.values())
+    oldest_beat = min(state.heartbeats.values(), default=None)
+    join_deadline = first_joined + opts.join_timeout_s
+    if oldest_beat is None:
+        return join_deadline
+    return min(join_deadline, oldest_beat + opts.heartbeat_timeout_s)
+
+
 def may_complete(state: QuorumState) -> bool:
     """Whether the join just recorded may have completed a quorum, in O(fenced) instead of
     :func:`compute`'s O(N log N): a service runs :func:`tick` at once when True, and leaves

@@ -258,6 +258,7 @@ class TreeQuorum:
         # The ticker waits on its own condition (same lock), so issuing a quorum wakes only the
         # long polls, and a join wakes the ticker only when it opens a round.
         self._ticker_wake = threading.Condition(lock)
+        self.ticks = 0  # how many times the ticker ran the rule (a test counts them)
         # A restarted service continues the quorum ids: torchft keys each quorum's rendezvous
         # in the group stores by its id, and a reused id would meet the old quorum's addresses.
         self._state = rule.QuorumState(
@@ -403,16 +404,21 @@ class TreeQuorum:
             self._cond.notify_all()
 
     def _run_ticker(self) -> None:
-        # Stragglers and heartbeat expiry are time-driven: re-run the rule every tick while a
-        # round is open. With no join pending time changes no decision (a stale heartbeat is
-        # pruned by the next round's first tick), so the ticker sleeps until a join opens one:
-        # an idle job's service does not wake a hundred times a second.
+        # Stragglers and heartbeat expiry are time-driven: while a round is open, re-run the
+        # rule when time alone could change its answer (rule.next_change: a heartbeat going
+        # stale, the join timeout passing), at most every tick. Joins, fences and admissions
+        # run the rule themselves. With no round open the ticker sleeps until a join opens one
+        # (a stale heartbeat is pruned by the next round's first tick): steady training does
+        # not wake it a hundred times a second.
         while True:
             with self._cond:
                 if self._closed:
                     return
                 self._tick_locked()
-                self._ticker_wake.wait(self._tick_s if self._state.participants else None)
+                self.ticks += 1
+                wake_at = rule.next_change(self._state, self.opts)
+                timeout = None if wake_at is None else max(self._tick_s, wake_at - time.monotonic())
+                self._ticker_wake.wait(timeout)
 
     # --- gRPC handlers -----------------------------------------------------------------------
 

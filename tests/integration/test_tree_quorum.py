@@ -482,3 +482,64 @@ def test_without_replica_failed_survivors_wait_for_the_heartbeat_timeout(tmp_pat
     # survivor commit without one.
     assert figures["survivor_quorum_s"] > 0.75 * HEARTBEAT_TIMEOUT_S
     assert figures["kill_gap_s"] > 0.75 * HEARTBEAT_TIMEOUT_S
+
+
+@pytest.mark.timeout(60)
+def test_an_open_round_waits_without_polling_and_the_join_timeout_still_fires() -> None:
+    """While a round waits for a live straggler the service re-runs the rule only when time
+    could change its answer (heartbeat expiry, the join timeout), not a hundred times a second;
+    the join timeout still issues the quorum without the straggler."""
+    from torchft._torchft import LighthouseClient
+
+    stop = threading.Event()
+
+    def beat(addr: str, *rids: str) -> None:  # as each Manager does, from its own thread
+        client = LighthouseClient(addr=addr, connect_timeout=timedelta(seconds=5))
+        while not stop.is_set():
+            for rid in rids:
+                with contextlib.suppress(Exception):
+                    client.heartbeat(rid)
+            stop.wait(0.1)
+
+    # 1. a joins, b is alive and has not asked yet: the round waits for b, without polling.
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=1.0)
+    a, b = tq.admit(0) + ":a", tq.admit(1) + ":b"
+    beater = threading.Thread(target=beat, args=(tq.address, a, b))
+    beater.start()
+    try:
+        time.sleep(0.3)  # both beat before a asks
+        out: dict[str, Any] = {}
+        asker = threading.Thread(target=_ask, args=(tq.address, a, out, 10.0), kwargs={"step": 1})
+        asker.start()
+        wait_s = 1.5
+        time.sleep(0.2)
+        before = tq.ticks
+        time.sleep(wait_s)
+        woke = tq.ticks - before
+        assert woke <= 5, f"{woke} ticks in {wait_s} s while the round waited"  # 150 at 100 Hz
+        assert a not in out
+        got = _ask_all(tq.address, [b], 5.0, step=1)
+        asker.join()
+        assert [m.replica_id for m in got[b].participants] == [a, b]
+        assert [m.replica_id for m in out[a].participants] == [a, b]
+    finally:
+        stop.set()
+        beater.join()
+        tq.shutdown()
+
+    # 2. c beats and never asks: the join timeout issues a and b their quorum without it.
+    stop.clear()
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=0.5, heartbeat_timeout_s=1.0)
+    a, b, c = (tq.admit(i) + f":{n}" for i, n in enumerate("abc"))
+    beater = threading.Thread(target=beat, args=(tq.address, a, b, c))
+    beater.start()
+    try:
+        time.sleep(0.3)
+        out = _ask_all(tq.address, [a, b], 5.0, step=1)
+        for rid in (a, b):
+            assert not isinstance(out[rid], Exception), out[rid]
+            assert [m.replica_id for m in out[rid].participants] == [a, b]
+    finally:
+        stop.set()
+        beater.join()
+        tq.shutdown()

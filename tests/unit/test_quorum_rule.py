@@ -401,3 +401,21 @@ def test_a_step_whose_only_holders_failed_is_not_waited_for() -> None:
     assert dropped == {"a"}
     state, quorum, _ = rule.tick(state, T + 4, opts)
     assert quorum is not None and ids(quorum.members) == ["b", "c"]
+
+
+def test_next_change_is_when_time_alone_could_change_the_answer() -> None:
+    opts = rule.QuorumOpts(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=5.0)
+    assert rule.next_change(rule.QuorumState(), opts) is None  # no round open
+    state = rule.heartbeat(rule.QuorumState(), "c", T - 2.0)  # a straggler that only beats
+    assert rule.next_change(state, opts) is None
+    state = joined(state, "a", "b", now=T)
+    # c's heartbeat goes stale first (then the round of a and b is no longer waiting for it)
+    assert rule.next_change(state, opts) == T - 2.0 + opts.heartbeat_timeout_s
+    for rid in "abc":
+        state = rule.heartbeat(state, rid, T + 100.0)
+    assert rule.next_change(state, opts) == T + opts.join_timeout_s  # the join timeout first
+    # Until then nothing changes on its own; at it, the round is issued without the straggler.
+    members, _ = rule.compute(state, T + opts.join_timeout_s - 0.001, opts)
+    assert members is None
+    members, _ = rule.compute(state, T + opts.join_timeout_s, opts)
+    assert ids(members) == ["a", "b"]
