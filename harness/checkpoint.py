@@ -11,6 +11,12 @@ The manifest is renamed last, so a checkpoint exists only once its manifest does
 :func:`load_latest` verifies the checksum before trusting the payload. A crash mid-write leaves
 temp files (ignored and cleaned up on the next save) or a payload without a manifest (ignored).
 
+Two halves, so the slow one can leave the training thread (:class:`BackgroundWriter`):
+:func:`snapshot` serializes the state to bytes (the consistent copy: it must run where the state
+cannot change under it, i.e. on the training thread between steps) and :func:`write` does the
+file work above (writes, fsyncs, renames, prune), which needs nothing but those bytes.
+:func:`save` is the two in a row.
+
 Trust: payloads are loaded with ``torch.load(weights_only=True)``, so a planted checkpoint can
 hold only tensors and plain data (dicts, lists, tuples, numbers, strings, None), never code. A
 manifest's ``file`` must name a file in the same directory; a manifest that is not a JSON object,
@@ -22,11 +28,13 @@ Not guaranteed: durability against a lying disk, or two writers on one directory
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import io
 import json
 import os
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,23 +56,34 @@ def _fsync_dir(path: Path) -> None:
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (ENOSPC, EIO) leaves no temp file behind
+        raise
     _fsync_dir(path.parent)
 
 
-def save(dir: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep: int = 2) -> Path:
-    """Write ``state`` as the checkpoint for ``step`` and return the manifest's path; keep only
-    the newest ``keep`` checkpoints. Either the whole checkpoint is written or (after a crash) it
-    is invisible to :func:`load_latest`."""
-    d = Path(dir)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+def snapshot(state: dict[str, Any]) -> bytes:
+    """The checkpoint payload of ``state``: ``torch.save`` into memory. This is the consistent
+    copy (tensors are copied out as they are now), so call it where the state cannot change
+    meanwhile; what it returns can be handed to :func:`write` on any thread."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    payload = buf.getvalue()
+    return buf.getvalue()
+
+
+def write(dir: str | os.PathLike[str], step: int, payload: bytes, *, keep: int = 2) -> Path:
+    """Write ``payload`` (from :func:`snapshot`) as the checkpoint for ``step`` and return the
+    manifest's path; keep only the newest ``keep`` checkpoints. The manifest is written only once
+    the payload is durable, so if this raises (or the process dies) part way, the checkpoint is
+    invisible to :func:`load_latest` and the previous one is still the newest."""
+    d = Path(dir)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     base = f"step_{step:08d}"
     _write_atomic(d / f"{base}.pt", payload)
     manifest = {
@@ -77,6 +96,54 @@ def save(dir: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep:
     _write_atomic(path, json.dumps(manifest).encode())
     _prune(d, keep)
     return path
+
+
+def save(dir: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep: int = 2) -> Path:
+    """Write ``state`` as the checkpoint for ``step`` and return the manifest's path; keep only
+    the newest ``keep`` checkpoints. Either the whole checkpoint is written or (after a crash) it
+    is invisible to :func:`load_latest`. (:func:`snapshot` then :func:`write`, on this thread.)"""
+    return write(dir, step, snapshot(state), keep=keep)
+
+
+class BackgroundWriter:
+    """Runs checkpoint writes on one thread, at most one at a time, in the order given (a
+    one-thread executor, and the future of the write in flight). Used from one thread.
+
+    :meth:`submit` hands a write (any callable) over and returns at once, unless the previous
+    write is still running: then it waits for that one first, so at most one payload is held in
+    memory and checkpoints land in step order. A write that raised is not lost: its exception is
+    raised, once, by the next :meth:`submit` or :meth:`wait` (on the caller's thread, as a
+    synchronous write would have).
+
+    Not guaranteed: a write still running when the process dies is lost (what :func:`write`
+    guarantees then is that it is invisible, not that it is finished)."""
+
+    def __init__(self, name: str = "harness-checkpoint-writer") -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: cf.Future[object] | None = None
+
+    def submit(self, job: Callable[[], object]) -> None:
+        """Run ``job`` on the writer thread; first wait for (and raise the error of) the
+        previous one. RuntimeError once closed."""
+        self.wait()
+        self._pending = self._pool.submit(job)
+
+    def busy(self) -> bool:
+        """A write is handed over and not finished."""
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> None:
+        """Block until no write is in flight; raise the error of a write that failed (once)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """:meth:`wait` (raising as it does), then end the thread; later submits raise."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=False)
 
 
 def _manifests(d: Path) -> list[tuple[int, Path]]:

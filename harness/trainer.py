@@ -18,6 +18,12 @@ Protocol invariants, and where they are kept:
   moreover no sequence is skipped: each committed step trains the next unread group batches,
   one per participant in quorum order, so the survivors take up a down group's share.
 
+Checkpoints: at a checkpoint step the training thread only serializes the state (the consistent
+copy); a background writer makes it durable while training goes on. The per-step quorum is a
+barrier across the groups, so one group's slow step stalls every group: a synchronous write
+(15-30 ms, a step being ~21 ms on the tiny model) made every checkpoint step long for all.
+See :meth:`Trainer._maybe_checkpoint`.
+
 Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
 ``harness.quorum``; the model code knows nothing of it.
 """
@@ -99,6 +105,8 @@ class Trainer:
         self._state_lock = threading.RLock()
         self._state_changed = False
         self._last_slot: int | None = None  # None until this trainer has joined a quorum
+        # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
+        self._writer = checkpoint.BackgroundWriter(f"harness-ckpt-r{replica_id}-{rank}")
 
         # Same seed in every group and rank: identical initial weights everywhere.
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
@@ -142,15 +150,25 @@ class Trainer:
 
     def train(self, steps: int | None = None) -> dict[str, Any]:
         """Train until ``steps`` (default ``cfg.steps``) steps are committed or :meth:`stop`;
-        return a summary. Returns normally after a stop; raises on an unrecoverable error."""
+        return a summary. Returns normally after a stop; raises on an unrecoverable error.
+        Returns only once the last checkpoint handed to the background writer is durable (and
+        raises its error if that write failed)."""
         target = self.cfg.steps if steps is None else steps
         commits = aborts = 0
         last_loss = float("nan")
         t0 = time.perf_counter()
-        while self.manager.current_step() < target and not self._stop.is_set():
-            committed, last_loss = self.train_step()
-            commits += committed
-            aborts += not committed
+        try:
+            while self.manager.current_step() < target and not self._stop.is_set():
+                committed, last_loss = self.train_step()
+                commits += committed
+                aborts += not committed
+        except BaseException as exc:
+            try:
+                self._writer.wait()  # the pending checkpoint still lands, if it can
+            except Exception as write_error:
+                exc.add_note(f"and a checkpoint write failed: {write_error!r}")
+            raise
+        self._writer.wait()
         return {
             "replica": self.replica_id,
             "rank": self.rank,
@@ -378,6 +396,13 @@ class Trainer:
         return Path(root) if root else None
 
     def _maybe_checkpoint(self, step: int) -> None:
+        """At a checkpoint step, snapshot the state here and have the background writer make it
+        durable. Only the snapshot (``torch.save`` to memory: the consistent copy, taken between
+        steps) is on this thread; the writes and fsyncs are not, because the quorum is a barrier
+        and a long step here would be a long step for every group. At most one write is in
+        flight: a previous one still running is waited for first (bounded memory, in-order
+        files), and one that failed raises here. The ``checkpoint.save`` record is emitted by
+        the writer once the manifest is written, i.e. when the checkpoint is durable."""
         # One writer per rank index per step: the group with replica rank 0 in this quorum.
         # Each group writes its own folder, so two writers never share (or prune) one.
         asked = self._checkpoint_asked.is_set()
@@ -387,19 +412,30 @@ class Trainer:
             return
         self._checkpoint_asked.clear()
         t0 = time.perf_counter()
-        state = {**self.state_dict(), "manager": self.manager.state_dict()}
+        self._writer.wait()  # the previous write first; raises if it failed
+        t_snap = time.perf_counter()
+        payload = checkpoint.snapshot({**self.state_dict(), "manager": self.manager.state_dict()})
+        snap_s = time.perf_counter() - t_snap
+        blocked_s = time.perf_counter() - t0  # this thread's share: serialize + waiting
         folder = self._ckpt_dir / f"replica_{self.replica_id}_rank_{self.rank}"
-        path = checkpoint.save(folder, step, state, keep=self.cfg.checkpoint.keep)
-        self._emit(
-            CHECKPOINT_SAVE,
-            {
-                "replica": self.replica_id,
-                "rank": self.rank,
-                "step": step,
-                "path": str(path),
-                "seconds": time.perf_counter() - t0,
-            },
-        )
+        keep = self.cfg.checkpoint.keep
+
+        def write() -> None:  # on the writer thread
+            t_write = time.perf_counter()
+            path = checkpoint.write(folder, step, payload, keep=keep)
+            self._emit(
+                CHECKPOINT_SAVE,
+                {
+                    "replica": self.replica_id,
+                    "rank": self.rank,
+                    "step": step,
+                    "path": str(path),
+                    "seconds": snap_s + time.perf_counter() - t_write,
+                    "blocked_s": blocked_s,
+                },
+            )
+
+        self._writer.submit(write)
 
     def _resume(self) -> None:
         """Load the newest valid checkpoint written by any group for this rank index (all groups
@@ -424,12 +460,14 @@ class Trainer:
     # --- hooks for the runtime and the fault injector ---------------------------------------
 
     def stop(self) -> None:
-        """Finish the current step, then return from :meth:`train`. Thread-safe."""
+        """Finish the current step, then return from :meth:`train` (once the pending checkpoint
+        write, if any, is durable). Thread-safe."""
         self._stop.set()
 
     def checkpoint_next_step(self) -> None:
         """Write a checkpoint at the next committed step, whatever ``every_steps`` says (the
-        group that is replica rank 0 in that quorum writes it). Thread-safe."""
+        group that is replica rank 0 in that quorum writes it; its ``checkpoint.save`` record
+        comes once the checkpoint is durable). Thread-safe."""
         self._checkpoint_asked.set()
 
     def set_step_delay(self, seconds: float) -> None:
@@ -445,9 +483,13 @@ class Trainer:
         self._pg.abort()
 
     def close(self) -> None:
-        """Shut down the Manager (and the group store if this rank hosts it)."""
-        self.manager.shutdown(wait=False)
-        self._store = None
+        """Wait for the pending checkpoint write (raising its error if :meth:`train` has not),
+        then shut down the Manager (and the group store if this rank hosts it)."""
+        try:
+            self._writer.close()
+        finally:
+            self.manager.shutdown(wait=False)
+            self._store = None
 
     # --- plumbing ---------------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ Event names and their extra fields:
 ``fault.heal``            ``fault_id``, ``kind``
 ``recovery.phase``        ``recovery_id``, ``fault_id`` (or null), ``replica``, ``phase`` (one of
                           ``PHASES``), ``cause``
-``checkpoint.save``       ``step``, ``path``, ``seconds``
+``checkpoint.save``       ``step``, ``path``, ``seconds`` (serialize + write), ``blocked_s`` (the
+                          training thread's share); logged once the checkpoint is durable
 ``checkpoint.load``       ``step``, ``path``
 ``trainer.healed``        ``replica``, ``rank``, ``data_pos``, ``transport``: torchft loaded a
                           healthy peer's state into this rank mid-run

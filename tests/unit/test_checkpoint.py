@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -207,3 +208,105 @@ def test_checkpoints_are_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     for name in ("step_00000001.pt", "step_00000001.json"):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
+
+
+# --- the split: snapshot (training thread) then write (anywhere) ----------------------------
+
+
+def test_snapshot_then_write_is_what_save_writes(tmp_path: Path) -> None:
+    a, b = tmp_path / "save", tmp_path / "split"
+    for step in (1, 2, 3):
+        checkpoint.save(a, step, _state(step), keep=2)
+        path = checkpoint.write(b, step, checkpoint.snapshot(_state(step)), keep=2)
+        assert path == b / f"step_{step:08d}.json"
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in a.iterdir():
+        assert (b / p.name).read_bytes() == p.read_bytes()
+    step, state = checkpoint.load_latest(b)
+    assert step == 3 and torch.equal(state["x"], _state(3)["x"])
+
+
+def test_the_snapshot_is_a_copy(tmp_path: Path) -> None:
+    state = _state(1)
+    payload = checkpoint.snapshot(state)
+    state["x"].fill_(99.0)  # training goes on while the write is pending
+    checkpoint.write(tmp_path, 1, payload)
+    _, loaded = checkpoint.load_latest(tmp_path)
+    assert bool((loaded["x"] == 1.0).all())
+
+
+# Each syscall of a write, failing on its n-th call (ENOSPC): the payload's fsync, rename and
+# directory fsync, then the manifest's fsync and rename. (A failing last directory fsync comes
+# after the manifest is in place: the checkpoint is complete, only its durability unsure.)
+@pytest.mark.parametrize(
+    ("call", "nth"), [("fsync", 1), ("replace", 1), ("fsync", 2), ("fsync", 3), ("replace", 2)]
+)
+def test_a_write_failing_midway_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, nth: int
+) -> None:
+    checkpoint.save(tmp_path, 1, _state(1))
+    payload = checkpoint.snapshot(_state(2))
+    real = getattr(os, call)
+    calls = 0
+
+    def failing(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == nth:
+            raise OSError(28, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(os, call, failing)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.write(tmp_path, 2, payload)
+    monkeypatch.undo()
+    step, state = checkpoint.load_latest(tmp_path)
+    assert step == 1 and state["step"] == 1
+    assert not list(tmp_path.glob(f".*{checkpoint._TMP_SUFFIX}"))  # no temp file left behind
+    checkpoint.write(tmp_path, 2, payload)  # the disk has room again: the next write lands
+    assert checkpoint.load_latest(tmp_path)[0] == 2
+
+
+# --- the background writer -------------------------------------------------------------------
+
+
+def test_the_writer_runs_one_write_at_a_time_in_order() -> None:
+    writer = checkpoint.BackgroundWriter()
+    log: list[str] = []
+    release = threading.Event()
+    started = threading.Event()
+
+    def first() -> None:
+        log.append("first starts")
+        started.set()
+        assert release.wait(60)
+        log.append("first ends")
+
+    writer.submit(first)  # returns at once: the write runs on the writer thread
+    assert started.wait(60)
+    assert writer.busy() and log == ["first starts"]
+    second = threading.Thread(target=writer.submit, args=(lambda: log.append("second"),))
+    second.start()  # waits for the first write before handing its own over
+    release.set()
+    second.join(60)
+    writer.close()
+    assert log == ["first starts", "first ends", "second"]
+    assert not writer.busy()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        writer.submit(lambda: None)
+
+
+def test_a_failed_write_is_raised_once_by_the_next_submit_or_wait() -> None:
+    writer = checkpoint.BackgroundWriter()
+
+    def enospc() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(enospc)
+    with pytest.raises(OSError, match="No space left"):
+        writer.submit(lambda: None)  # the next checkpoint: the failure surfaces there
+    writer.wait()  # raised once; the write after it went through
+    writer.submit(enospc)
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait()  # the end of training: surfaces there
+    writer.close()  # nothing left to raise
