@@ -30,6 +30,7 @@ Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
 import time
@@ -107,6 +108,9 @@ class Trainer:
         self._last_slot: int | None = None  # None until this trainer has joined a quorum
         # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
         self._writer = checkpoint.BackgroundWriter(f"harness-ckpt-r{replica_id}-{rank}")
+        # Joins the quorum while the training thread runs the pass (_quorum_overlapped): one
+        # thread for the whole run, not one started per step.
+        self._quorum_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="harness-quorum")
 
         # Same seed in every group and rank: identical initial weights everywhere.
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
@@ -265,24 +269,12 @@ class Trainer:
         Used once this trainer has joined a quorum (a fresh one is the one likely to heal, and
         its pass would hold the heal up)."""
         self._state_changed = False  # before the quorum starts: a heal sets it from then on
-        outcome: list[Any] = []
-
-        def join() -> None:
-            try:
-                outcome.append(self._join_quorum())
-            except BaseException as exc:  # re-raised below, on the training thread
-                outcome.append(exc)
-
-        quorum = threading.Thread(target=join, name="harness-quorum", daemon=True)
-        quorum.start()
+        quorum = self._quorum_thread.submit(self._join_quorum)
         guess = self._last_slot if self.cfg.data.policy == "replay" else None
         with self._state_lock:
             pos = self.data.position
             loss = self._forward_backward(guess)
-        quorum.join()
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        if not outcome[0]:
+        if not quorum.result():  # its exception, if it raised, is raised here
             return None
         step = self.manager.current_step()
         slot = self._slot()
@@ -488,6 +480,7 @@ class Trainer:
         try:
             self._writer.close()
         finally:
+            self._quorum_thread.shutdown(wait=False)
             self.manager.shutdown(wait=False)
             self._store = None
 
