@@ -34,6 +34,10 @@ Figures per configuration (all over the steady-state window: steps ``warmup`` ..
   trainers) per committed step, over the window: the work each configuration does, far less
   sensitive than wall time to other tenants of the machine;
   ``cpu_ratio_to_plain``: its median over repetitions of the ratio to plain's in the same one;
+* ``ratio_to_torchft``: the same against ``torchft`` (what ftharness adds to the torchft it
+  drives); ``controller_ms_per_step``: the controller's CPU per step (a quorum round of all the
+  groups): it scales with the step rate, so a step of ``controller_ms_per_step / 0.02`` ms or
+  longer keeps the controller under 2% of a core;
 * ``rss_mb``: peak RSS (``VmHWM``) of the largest trainer process;
 * ``processes``: the processes the job runs, the launching/controller process included.
 
@@ -488,6 +492,14 @@ def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: 
         "gaps": gaps,
         "tokens_per_s": n_commits * tokens / max(1e-9, t1 - t0),
         "cpu_controller": sum(r["frac"] for r in roles["controller"]),
+        # the controller's CPU per step (one quorum round of all groups): its cost scales with
+        # the step rate, so this says at which step time it stays under a given share of a core
+        "controller_ms_per_step": sum(r["frac"] for r in roles["controller"])
+        * win["seconds"]
+        / steps_in_window
+        * 1e3
+        if steps_in_window
+        else 0.0,
         "cpu_agent_max": max((r["frac"] for r in roles["agents"]), default=0.0),
         "cpu_worker_mean": statistics.fmean(r["frac"] for r in workers) if workers else 0.0,
         "rss_mb": hwm,
@@ -504,11 +516,16 @@ def _p(xs: list[float], q: float) -> float:
 def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
     """Per configuration over its repetitions (run i of every configuration = one rep)."""
     plain_med = [statistics.median(r["gaps"]) for r in runs["plain"]]
+    torchft_med = [statistics.median(r["gaps"]) for r in runs.get("torchft", [])]
     rows: dict[str, Any] = {}
     for mode, reps in runs.items():
         gaps = [g for r in reps for g in r["gaps"]]
         ratios = [
             statistics.median(r["gaps"]) / p for r, p in zip(reps, plain_med, strict=False) if p
+        ]
+        # what ftharness adds on top of the torchft it drives, in the same repetition
+        to_torchft = [
+            statistics.median(r["gaps"]) / p for r, p in zip(reps, torchft_med, strict=False) if p
         ]
         cpu_ratios = [
             r["cpu_ms_per_step"] / p["cpu_ms_per_step"]
@@ -527,6 +544,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
             "cpu_ratio_to_plain": round(statistics.median(cpu_ratios), 3) if cpu_ratios else None,
             "ratio_to_plain": round(statistics.median(ratios), 3) if ratios else None,
             "ratio_per_rep": [round(x, 3) for x in ratios],
+            "ratio_to_torchft": round(statistics.median(to_torchft), 3) if to_torchft else None,
+            "controller_ms_per_step": round(
+                statistics.median(r.get("controller_ms_per_step", 0.0) for r in reps), 3
+            ),
             "cpu": {
                 "controller": round(statistics.median(r["cpu_controller"] for r in reps), 4),
                 "agent_max": round(statistics.median(r["cpu_agent_max"] for r in reps), 4),

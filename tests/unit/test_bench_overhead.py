@@ -32,6 +32,22 @@ def test_ratio_is_per_repetition_against_plain_of_the_same_repetition() -> None:
     assert rows["ftharness"]["cpu"]["controller"] == pytest.approx(0.02)
     assert rows["ftharness"]["step_ms"] == {"median": 1750.0, "p95": 2400.0}
     assert rows["ftharness"]["cpu_ratio_to_plain"] == pytest.approx(1.15)
+    assert rows["ftharness"]["ratio_to_torchft"] is None  # no torchft runs to compare with
+
+
+def test_ratio_to_torchft_and_controller_cost_per_step() -> None:
+    def run(gaps: list[float], ctl_ms: float = 0.0) -> dict:
+        return {**_run(gaps), "controller_ms_per_step": ctl_ms}
+
+    runs = {
+        "plain": [run([1.0] * 3), run([1.0] * 3)],
+        "torchft": [run([1.0] * 3), run([2.0] * 3)],
+        "ftharness": [run([1.1] * 3, 0.4), run([2.4] * 3, 0.6)],
+    }
+    rows = summarize(runs)
+    assert rows["ftharness"]["ratio_to_torchft"] == pytest.approx(1.15)  # 1.1 and 1.2
+    assert rows["torchft"]["ratio_to_torchft"] == 1.0
+    assert rows["ftharness"]["controller_ms_per_step"] == pytest.approx(0.5)
 
 
 def test_break_even_model() -> None:
