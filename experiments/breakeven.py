@@ -70,7 +70,7 @@ def break_even_s(s: Scenario) -> float:
 PRETRAINING = Scenario(
     "pretraining, 64 groups",
     groups=64,
-    step_ratio=1.05,
+    step_ratio=1.07,
     stall_s=5.0,
     back_s=120.0,
     restart_s=600.0,
@@ -87,7 +87,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "tiny model, 3 groups (this machine)",
         groups=3,
-        step_ratio=1.51,
+        step_ratio=1.44,
         stall_s=0.06,
         back_s=0.23,
         restart_s=8.4,
@@ -101,7 +101,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "llama3 debug, 3 groups (this machine)",
         groups=3,
-        step_ratio=1.05,
+        step_ratio=1.07,
         stall_s=0.25,
         back_s=2.15,
         restart_s=14.0,
