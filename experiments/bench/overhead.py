@@ -483,6 +483,7 @@ def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: 
     workers = roles["workers"]
     job = roles["controller"] + roles["agents"] + workers
     steps_in_window = n_commits / cfg.replicas
+    ctl_cpu = sum(r["frac"] for r in roles["controller"])
     return {
         # CPU time of every process of the job per committed step: the work the machinery
         # adds, much less sensitive than wall time to what else runs on the machine
@@ -491,15 +492,10 @@ def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: 
         else 0.0,
         "gaps": gaps,
         "tokens_per_s": n_commits * tokens / max(1e-9, t1 - t0),
-        "cpu_controller": sum(r["frac"] for r in roles["controller"]),
+        "cpu_controller": ctl_cpu,
         # the controller's CPU per step (one quorum round of all groups): its cost scales with
         # the step rate, so this says at which step time it stays under a given share of a core
-        "controller_ms_per_step": sum(r["frac"] for r in roles["controller"])
-        * win["seconds"]
-        / steps_in_window
-        * 1e3
-        if steps_in_window
-        else 0.0,
+        "controller_ms_per_step": ctl_cpu * win["seconds"] / max(steps_in_window, 1e-9) * 1e3,
         "cpu_agent_max": max((r["frac"] for r in roles["agents"]), default=0.0),
         "cpu_worker_mean": statistics.fmean(r["frac"] for r in workers) if workers else 0.0,
         "rss_mb": hwm,
