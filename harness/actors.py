@@ -96,11 +96,13 @@ class TrainerActor(Actor):
         self.trainer.abort_collectives()
 
 
-def stop_training() -> None:
-    """System call: make every trainer in this worker return from ``train`` after its step."""
+def stop_training(after_step: int | None = None) -> None:
+    """System call: make every trainer in this worker return from ``train`` once ``after_step``
+    steps are committed (None: after its current step). ``Job.stop`` gives every group the same
+    step, so that none waits in a quorum for a group that stopped a step earlier."""
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
-            actor.trainer.stop()
+            actor.trainer.stop(after_step)
 
 
 def checkpoint_next_step() -> None:

@@ -625,10 +625,11 @@ class Job:
             groups = list(self.groups.values())
         if self.program is not None:
             self.program.stop()  # before waiting on the groups' training below
+        after = self.tracker.stop_step()  # the same for every group (see there why)
         for g in groups:
             for pid in g.mesh.proc_ids:
                 with contextlib.suppress(Exception):
-                    self.controller.run_in_worker(pid, "harness.actors:stop_training")
+                    self.controller.run_in_worker(pid, "harness.actors:stop_training", after)
         for g in groups:
             with contextlib.suppress(Exception):
                 g.training.result(timeout=10)

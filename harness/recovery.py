@@ -18,7 +18,9 @@ failure of the same group, after that recovery, is not its doing. A failure nobo
 
 from __future__ import annotations
 
+import collections
 import itertools
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,9 @@ from runtime.journal import (
     Journal,
     Record,
 )
+
+#: Job.stop's stops reach the groups within this much of one another (a loaded controller).
+STOP_SKEW_S = 0.5
 
 
 @dataclass
@@ -60,8 +65,23 @@ class RecoveryTracker:
         # it took down, never a later one of the same group
         self._linked: set[tuple[str, int | None]] = set()
         self.committed_step = 0
+        # (time, step) when each of the last few new highest steps was first committed
+        self._highs: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
         self.completed = 0
         journal.add_sink(self.on_record)
+
+    def stop_step(self, skew_s: float = STOP_SKEW_S) -> int:
+        """The step to stop every group after, when stopping the job now: one that no group
+        has passed when its stop arrives. Each quorum is a barrier, so a group stopped a step
+        before the others leaves them waiting in the next quorum until the join timeout, then
+        committing a step without it. Stops sent now reach the groups within ``skew_s`` of one
+        another, so the step is that long ahead at the job's recent rate (and at least 2)."""
+        highs = list(self._highs)
+        ahead = 1
+        if len(highs) >= 2 and highs[-1][0] > highs[0][0]:
+            rate = (highs[-1][1] - highs[0][1]) / (highs[-1][0] - highs[0][0])
+            ahead = max(1, math.ceil(rate * skew_s))
+        return self.committed_step + 1 + ahead
 
     # -- inputs -------------------------------------------------------------------------------
     def on_failure(self, failure: Failure) -> None:
@@ -136,7 +156,10 @@ class RecoveryTracker:
 
     def _on_commit(self, r: Record) -> None:
         replica, t = r.get("replica"), r["t"]
-        self.committed_step = max(self.committed_step, int(r.get("step", 0)))
+        step = int(r.get("step", 0))
+        if step > self.committed_step:
+            self.committed_step = step
+            self._highs.append((float(t), step))
         with self._lock:
             recs = list(self._open.values())
         for rec in recs:

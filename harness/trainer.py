@@ -98,7 +98,8 @@ class Trainer:
         self.replica_id = replica_id
         self.rank = rank
         self._emit = emit
-        self._stop = threading.Event()
+        # train() returns once this many steps are committed (stop(): the current step)
+        self._stop_after: float = float("inf")
         self._checkpoint_asked = threading.Event()  # checkpoint_next_step (a time limit)
         self._step_delay = 0.0
         self._quorum_failures = 0
@@ -162,7 +163,7 @@ class Trainer:
         last_loss = float("nan")
         t0 = time.perf_counter()
         try:
-            while self.manager.current_step() < target and not self._stop.is_set():
+            while self.manager.current_step() < min(target, self._stop_after):
                 committed, last_loss = self.train_step()
                 commits += committed
                 aborts += not committed
@@ -451,10 +452,15 @@ class Trainer:
 
     # --- hooks for the runtime and the fault injector ---------------------------------------
 
-    def stop(self) -> None:
-        """Finish the current step, then return from :meth:`train` (once the pending checkpoint
-        write, if any, is durable). Thread-safe."""
-        self._stop.set()
+    def stop(self, after_step: int | None = None) -> None:
+        """Return from :meth:`train` once ``after_step`` steps are committed; None: after the
+        current step (then return once the pending checkpoint write, if any, is durable).
+        Thread-safe.
+
+        A job stops every group at one step (``harness.actors.stop_training``): each quorum
+        is a barrier, so a group that stops a step before the others leaves them waiting in the
+        next quorum for it, until the join timeout (5 s by default), to commit one step more."""
+        self._stop_after = self.manager.current_step() if after_step is None else after_step
 
     def checkpoint_next_step(self) -> None:
         """Write a checkpoint at the next committed step, whatever ``every_steps`` says (the

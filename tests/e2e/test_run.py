@@ -317,3 +317,35 @@ def test_every_group_lost_at_once_resumes_from_the_last_checkpoint(tmp_path):
     loads = [r for r in records if r["event"] == "checkpoint.load"]
     assert {r["replica"] for r in loads} == {0, 1} and min(r["step"] for r in loads) >= 40
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 120
+
+
+def test_a_stopped_job_stops_every_group_after_the_same_step(tmp_path):
+    """A job stopped mid-run (a chaos run's duration, a caller's stop) stops every group after
+    one step, even when the stops reach the groups at different times (here groups 1 and 2
+    0.2 s after group 0: a loaded controller). A group stopped a step before the others would
+    leave them waiting in the next quorum until the join timeout, then committing a step
+    without it (seen at the end of a quickstart run: 5 s of nothing, against its goodput)."""
+    cfg = tiny_cfg("steps=100000")
+    stop = threading.Event()
+
+    def started(job):
+        run_in_worker = job.controller.run_in_worker
+        group_of = {p: g.replica for g in job.groups.values() for p in g.mesh.proc_ids}
+
+        def late_for_others(pid, func, *args):
+            if func == "harness.actors:stop_training" and group_of.get(pid) != 0:
+                time.sleep(0.1)
+            return run_in_worker(pid, func, *args)
+
+        job.controller.run_in_worker = late_for_others
+        after_step(job, 20, stop.set)
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started, stop_event=stop)
+    assert out["status"] == "ok", out["reason"]
+    commits = [r for r in events(tmp_path) if r["event"] == "step.commit"]
+    last = {}
+    for r in commits:
+        last[r["replica"]] = max(last.get(r["replica"], 0), r["step"])
+    assert len(set(last.values())) == 1, f"groups stopped after different steps: {last}"
+    final = [r for r in commits if r["step"] == max(last.values())]
+    assert sorted(r["participants"] for r in final) == [3, 3, 3], final

@@ -152,3 +152,14 @@ def test_a_step_abort_is_explained_only_by_the_latest_fault() -> None:
     journal.emit(STEP_ABORT, t=120.01, replica=2, rank=0, step=9)
     detected = [(p["replica"], p["fault_id"]) for p in phases if p["phase"] == "detected"]
     assert detected == [(1, "f011"), (2, "f012")]
+
+
+def test_the_stop_step_is_ahead_by_the_skew_at_the_recent_rate() -> None:
+    journal, tracker, _ = _tracker()
+    assert tracker.stop_step() == 2  # nothing committed yet: at least two ahead
+    for step in range(1, 21):  # 20 steps a second: 10 in the default 0.5 s of skew
+        for replica in range(3):
+            journal.emit(STEP_COMMIT, t=100.0 + step / 20, replica=replica, rank=0, step=step)
+    assert tracker.committed_step == 20
+    assert tracker.stop_step() == 20 + 1 + 10
+    assert tracker.stop_step(skew_s=0.01) == 20 + 1 + 1  # never less than two ahead
