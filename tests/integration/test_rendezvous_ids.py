@@ -76,12 +76,18 @@ def test_the_communicator_id_is_shared_and_new_after_every_reconfigure() -> None
 
 
 def test_torchfts_own_process_group_reads_the_stale_keys() -> None:
-    """The control: torchft's process group, same two rounds, fails the second one."""
-    pgs = [TorchftProcessGroupGloo(timeout=timedelta(seconds=3)) for _ in range(2)]
-    for i, pg in enumerate(pgs):
-        pg.set_rank_info(f"replica_{i}", 0, 1)
-    assert _round(pgs, 1, (0.0, 0.0)) == {"0": 2.0, "1": 2.0}
-    for pg in pgs:
-        pg.abort(errored=False)
-    second = _round(pgs, 1, (1.0, 0.0))
-    assert any(isinstance(v, Exception) for v in second.values()), second
+    """The control: torchft's process group, same two rounds, fails the second one. Up to three
+    tries: the stale address can come back to life when the first member's new listener happens
+    to get its old port again (once in a CI run), and then that round succeeds by chance."""
+    seconds = []
+    for _ in range(3):
+        pgs = [TorchftProcessGroupGloo(timeout=timedelta(seconds=3)) for _ in range(2)]
+        for i, pg in enumerate(pgs):
+            pg.set_rank_info(f"replica_{i}", 0, 1)
+        assert _round(pgs, 1, (0.0, 0.0)) == {"0": 2.0, "1": 2.0}
+        for pg in pgs:
+            pg.abort(errored=False)
+        seconds.append(_round(pgs, 1, (1.0, 0.0)))
+        if any(isinstance(v, Exception) for v in seconds[-1].values()):
+            return
+    raise AssertionError(f"torchft's process group never read a stale key: {seconds}")
