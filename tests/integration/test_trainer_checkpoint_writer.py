@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trainer_procs import lone_trainer
 
 from harness import checkpoint
 from harness.config import CheckpointConfig, JobConfig
@@ -31,15 +32,7 @@ def _trainer(tmp_path: Path, lighthouse: Lighthouse, log: Log) -> Trainer:
     cfg = JobConfig(
         name="ckpt-writer", replicas=1, steps=20, checkpoint=CheckpointConfig(every_steps=4)
     )
-    return Trainer(
-        cfg,
-        replica_id=0,
-        rank=0,
-        store_addr=None,
-        lighthouse_addr=lighthouse.address,
-        run_dir=str(tmp_path),
-        emit=lambda e, f: log.append((e, f)),
-    )
+    return lone_trainer(cfg, lighthouse.address, lambda e, f: log.append((e, f)), tmp_path)
 
 
 def _held_write(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:

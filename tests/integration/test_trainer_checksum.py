@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trainer_procs import lone_trainer
 
 from harness.config import CheckpointConfig, JobConfig
 from harness.quorum import Lighthouse
-from harness.trainer import CHECKSUM_EVERY, Trainer
+from harness.trainer import CHECKSUM_EVERY
 
 
 @pytest.mark.timeout(120)
@@ -18,14 +19,8 @@ def test_checksum_every_tenth_and_every_checkpoint_step(tmp_path: Path) -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     lighthouse = Lighthouse.for_job(cfg)
     try:
-        trainer = Trainer(
-            cfg,
-            replica_id=0,
-            rank=0,
-            store_addr=None,
-            lighthouse_addr=lighthouse.address,
-            run_dir=str(tmp_path),
-            emit=lambda e, f: events.append((e, f)),
+        trainer = lone_trainer(
+            cfg, lighthouse.address, lambda e, f: events.append((e, f)), tmp_path
         )
         try:
             trainer.train(steps=19)

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_procs import REPO, commits, start_trainer
+from trainer_procs import REPO, commits, lone_trainer, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, config_to_dict
 from harness.quorum import Lighthouse, host_store
-from harness.trainer import Trainer
 from runtime.journal import read_journal
 
 KILL_AFTER = 8  # commits by the victim before it is killed
@@ -246,15 +245,7 @@ def test_stop_then_resume_from_checkpoint(tmp_path: Path) -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     lighthouse = Lighthouse.for_job(cfg)
     try:
-        first = Trainer(
-            cfg,
-            replica_id=0,
-            rank=0,
-            store_addr=None,
-            lighthouse_addr=lighthouse.address,
-            run_dir=str(tmp_path),
-            emit=lambda e, f: events.append((e, f)),
-        )
+        first = lone_trainer(cfg, lighthouse.address, lambda e, f: events.append((e, f)), tmp_path)
 
         def stop_at_10(event: str, fields: dict[str, Any]) -> None:
             events.append((event, fields))
@@ -270,14 +261,8 @@ def test_stop_then_resume_from_checkpoint(tmp_path: Path) -> None:
         at_8 = next(f for e, f in events if e == "step.commit" and f["step"] == 8)
 
         resumed_events: list[tuple[str, dict[str, Any]]] = []
-        second = Trainer(
-            cfg,
-            replica_id=0,
-            rank=0,
-            store_addr=None,
-            lighthouse_addr=lighthouse.address,
-            run_dir=str(tmp_path),
-            emit=lambda e, f: resumed_events.append((e, f)),
+        second = lone_trainer(
+            cfg, lighthouse.address, lambda e, f: resumed_events.append((e, f)), tmp_path
         )
         try:
             assert second.manager.current_step() == 8

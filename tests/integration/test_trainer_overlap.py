@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trainer_procs import lone_trainer
 
 from harness import trainer as trainer_mod
 from harness.config import CheckpointConfig, JobConfig
@@ -21,14 +22,7 @@ from harness.trainer import Trainer
 
 
 def _trainer(cfg: JobConfig, lighthouse: Lighthouse, events: list) -> Trainer:
-    return Trainer(
-        cfg,
-        replica_id=0,
-        rank=0,
-        store_addr=None,
-        lighthouse_addr=lighthouse.address,
-        emit=lambda e, f: events.append((e, f)),
-    )
+    return lone_trainer(cfg, lighthouse.address, lambda e, f: events.append((e, f)))
 
 
 @pytest.mark.timeout(120)

@@ -14,6 +14,22 @@ from runtime.journal import read_journal
 REPO = Path(__file__).resolve().parents[2]
 
 
+def lone_trainer(cfg: Any, lighthouse_addr: str, emit: Any, run_dir: Path | None = None) -> Any:
+    """A Trainer in this process: replica group 0, rank 0, no group store (one rank),
+    journaling through ``emit(event, fields)``; checkpoints under ``run_dir`` if given."""
+    from harness.trainer import Trainer
+
+    return Trainer(
+        cfg,
+        replica_id=0,
+        rank=0,
+        store_addr=None,
+        lighthouse_addr=lighthouse_addr,
+        run_dir=None if run_dir is None else str(run_dir),
+        emit=emit,
+    )
+
+
 def start_trainer(
     cfg: dict[str, Any],
     *,
