@@ -60,6 +60,19 @@ def _ask_all(addr: str, rids: list[str], timeout_s: float, **kw: Any) -> dict[st
     return out
 
 
+def _beat(stop: threading.Event, addr: str, rids: list[str], every_s: float) -> None:
+    """Heartbeat ``rids`` every ``every_s`` until ``stop`` (as each Manager does, from its own
+    thread); errors are ignored."""
+    from torchft._torchft import LighthouseClient
+
+    client = LighthouseClient(addr=addr, connect_timeout=timedelta(seconds=5))
+    while not stop.is_set():
+        for rid in rids:
+            with contextlib.suppress(Exception):
+                client.heartbeat(rid)
+        stop.wait(every_s)
+
+
 @pytest.mark.timeout(90)
 def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> None:
     # Heartbeats last 60 s and stragglers are waited for 60 s: only replica_failed can release the
@@ -259,19 +272,11 @@ def test_ghost_heartbeats_do_not_block_quorum() -> None:
     timeout_s = 1.0
     stop = threading.Event()
 
-    def haunt(addr: str, ghosts: list[str]) -> None:  # beats as long as the test runs
-        client = LighthouseClient(addr=addr, connect_timeout=timedelta(seconds=5))
-        while not stop.is_set():
-            for g in ghosts:
-                with contextlib.suppress(Exception):
-                    client.heartbeat(g)
-            stop.wait(0.05)
-
     # 1. Ghosts the job did not start keep beating: they never count as alive, so two real
     #    members are not "2 of 5 healthy" (split brain) and get their quorum at once.
     tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=timeout_s)
     ghosts = ["replica_7:g", "replica_8:g", "replica_9:g"]
-    haunter = threading.Thread(target=haunt, args=(tq.address, ghosts))
+    haunter = threading.Thread(target=_beat, args=(stop, tq.address, ghosts, 0.05))
     haunter.start()
     try:
         time.sleep(0.3)
@@ -489,22 +494,12 @@ def test_an_open_round_waits_without_polling_and_the_join_timeout_still_fires() 
     """While a round waits for a live straggler the service re-runs the rule only when time
     could change its answer (heartbeat expiry, the join timeout), not a hundred times a second;
     the join timeout still issues the quorum without the straggler."""
-    from torchft._torchft import LighthouseClient
-
     stop = threading.Event()
-
-    def beat(addr: str, *rids: str) -> None:  # as each Manager does, from its own thread
-        client = LighthouseClient(addr=addr, connect_timeout=timedelta(seconds=5))
-        while not stop.is_set():
-            for rid in rids:
-                with contextlib.suppress(Exception):
-                    client.heartbeat(rid)
-            stop.wait(0.1)
 
     # 1. a joins, b is alive and has not asked yet: the round waits for b, without polling.
     tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=1.0)
     a, b = tq.admit(0) + ":a", tq.admit(1) + ":b"
-    beater = threading.Thread(target=beat, args=(tq.address, a, b))
+    beater = threading.Thread(target=_beat, args=(stop, tq.address, [a, b], 0.1))
     beater.start()
     try:
         time.sleep(0.3)  # both beat before a asks
@@ -531,7 +526,7 @@ def test_an_open_round_waits_without_polling_and_the_join_timeout_still_fires() 
     stop.clear()
     tq = TreeQuorum(min_replicas=1, join_timeout_s=0.5, heartbeat_timeout_s=1.0)
     a, b, c = (tq.admit(i) + f":{n}" for i, n in enumerate("abc"))
-    beater = threading.Thread(target=beat, args=(tq.address, a, b, c))
+    beater = threading.Thread(target=_beat, args=(stop, tq.address, [a, b, c], 0.1))
     beater.start()
     try:
         time.sleep(0.3)
