@@ -105,6 +105,14 @@ def stop_training(after_step: int | None = None) -> None:
             actor.trainer.stop(after_step)
 
 
+def request_quorum() -> None:
+    """System call: every trainer in this worker raises the quorum flag at its next allreduce
+    (sparse quorum, ``recovery.quorum_every_steps``): a new member waits in the tree quorum."""
+    for actor in current_actors().values():
+        if isinstance(actor, TrainerActor):
+            actor.trainer.request_quorum()
+
+
 def checkpoint_next_step() -> None:
     """System call: every trainer in this worker checkpoints at its next committed step (SLURM's
     time-limit signal, harness/slurm.py)."""

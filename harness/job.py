@@ -20,20 +20,19 @@ What happens after a group dies, step by step, and where:
    group would otherwise wait out the process-group timeout. Every start of a group is a new
    incarnation that the tree quorum admits, fencing the older ones: a cut-off incarnation can
    never commit or serve weights.
-3. **Stop.** The group's supervisor (``replica<r>``, one_for_all over its ranks) decides on the
-   controller's supervision thread (``runtime.policy``: restart, or escalate past the restart
-   intensity), and stops the group's remaining ranks (SIGTERM, grace, SIGKILL) on its own
-   restart thread.
-4. **Place.** :meth:`Job._place` picks a host with the pure rule in ``harness.placement``: the
-   group's home host if ready, else the next ready one; lost hosts are respawned in the
-   background, never on this path.
+3. **Stop.** The group's supervisor (``replica<r>``, one_for_all over its ranks; restart, or
+   escalate past the restart intensity: ``runtime.policy``) stops its remaining ranks (SIGTERM,
+   grace, SIGKILL) on its own restart thread.
+4. **Place.** :meth:`Job._place`: the group's home host if ready, else the next ready one
+   (``harness.placement``); lost hosts are respawned in the background, never on this path.
 5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
    spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
    trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
    user's own takes the trainers' place (``harness.program``: started by the agents as plain
    processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
-   load a healthy peer's state over the configured transport (``healed``).
+   load a healthy peer's state over the configured transport (``healed``). Groups that skip
+   quorums (``recovery.quorum_every_steps``) are asked for one (:meth:`Job._newcomer_waits`).
 7. **Participate.** The group commits a step with the others (``participating``); the survivors
    never stopped committing (``survivors_resumed`` marks their first commit after detection).
 
@@ -120,21 +119,18 @@ class Job:
         self._done = threading.Event()
         self._started = False
         self._stopping = False
-        # hosts: cooldowns (monotonic end) and agents being restarted in the background
-        self._cooldown: dict[str, float] = {}
-        self._respawning: set[str] = set()
+        self._cooldown: dict[str, float] = {}  # host -> monotonic end of its cooldown
+        self._respawning: set[str] = set()  # hosts whose agent is restarted in the background
         self._all_lost = False  # every group has lost its state (see _on_every_group_lost)
         self._host_change = threading.Condition(self._lock)
-        # the quorum service: the tree's (in this process) or torchft's Lighthouse (a worker)
-        self._tree: Any = None
+        self._tree: Any = None  # the quorum service: the tree's, or torchft's Lighthouse:
         self._lighthouse: ActorMesh | None = None
         self._lighthouse_port = 0
         self.quorum_addr = ""
         self.tracker = RecoveryTracker(journal)
         self.progress = Progress(cfg, self.tracker, quiet=quiet)
         journal.add_sink(self.progress.on_record)
-        # A journal that cannot be written ends the run: every report is computed from it.
-        self._journal_error: OSError | None = None
+        self._journal_error: OSError | None = None  # ends the run: reports come from it
         journal.on_error(self._on_journal_error)
         self.faults = JobFaultContext(self)
         self.program: Any = None  # a program of the user's own: harness.program.ProgramGroups
@@ -159,11 +155,10 @@ class Job:
             ),
             controller_silence_s=t.controller_silence,
             connect_timeout_s=t.connect_timeout,
-            # Imported once per agent, before it forks: a replacement then starts without
-            # paying for torch, torchft, the model code, or the dynamo import that the first
-            # optimizer construction triggers (~1-3 s each on this machine).
+            # Imported once per agent, before it forks, and the initial model built once
+            # (harness.model.prebuild): a replacement then does not pay for torch, torchft, the
+            # model code, the first optimizer's dynamo import (~1-3 s each on this machine).
             preload=("torch", "torch._dynamo", "harness.actors", *model_modules(self.cfg)),
-            # ... and the initial model built once, before forking (harness.model.prebuild).
             warmup=() if self.cfg.program.enabled else (prebuild_call(self.cfg),),
         )
         self._controller = Controller(spec, journal=self.journal, launcher=launcher)
@@ -211,13 +206,10 @@ class Job:
                 + f"; controller at {self.cfg.bind_host}"
             )
             return self.slurm
-        self.network = TestNetwork(self.host_names()).up()
-        self.cfg = dataclasses.replace(self.cfg, bind_host=self.network.gateway)
+        self.network = net = TestNetwork(self.host_names()).up()
+        self.cfg = dataclasses.replace(self.cfg, bind_host=net.gateway)
         self._cfg_dict = config_to_dict(self.cfg)
-        self.progress.say(
-            f"test hosts in network namespaces: {self.network.subnet}, controller at "
-            f"{self.network.gateway}"
-        )
+        self.progress.say(f"test hosts in network namespaces: {net.subnet}, gateway {net.gateway}")
         return NetnsLauncher(self.network)
 
     def _build_tree(self) -> Any:
@@ -314,8 +306,16 @@ class Job:
             quorum_id=old.quorum_id + 1 if old is not None else 0,
             # a program's Managers pick their own ids; the quorum tap admits them (by store)
             allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
+            on_newcomer=self._newcomer_waits if self.cfg.recovery.quorum_every_steps > 1 else None,
         )
         self.quorum_addr = self._tree.address
+
+    def _newcomer_waits(self, replica_id: str) -> None:
+        """Sparse quorum: a new member waits in a round that the running groups may not join for
+        several steps, so every trainer raises the quorum flag (harness.trainer). Called under
+        the tree quorum's lock: the requests go out from a thread of their own."""
+        ask = threading.Thread(target=self.in_every_trainer, args=("request_quorum",), daemon=True)
+        ask.start()
 
     def restart_tree_quorum(self) -> None:
         """The in-controller service "crashes": it loses all its state and comes back on the
@@ -590,12 +590,9 @@ class Job:
         status, reason = "ok", "trained to the last step"
         while True:
             if self._journal_error is not None:
-                status = "failed"
-                reason = (
-                    f"the journal {self.journal.path} could not be written "
-                    f"({self._journal_error}); the run stopped, since every report is computed "
-                    "from it"
-                )
+                err, status = self._journal_error, "failed"
+                reason = f"the journal {self.journal.path} could not be written ({err}); the run"
+                reason += " stopped, since every report is computed from it"
                 break
             if self._done.is_set():
                 break
@@ -614,6 +611,14 @@ class Job:
             self._done.wait(0.1)
         return {"status": status, "reason": reason, "steps": self.tracker.committed_step}
 
+    def in_every_trainer(self, func: str, *args: Any) -> None:
+        """Run ``harness.actors:<func>(*args)`` in every rank, not waiting (a gone one: none)."""
+        with self._lock:
+            pids = [pid for g in self.groups.values() for pid in g.mesh.proc_ids]
+        for pid in pids:
+            with contextlib.suppress(Exception):
+                self.controller.run_in_worker(pid, f"harness.actors:{func}", *args)
+
     def stop(self) -> None:
         """Let trainers finish their step, then stop every process and agent."""
         if self._controller is None:
@@ -625,11 +630,7 @@ class Job:
             groups = list(self.groups.values())
         if self.program is not None:
             self.program.stop()  # before waiting on the groups' training below
-        after = self.tracker.stop_step()  # the same for every group (see there why)
-        for g in groups:
-            for pid in g.mesh.proc_ids:
-                with contextlib.suppress(Exception):
-                    self.controller.run_in_worker(pid, "harness.actors:stop_training", after)
+        self.in_every_trainer("stop_training", self.tracker.stop_step())  # one step for all
         for g in groups:
             with contextlib.suppress(Exception):
                 g.training.result(timeout=10)

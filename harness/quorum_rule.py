@@ -11,6 +11,8 @@ rule (the service around it, ``harness.tree_quorum``, only does I/O):
 * otherwise a quorum needs ``>= min_replicas`` healthy participants **and** more than half of the
   healthy replicas (no split brain), and waits for healthy-but-not-joined stragglers until
   ``join_timeout_s`` after the earliest join.
+* not in torchft: with ``wait_for_members`` (a sparse quorum) a live member of the previous
+  quorum (heartbeating, not fenced) is waited for past the join timeout.
 * participants are sorted by ``replica_id``; the quorum id is bumped when the member ids differ
   from the previous quorum's, or when a member reports ``commit_failures > 0``; the pending
   participants are cleared once a quorum is issued.
@@ -66,6 +68,11 @@ class QuorumOpts:
     #: Refuse a step more than this above the highest step any admitted member has reported
     #: (the first member after a start is bounded only by ``max_step``); None: no bound.
     max_step_lead: int | None = 1_000_000
+    #: Sparse quorum (``harness.trainer``): members of the last quorum that still heartbeat and
+    #: are not fenced are waited for past the join timeout. They ask for a quorum only every N
+    #: steps or when told that someone waits; a quorum issued without them would let a newcomer
+    #: train on its own while they go on without it (two copies of the model, both committing).
+    wait_for_members: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +353,10 @@ def compute(
         if all(rid in participants for rid in prev_ids):
             return tuple(candidates), f"Fast quorum found! {meta}"
 
+    if opts.wait_for_members:
+        missing = [rid for rid in prev_ids if rid in healthy and rid not in participants]
+        if missing:
+            return None, f"Waiting for {len(missing)} live member(s) of the last quorum {meta}"
     if len(participants) < opts.min_replicas:
         return None, (
             f"New quorum not ready, only have {len(participants)} participants, need "

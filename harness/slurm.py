@@ -139,12 +139,6 @@ def checkpoint_now(job: Any, timeout_s: float) -> int | None:
             done.set()
 
     job.journal.add_sink(sink)
-    for replica in range(job.cfg.replicas):
-        mesh = job.mesh_of(replica)
-        for pid in mesh.proc_ids if mesh is not None else []:
-            try:
-                job.controller.run_in_worker(pid, "harness.actors:checkpoint_next_step")
-            except Exception:  # a group being restarted: the others checkpoint
-                continue
+    job.in_every_trainer("checkpoint_next_step")  # a group being restarted: the others do
     done.wait(timeout_s)
     return saved[0] if saved else None

@@ -24,6 +24,19 @@ barrier across the groups, so one group's slow step stalls every group: a synchr
 (15-30 ms, a step being ~21 ms on the tiny model) made every checkpoint step long for all.
 See :meth:`Trainer._maybe_checkpoint`.
 
+Sparse quorum (``recovery.quorum_every_steps`` = N > 1): a quorum is a round trip through the
+quorum service for every group on every step, and fault-free it returns the same membership. So a
+step asks for one only when membership may have changed, decided by every rank of every group
+from what all of them saw, so that all ask at the same step (one that asked while the others went
+on to the allreduce would wait for them in the quorum, and they for it in the collective):
+
+* every N-th step, and the first step of this trainer;
+* after a step that did not commit (a peer died mid-collective: every group's collective fails,
+  the communicator is closed on failure, see ``_average_gradients``);
+* after a step in which any rank of any group raised the quorum flag, one float averaged along
+  with the gradients. A trainer raises it when the controller says a new member waits in the
+  tree quorum (``request_quorum``): a replacement is let in within two steps, not N.
+
 Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
 ``harness.quorum``; the model code knows nothing of it.
 """
@@ -107,6 +120,10 @@ class Trainer:
         self._state_lock = threading.RLock()
         self._state_changed = False
         self._last_slot: int | None = None  # None until this trainer has joined a quorum
+        # Sparse quorum (see the module doc): whether the next step asks for one, and the flag a
+        # controller raises to have every group ask (a new member waits).
+        self._quorum_next = True
+        self._quorum_asked = threading.Event()
         # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
         self._writer = checkpoint.BackgroundWriter(f"harness-ckpt-r{replica_id}-{rank}")
         # Joins the quorum while the training thread runs the pass (_quorum_overlapped): one
@@ -188,7 +205,11 @@ class Trainer:
     def train_step(self) -> tuple[bool, float]:
         """One attempt at the next step; returns (committed, loss)."""
         t0 = time.perf_counter()
-        if OVERLAP_QUORUM and self._last_slot is not None:
+        with_quorum = self._quorum_next or self._last_slot is None
+        self._quorum_next = True  # until this step commits and says otherwise
+        if not with_quorum:
+            joined = self._pass_without_quorum()
+        elif OVERLAP_QUORUM and self._last_slot is not None:
             joined = self._quorum_overlapped()
         else:
             joined = self._quorum_then_pass()
@@ -197,7 +218,7 @@ class Trainer:
         step, slot, pos, loss = joined
 
         # 3. Average gradients within the group, then across participating groups.
-        self._average_gradients()
+        flag = self._average_gradients()
 
         # 4. Commit only if every rank of the group saw a clean step (no collective failed,
         #    enough groups took part). Otherwise nothing changes and the step is retried.
@@ -237,9 +258,12 @@ class Trainer:
                 "data_policy": self.cfg.data.policy,
                 "seqs": seqs,
                 "seq_due": due,
+                "quorum": with_quorum,
             },
         )
         self._maybe_checkpoint(committed)
+        every = self.cfg.recovery.quorum_every_steps
+        self._quorum_next = every <= 1 or flag or committed % every == 0
         return True, loss.item()
 
     def _checksum_due(self, step: int) -> bool:
@@ -283,6 +307,19 @@ class Trainer:
             pos = self.data.position
             loss = self._forward_backward(slot)  # the quorum changed our state or our share
         return step, slot, pos, loss
+
+    def _pass_without_quorum(self) -> tuple[int, int | None, int, torch.Tensor]:
+        """A step between quorums (sparse quorum): the last quorum's membership and slot hold,
+        and nothing heals (only a quorum does)."""
+        step = self.manager.current_step()
+        slot = self._slot()
+        pos = self.data.position
+        return step, slot, pos, self._forward_backward(slot)
+
+    def request_quorum(self) -> None:
+        """Sparse quorum: raise the flag at the next allreduce, so that every group asks for a
+        quorum at the step after it (the controller calls this when a new member waits)."""
+        self._quorum_asked.set()
 
     def _slot(self) -> int | None:
         """Our place in this step's quorum (the replay policy hands out batches by it)."""
@@ -330,10 +367,18 @@ class Trainer:
         self._quorum_failures = 0
         return True
 
-    def _average_gradients(self) -> None:
-        """One flat allreduce per step (fewer, larger messages than one per tensor)."""
+    def _average_gradients(self) -> bool:
+        """One flat allreduce per step (fewer, larger messages than one per tensor). With a
+        sparse quorum one more float rides along, the quorum flag; returns whether any rank of
+        any participating group raised it (the same answer everywhere the allreduce succeeded)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        parts = [g.reshape(-1) for g in grads]
+        sparse = self.cfg.recovery.quorum_every_steps > 1
+        if sparse:
+            asked = self._quorum_asked.is_set()
+            self._quorum_asked.clear()
+            parts.append(torch.tensor([1.0 if asked else 0.0], dtype=parts[0].dtype))
+        flat = torch.cat(parts)
         if self._intra is not None:
             self._intra.allreduce([flat]).wait()  # a dead group peer raises: the group restarts
             flat /= self.cfg.ranks
@@ -348,6 +393,7 @@ class Trainer:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+        return sparse and bool(flat[-1].item() > 0)
 
     # --- state: what heals and checkpoints -------------------------------------------------
 

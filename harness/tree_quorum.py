@@ -44,7 +44,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -220,7 +220,10 @@ class TreeQuorum:
     ``allow_hosts``: also let in untagged ids, but only from these addresses (names are
     resolved once, here); None lets in tagged ids only. ``max_step``: the job's last
     step (a higher one is absurd); ``max_step_lead``: how far past the highest step seen a
-    member may claim to be.
+    member may claim to be. ``on_newcomer(replica_id)``: called (lock held: it must not block)
+    when a member that was not in the last quorum joins a round, so the controller can have the
+    members that skip quorums ask for one (sparse quorum, ``harness.trainer``); with it, live
+    members of the last quorum are waited for past the join timeout (``QuorumOpts``).
     """
 
     def __init__(
@@ -241,6 +244,7 @@ class TreeQuorum:
         allow_hosts: Iterable[str] | None = None,
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
+        on_newcomer: Callable[[str], None] | None = None,
     ) -> None:
         self.opts = rule.QuorumOpts(
             min_replicas=min_replicas,
@@ -248,11 +252,13 @@ class TreeQuorum:
             heartbeat_timeout_s=heartbeat_timeout_s,
             max_step=max_step,
             max_step_lead=max_step_lead,
+            wait_for_members=on_newcomer is not None,
         )
         #: The job's secret: whoever holds it can name members (keep it in the controller).
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
+        self._on_newcomer = on_newcomer
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # guards everything below; waiters: long polls
         # The ticker waits on its own condition (same lock), so issuing a quorum wakes only the
@@ -488,6 +494,9 @@ class TreeQuorum:
         """Record ``member``'s join (lock held); decide at once if it may complete the round,
         and wake the ticker if it opened one."""
         opens_round = not self._state.participants
+        prev = self._state.prev_quorum
+        if self._on_newcomer and prev is not None and member.replica_id not in prev.id_set:
+            self._on_newcomer(member.replica_id)
         self._state = rule.join(self._state, member, time.monotonic())
         if rule.may_complete(self._state):
             self._tick_locked()

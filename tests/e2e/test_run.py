@@ -19,16 +19,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize(
-    ("quorum", "spares"),
-    [("torchft", 0), ("tree", 1)],
-    ids=["torchft-lighthouse", "tree-quorum-with-a-spare"],
+    ("quorum", "spares", "every"),
+    [("torchft", 0, 1), ("tree", 1, 1), ("tree", 1, 1000)],
+    # the last: a sparse quorum that never comes due by itself (N > steps), so the replacement
+    # can only be let in by the survivors' quorum flag (harness.trainer, "Sparse quorum")
+    ids=["torchft-lighthouse", "tree-quorum-with-a-spare", "sparse-quorum-asked-for"],
 )
-def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares):
+def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares, every):
     cfg = tiny_cfg(
         "steps=45",
         "checkpoint.every_steps=10",
         f"recovery.quorum={quorum}",
         f"recovery.spares_per_host={spares}",
+        f"recovery.quorum_every_steps={every}",
     )
     killed = {}
 
@@ -77,6 +80,12 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares):
     survivors_after = [r for r in commits if r["replica"] != 1 and r["t"] > failure["t"]]
     assert max(r["step"] for r in survivors_after) == 45
     assert not any(r["replica"] != 1 for r in restarted)
+    asked = [r for r in commits if r["quorum"]]
+    if every == 1:
+        assert len(asked) == len(commits)
+    else:  # a few per group: its first step and the groups starting after it, the failure's
+        # aborted step, the replacement's (of 45 steps: every one under a per-step quorum)
+        assert len(asked) <= 8 * 3, sorted((r["replica"], r["step"]) for r in asked)
 
 
 def test_segfault_in_one_rank_restarts_only_its_group(tmp_path):

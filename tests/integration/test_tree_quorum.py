@@ -266,6 +266,34 @@ def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_member_not_in_the_last_quorum_is_announced_when_it_joins() -> None:
+    # Sparse quorum (harness.trainer): the running groups skip quorums, so the controller must
+    # hear at once that a replacement waits in a round, and only then (not for every join).
+    seen: list[str] = []
+    tq = TreeQuorum(min_replicas=2, heartbeat_timeout_s=60.0, on_newcomer=seen.append)
+    try:
+        a, b = tq.admit(0) + ":a", tq.admit(1) + ":b"
+        _ask_all(tq.address, [a, b], 5.0, step=1, world_size=1)
+        assert seen == []  # no quorum before: everyone is new, nobody needs telling
+        _ask_all(tq.address, [a, b], 5.0, step=2, world_size=1)
+        assert seen == []  # the same members again
+        c = tq.admit(2) + ":c"
+        out: dict[str, Any] = {}
+        waiting = threading.Thread(target=_ask, args=(tq.address, c, out, 5.0), kwargs={"step": 2})
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while c not in tq.status()["participants"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [c]  # announced while it waits (a round of one is below min_replicas)
+        _ask_all(tq.address, [a, b], 5.0, step=3, world_size=1)
+        waiting.join()
+        assert sorted(m.replica_id for m in out[c].participants) == sorted([a, b, c])
+        assert seen == [c]
+    finally:
+        tq.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_ghost_heartbeats_do_not_block_quorum() -> None:
     from torchft._torchft import LighthouseClient
 

@@ -153,6 +153,7 @@ def test_shipped_tiny_experiment_loads() -> None:
         ('name="a/b"', "name = 'a/b': must be"),
         ('name=".."', "name = '..': must be"),
         ('name="x y"', "name = 'x y': must be"),
+        ("recovery.quorum_every_steps=0", "recovery.quorum_every_steps = 0: must be >= 1"),
     ],
 )
 def test_numbers_and_names_that_could_never_run(
@@ -160,6 +161,16 @@ def test_numbers_and_names_that_could_never_run(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(_toml(tmp_path, ""), [override])
+
+
+def test_a_sparse_quorum_needs_the_tree_quorum(tmp_path: Path) -> None:
+    # torchft's Lighthouse cannot tell the survivors that a replacement waits
+    with pytest.raises(ConfigError, match=r'= 10 needs recovery\.quorum = "tree"'):
+        load_config(
+            _toml(tmp_path, ""), ["recovery.quorum_every_steps=10", 'recovery.quorum="torchft"']
+        )
+    cfg = load_config(_toml(tmp_path, ""), ["recovery.quorum_every_steps=10"])
+    assert cfg.recovery.quorum_every_steps == 10 and cfg.recovery.quorum == "tree"
 
 
 def test_direct_construction_checks_numbers_too() -> None:

@@ -176,3 +176,9 @@ def test_warm_start_needs_a_python_script_or_module():
             load_config(
                 "experiments/tiny.toml", [f"program.command={json.dumps(bad)}", "program.warm=true"]
             )
+
+
+def test_a_sparse_quorum_is_refused_for_a_program():
+    # a program's own loop calls start_quorum; only the built-in trainer can skip it
+    with pytest.raises(ConfigError, match="applies only to the built-in trainer"):
+        cfg("recovery.quorum_every_steps=4")

@@ -7,6 +7,8 @@ quorum, shrink_only) and add the supervision tree's input, ``drop_failed``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harness import quorum_rule as rule
@@ -191,6 +193,30 @@ def test_failed_replica_is_fenced_but_its_replacement_joins() -> None:
     assert rule.compute(state, T, OPTS)[0] is None
     members, reason = rule.compute(rule.join(state, member(a), T), T, OPTS)
     assert ids(members) == [a, b2] and reason.startswith("Fast quorum")
+
+
+def test_a_sparse_quorum_waits_for_live_members_past_the_join_timeout() -> None:
+    # a trains alone and skips quorums (harness.trainer); b and c start late and join a round.
+    # torchft's rule issues {b, c} at the join timeout (2 of 3 heartbeating: a majority), and the
+    # job has two copies of the model, both committing. Seen in a real run before this rule.
+    a, b, c = "replica_0:u1", "replica_1:u2", "replica_2:u3"
+    torchft = rule.QuorumOpts(min_replicas=1, join_timeout_s=5.0, heartbeat_timeout_s=60.0)
+    sparse = dataclasses.replace(torchft, wait_for_members=True)
+    state = joined(rule.heartbeat(with_quorum(a), a, T), b, c)
+    late = T + 10.0  # past the join timeout; a still heartbeats
+    state = rule.heartbeat(state, a, late)
+    assert ids(rule.compute(state, late, torchft)[0]) == [b, c]
+    members, reason = rule.compute(state, late, sparse)
+    assert members is None and "Waiting for 1 live member(s) of the last quorum" in reason
+    # a asked when told that someone waits: all three at once
+    members, reason = rule.compute(rule.join(state, member(a), late), late, sparse)
+    assert ids(members) == [a, b, c] and reason.startswith("Fast quorum")
+    # a member that was fenced (dead) or stopped heartbeating (cut off) is not waited for
+    fenced, _ = rule.drop_failed(state, rule.ids_of_replica(0))
+    assert ids(rule.compute(fenced, late, sparse)[0]) == [b, c]
+    stale = late + 61.0  # a's heartbeat expired; b and c beat on
+    cut = rule.heartbeat(rule.heartbeat(state, b, stale), c, stale)
+    assert ids(rule.compute(cut, stale, sparse)[0]) == [b, c]
 
 
 def test_dropping_only_matches_that_replicas_prefix() -> None:
