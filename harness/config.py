@@ -73,6 +73,10 @@ MAX_HOSTS = 64
 MAX_LOGITS_BYTES = 16 << 30
 #: torch.Generator.manual_seed takes at most a 64-bit value; the data stream derives from it.
 MAX_SEED = 2**63 - 1
+#: The default sparse quorum period (``recovery.quorum_every_steps = 0``). A replacement does
+#: not wait for it (the running groups are asked at once); it is the safety net should that ask
+#: be lost (sent to a worker as it restarts): the groups still meet within this many steps.
+SPARSE_QUORUM_EVERY = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,12 +160,11 @@ class RecoveryConfig:
     # (quorum = "torchft"); spares_per_host = 0 forks each replacement when it is needed.
     quorum: Literal["torchft", "tree"] = "tree"
     spares_per_host: int = 1
-    # The built-in trainer asks for a quorum every step (torchft's way), or, with N > 1, only
-    # every N steps and whenever membership may change: after a step that did not commit, and at
-    # once when the tree quorum sees a new member waiting (harness/trainer.py, "Sparse quorum").
-    # Fewer quorum round trips on fault-free steps; a partitioned group is then found by the
-    # collective's timeout instead of the quorum's heartbeat timeout.
-    quorum_every_steps: int = 1
+    # The built-in trainer asks for a quorum every step (1: torchft's way), or only every N steps
+    # and whenever membership may change: after a step that did not commit, and at once when
+    # the tree quorum sees a new member waiting (harness/trainer.py, "Sparse quorum"). 0 (the
+    # default): SPARSE_QUORUM_EVERY with the tree quorum and the built-in trainer, else 1.
+    quorum_every_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +219,15 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+
+    def quorum_every(self) -> int:
+        """The built-in trainer's quorum period in steps (``recovery.quorum_every_steps``, with
+        0 resolved: sparse only where something tells the groups that a replacement waits)."""
+        every = self.recovery.quorum_every_steps
+        if every:
+            return every
+        tree_trainer = self.recovery.quorum == "tree" and not self.program.enabled
+        return SPARSE_QUORUM_EVERY if tree_trainer else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +359,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("recovery.max_restarts", cfg.recovery.max_restarts, 0)
     _positive("recovery.spares_per_host", cfg.recovery.spares_per_host, 0)
-    _positive("recovery.quorum_every_steps", cfg.recovery.quorum_every_steps)
+    _positive("recovery.quorum_every_steps", cfg.recovery.quorum_every_steps, 0)
     if cfg.recovery.quorum_every_steps > 1 and cfg.recovery.quorum != "tree":
         raise ConfigError(
             f"recovery.quorum_every_steps = {cfg.recovery.quorum_every_steps} needs "

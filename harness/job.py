@@ -306,7 +306,7 @@ class Job:
             quorum_id=old.quorum_id + 1 if old is not None else 0,
             # a program's Managers pick their own ids; the quorum tap admits them (by store)
             allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
-            on_newcomer=self._newcomer_waits if self.cfg.recovery.quorum_every_steps > 1 else None,
+            on_newcomer=self._newcomer_waits if self.cfg.quorum_every() > 1 else None,
         )
         self.quorum_addr = self._tree.address
 

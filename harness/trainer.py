@@ -24,11 +24,12 @@ barrier across the groups, so one group's slow step stalls every group: a synchr
 (15-30 ms, a step being ~21 ms on the tiny model) made every checkpoint step long for all.
 See :meth:`Trainer._maybe_checkpoint`.
 
-Sparse quorum (``recovery.quorum_every_steps`` = N > 1): a quorum is a round trip through the
-quorum service for every group on every step, and fault-free it returns the same membership. So a
-step asks for one only when membership may have changed, decided by every rank of every group
-from what all of them saw, so that all ask at the same step (one that asked while the others went
-on to the allreduce would wait for them in the quorum, and they for it in the collective):
+Sparse quorum (the default with the tree quorum; ``recovery.quorum_every_steps``,
+``JobConfig.quorum_every``): a quorum is a round trip through the quorum service for every group
+on every step, and fault-free it returns the same membership. So a step asks for one only when
+membership may have changed, decided by every rank of every group from what all of them saw, so
+that all ask at the same step (one that asked while the others went on to the allreduce would
+wait for them in the quorum, and they for it in the collective):
 
 * every N-th step, and the first step of this trainer;
 * after a step that did not commit (a peer died mid-collective: every group's collective fails,
@@ -36,6 +37,11 @@ on to the allreduce would wait for them in the quorum, and they for it in the co
 * after a step in which any rank of any group raised the quorum flag, one float averaged along
   with the gradients. A trainer raises it when the controller says a new member waits in the
   tree quorum (``request_quorum``): a replacement is let in within two steps, not N.
+
+The tree quorum then waits for live members of the last quorum past its join timeout
+(``harness.quorum_rule``): a group that skips quorums is not left out of one. What it costs: a
+group cut off from the others is found by the collective (the host's connections are closed
+once its agent is lost: the host timeout) rather than by its quorum heartbeats going stale.
 
 Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
 ``harness.quorum``; the model code knows nothing of it.
@@ -262,7 +268,7 @@ class Trainer:
             },
         )
         self._maybe_checkpoint(committed)
-        every = self.cfg.recovery.quorum_every_steps
+        every = self.cfg.quorum_every()
         self._quorum_next = every <= 1 or flag or committed % every == 0
         return True, loss.item()
 
@@ -373,7 +379,7 @@ class Trainer:
         any participating group raised it (the same answer everywhere the allreduce succeeded)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         parts = [g.reshape(-1) for g in grads]
-        sparse = self.cfg.recovery.quorum_every_steps > 1
+        sparse = self.cfg.quorum_every() > 1
         if sparse:
             asked = self._quorum_asked.is_set()
             self._quorum_asked.clear()

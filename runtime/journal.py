@@ -30,9 +30,9 @@ Event names and their extra fields:
                           step), ``tokens``, ``participants`` (replica groups in the quorum),
                           ``data_pos``, ``data_policy`` (``skip`` | ``replay``), ``seqs`` and
                           ``seq_due`` (sequences trained and due, dashboards.data_coverage),
-                          ``quorum`` (whether the step asked for a quorum: always, unless
-                          ``recovery.quorum_every_steps`` > 1), ``proc`` (the worker process,
-                          stamped by the controller)
+                          ``quorum`` (whether the step asked for a quorum: every step, or
+                          some with a sparse quorum, harness.trainer), ``proc`` (the worker
+                          process, stamped by the controller)
 ``step.abort``            ``replica``, ``rank``, ``step``, ``reason`` (should_commit said no)
 ``fault.inject``          ``fault_id``, ``kind``, ``target`` (dict: replica/rank/host), ``seed``,
                           logged *before* the fault fires

@@ -1,8 +1,8 @@
 """``ftharness bench overhead``: what resilience costs when nothing fails, side by side.
 
 The same model, data, seed, optimizer, threads per worker and number of steps, fault-free, 3
-replica groups x 1 rank, in four configurations run interleaved (rep 1: all four in a rotated
-order, rep 2: all four, ...) so every configuration sees the same machine:
+replica groups x 1 rank, in six configurations run interleaved (each repetition runs all six, in
+a rotated order) so every configuration sees the same machine:
 
 * ``plain``               — the same loop (batch, forward/backward, one flat gradient allreduce,
   AdamW) over plain ``torch.distributed`` gloo across the groups; no fault tolerance (the floor);
@@ -10,7 +10,8 @@ order, rep 2: all four, ...) so every configuration sees the same machine:
   them: the Lighthouse in its own process, ``OptimizerWrapper`` (``zero_grad`` starts the quorum,
   ``step`` asks ``should_commit``), the default asynchronous quorum, the default HTTP transport;
 * ``ftharness``           — ``harness.launch.run_job`` on the job's default config (supervision
-  tree, its quorum service, heartbeats, checkpoints), telemetry off;
+  tree, its quorum service, a sparse quorum, heartbeats, checkpoints), telemetry off;
+* ``ftharness_every_step`` — the same with a quorum every step (``recovery.quorum_every_steps=1``);
 * ``ftharness_telemetry`` — the same with OpenTelemetry (OTLP/HTTP to a stand-in collector in its
   own process) and the Prometheus endpoint on, scraped every 2 s by that process;
 * ``ftharness_lighthouse`` — the default config with ``recovery.quorum = "torchft"``: torchft's
@@ -60,7 +61,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry", "ftharness_lighthouse"]
+#: The ftharness configurations that differ from the default, as config overrides.
+VARIANTS = {
+    "ftharness_lighthouse": ["recovery.quorum=torchft"],
+    "ftharness_every_step": ["recovery.quorum_every_steps=1"],
+}
+CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry", *VARIANTS]
 MODELS: dict[str, list[str]] = {
     "tiny": [],
     "llama3_debug": [
@@ -292,7 +298,7 @@ def _hwm_mb(pid: int) -> float:
 # --- one run of one configuration ----------------------------------------------------------
 
 
-def _job_config(model: str, steps: int, seed: int, quorum: str | None = None) -> Any:
+def _job_config(model: str, steps: int, seed: int, variant: tuple[str, ...] = ()) -> Any:
     from harness.config import load_config
 
     overrides = [
@@ -302,7 +308,7 @@ def _job_config(model: str, steps: int, seed: int, quorum: str | None = None) ->
         f"steps={steps}",
         f"data.seed={seed}",
         *MODELS[model],
-        *([f"recovery.quorum={quorum}"] if quorum else []),
+        *variant,
     ]
     return load_config(str(REPO / "experiments" / "tiny.toml"), overrides)
 
@@ -457,8 +463,7 @@ def _roles(
 
 
 def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: int) -> dict:
-    quorum = "torchft" if mode == "ftharness_lighthouse" else None
-    cfg = _job_config(model, steps, seed=7, quorum=quorum)
+    cfg = _job_config(model, steps, seed=7, variant=tuple(VARIANTS.get(mode, ())))
     d = workdir / f"{model}_{mode}_{rep}"
     service: set[int] = set()
     if mode in ("plain", "torchft"):
@@ -555,12 +560,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
     return rows
 
 
-def time_lost(
-    *,
-    overhead: float,
-    per_failure_s: float,
-    mtbf_min: float,
-) -> float:
+def time_lost(*, overhead: float, per_failure_s: float, mtbf_min: float) -> float:
     """Fraction of wall time lost to fault tolerance by a job that fails every ``mtbf_min``
     minutes: the fault-free overhead (``overhead``: step time / plain step time - 1) plus what
     each failure costs, spread over the interval between failures. A first-order model: it

@@ -57,6 +57,11 @@ from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
 CONFIGS = {
     "in_place/torchft": ["recovery.policy=in_place", "recovery.quorum=torchft"],
     "in_place/tree": ["recovery.policy=in_place", "recovery.quorum=tree"],
+    "in_place/tree_sparse": [
+        "recovery.policy=in_place",
+        "recovery.quorum=tree",
+        "recovery.quorum_every_steps=10",
+    ],
     "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
 }
 #: A program of the user's own (harness.program), run from a source checkout.

@@ -16,7 +16,7 @@ import pytest
 from trainer_procs import lone_trainer
 
 from harness import trainer as trainer_mod
-from harness.config import CheckpointConfig, JobConfig
+from harness.config import CheckpointConfig, JobConfig, RecoveryConfig
 from harness.quorum import Lighthouse
 from harness.trainer import Trainer
 
@@ -29,7 +29,11 @@ def _trainer(cfg: JobConfig, lighthouse: Lighthouse, events: list) -> Trainer:
 def test_a_heal_during_the_overlapped_pass_redoes_it_on_the_healed_state(tmp_path: Path) -> None:
     assert trainer_mod.OVERLAP_QUORUM
     cfg = JobConfig(
-        name="overlap", replicas=1, steps=50, checkpoint=CheckpointConfig(every_steps=0)
+        name="overlap",
+        replicas=1,
+        steps=50,
+        checkpoint=CheckpointConfig(every_steps=0),
+        recovery=RecoveryConfig(quorum_every_steps=1),  # a quorum (and so a pass) every step
     )
     lh_a, lh_b = Lighthouse.for_job(cfg), Lighthouse.for_job(cfg)
     ev_a: list[tuple[str, dict[str, Any]]] = []

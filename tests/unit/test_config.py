@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.config import (
+    SPARSE_QUORUM_EVERY,
     ConfigError,
     JobConfig,
     TimeoutConfig,
@@ -153,7 +154,7 @@ def test_shipped_tiny_experiment_loads() -> None:
         ('name="a/b"', "name = 'a/b': must be"),
         ('name=".."', "name = '..': must be"),
         ('name="x y"', "name = 'x y': must be"),
-        ("recovery.quorum_every_steps=0", "recovery.quorum_every_steps = 0: must be >= 1"),
+        ("recovery.quorum_every_steps=-1", "recovery.quorum_every_steps = -1: must be >= 0"),
     ],
 )
 def test_numbers_and_names_that_could_never_run(
@@ -171,6 +172,10 @@ def test_a_sparse_quorum_needs_the_tree_quorum(tmp_path: Path) -> None:
         )
     cfg = load_config(_toml(tmp_path, ""), ["recovery.quorum_every_steps=10"])
     assert cfg.recovery.quorum_every_steps == 10 and cfg.recovery.quorum == "tree"
+    # the default (0) is sparse only where the tree quorum can ask the groups for a quorum
+    assert load_config(_toml(tmp_path, ""), []).quorum_every() == SPARSE_QUORUM_EVERY
+    lighthouse = load_config(_toml(tmp_path, ""), ['recovery.quorum="torchft"'])
+    assert lighthouse.quorum_every() == 1
 
 
 def test_direct_construction_checks_numbers_too() -> None:

@@ -182,3 +182,4 @@ def test_a_sparse_quorum_is_refused_for_a_program():
     # a program's own loop calls start_quorum; only the built-in trainer can skip it
     with pytest.raises(ConfigError, match="applies only to the built-in trainer"):
         cfg("recovery.quorum_every_steps=4")
+    assert cfg().quorum_every() == 1  # the default: every step
