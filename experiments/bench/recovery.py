@@ -6,7 +6,9 @@ at a random step, once the previous recovery has finished and the job has traine
 since. Configurations, all in the same run and on the same seed:
 
 * ``in_place/torchft`` — in-place restart; membership by torchft's Lighthouse (heartbeats);
-* ``in_place/tree``    — in-place restart; membership by the supervision tree (harness.tree_quorum);
+* ``in_place/tree``    — in-place restart; membership by the supervision tree (harness.tree_quorum),
+  a quorum every 10 steps and whenever membership may change (the default, harness.trainer);
+* ``in_place/tree_every_step`` — the same with a quorum every step;
 * ``full_restart``     — every process restarted, resume from the last checkpoint.
 
 Figures per configuration (median, p95, min, max over the kills; p95 is linear-interpolated,
@@ -57,10 +59,10 @@ from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
 CONFIGS = {
     "in_place/torchft": ["recovery.policy=in_place", "recovery.quorum=torchft"],
     "in_place/tree": ["recovery.policy=in_place", "recovery.quorum=tree"],
-    "in_place/tree_sparse": [
+    "in_place/tree_every_step": [
         "recovery.policy=in_place",
         "recovery.quorum=tree",
-        "recovery.quorum_every_steps=10",
+        "recovery.quorum_every_steps=1",
     ],
     "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
 }
