@@ -116,7 +116,7 @@ def test_segfault_in_one_rank_restarts_only_its_group(tmp_path):
 
 
 def test_restart_intensity_exhausted_stops_the_job_with_a_report(tmp_path):
-    cfg = tiny_cfg("steps=400", "recovery.max_restarts=1", "checkpoint.every_steps=0")
+    cfg = tiny_cfg("steps=4000", "recovery.max_restarts=1", "checkpoint.every_steps=0")
 
     def started(job):
         def kill_twice():
@@ -229,7 +229,8 @@ def test_an_evicted_host_comes_back_in_the_background_and_takes_its_groups_again
     """After a host eviction, the lost host's agent is restarted when its cooldown ends, by
     the job and off any restart path: a later restart of a group homed there finds it ready
     (the 8.8 s held-GIL restart was a group waiting for that agent to import torch)."""
-    cfg = tiny_cfg("steps=400", "replicas=2", "hosts=2", "recovery.quorum=tree")
+    # steps: more than it can train while the host comes back (the stop event ends the run)
+    cfg = tiny_cfg("steps=20000", "replicas=2", "hosts=2", "recovery.quorum=tree")
     seen: dict[str, object] = {}
     stop = threading.Event()
 
