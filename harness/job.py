@@ -123,7 +123,7 @@ class Job:
         self._respawning: set[str] = set()  # hosts whose agent is restarted in the background
         self._all_lost = False  # every group has lost its state (see _on_every_group_lost)
         self._host_change = threading.Condition(self._lock)
-        self._tree: Any = None  # the quorum service: the tree's, or torchft's Lighthouse:
+        self._tree: Any = None  # the tree quorum (in this process), or the Lighthouse below
         self._lighthouse: ActorMesh | None = None
         self._lighthouse_port = 0
         self.quorum_addr = ""
@@ -209,7 +209,9 @@ class Job:
         self.network = net = TestNetwork(self.host_names()).up()
         self.cfg = dataclasses.replace(self.cfg, bind_host=net.gateway)
         self._cfg_dict = config_to_dict(self.cfg)
-        self.progress.say(f"test hosts in network namespaces: {net.subnet}, gateway {net.gateway}")
+        self.progress.say(
+            f"test hosts in network namespaces: {net.subnet}, controller at {net.gateway}"
+        )
         return NetnsLauncher(self.network)
 
     def _build_tree(self) -> Any:
@@ -311,9 +313,8 @@ class Job:
         self.quorum_addr = self._tree.address
 
     def _newcomer_waits(self, replica_id: str) -> None:
-        """Sparse quorum: a new member waits in a round that the running groups may not join for
-        several steps, so every trainer raises the quorum flag (harness.trainer). Called under
-        the tree quorum's lock: the requests go out from a thread of their own."""
+        """Sparse quorum: a new member waits, so every trainer raises the quorum flag
+        (harness.trainer). Called under the tree quorum's lock: asks from a thread of its own."""
         ask = threading.Thread(target=self.in_every_trainer, args=("request_quorum",), daemon=True)
         ask.start()
 

@@ -126,8 +126,9 @@ class Trainer:
         self._state_lock = threading.RLock()
         self._state_changed = False
         self._last_slot: int | None = None  # None until this trainer has joined a quorum
-        # Sparse quorum (see the module doc): whether the next step asks for one, and the flag a
-        # controller raises to have every group ask (a new member waits).
+        # Sparse quorum (see the module doc): the period, whether the next step asks for a
+        # quorum, and the flag a controller raises to have every group ask (a new member waits).
+        self._quorum_every = cfg.quorum_every()
         self._quorum_next = True
         self._quorum_asked = threading.Event()
         # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
@@ -211,10 +212,10 @@ class Trainer:
     def train_step(self) -> tuple[bool, float]:
         """One attempt at the next step; returns (committed, loss)."""
         t0 = time.perf_counter()
-        with_quorum = self._quorum_next or self._last_slot is None
+        with_quorum = self._quorum_next  # True for a trainer's first step
         self._quorum_next = True  # until this step commits and says otherwise
         if not with_quorum:
-            joined = self._pass_without_quorum()
+            joined = self._pass()
         elif OVERLAP_QUORUM and self._last_slot is not None:
             joined = self._quorum_overlapped()
         else:
@@ -268,8 +269,7 @@ class Trainer:
             },
         )
         self._maybe_checkpoint(committed)
-        every = self.cfg.quorum_every()
-        self._quorum_next = every <= 1 or flag or committed % every == 0
+        self._quorum_next = self._quorum_every <= 1 or flag or committed % self._quorum_every == 0
         return True, loss.item()
 
     def _checksum_due(self, step: int) -> bool:
@@ -283,11 +283,7 @@ class Trainer:
         the quorum, data position, loss), or None if the quorum failed (an aborted step)."""
         if not self._join_quorum():
             return None
-        step = self.manager.current_step()  # steps committed so far = the one we attempt
-        slot = self._slot()
-        pos = self.data.position
-        loss = self._forward_backward(slot)
-        return step, slot, pos, loss
+        return self._pass()
 
     def _quorum_overlapped(self) -> tuple[int, int | None, int, torch.Tensor] | None:
         """The same, with the forward/backward pass run *while* the quorum forms (the quorum
@@ -314,10 +310,10 @@ class Trainer:
             loss = self._forward_backward(slot)  # the quorum changed our state or our share
         return step, slot, pos, loss
 
-    def _pass_without_quorum(self) -> tuple[int, int | None, int, torch.Tensor]:
-        """A step between quorums (sparse quorum): the last quorum's membership and slot hold,
-        and nothing heals (only a quorum does)."""
-        step = self.manager.current_step()
+    def _pass(self) -> tuple[int, int | None, int, torch.Tensor]:
+        """Forward and backward on the membership and slot of the last quorum: after it, or on a
+        step between quorums (sparse quorum; nothing heals then, only a quorum does)."""
+        step = self.manager.current_step()  # steps committed so far = the one we attempt
         slot = self._slot()
         pos = self.data.position
         return step, slot, pos, self._forward_backward(slot)
@@ -379,7 +375,7 @@ class Trainer:
         any participating group raised it (the same answer everywhere the allreduce succeeded)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         parts = [g.reshape(-1) for g in grads]
-        sparse = self.cfg.quorum_every() > 1
+        sparse = self._quorum_every > 1
         if sparse:
             asked = self._quorum_asked.is_set()
             self._quorum_asked.clear()
