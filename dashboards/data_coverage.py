@@ -1,9 +1,10 @@
 """Which sequences of the data stream a job trained, skipped or trained twice, from its journal.
 
-A pure function of the journal's ``step.commit`` records (``harness.trainer`` writes, per rank and
+A pure function of the journal's ``step.commit`` records (``harness.rank.trainer`` writes, per rank
+and
 committed step, ``seqs``: the global sequence ranges ``[first, end)`` that step trained as far as
 that rank knows, and ``seq_due``: every sequence below it should have been trained by then; see
-``harness.data`` for both data policies).
+``harness.rank.data`` for both data policies).
 
 Definitions (per recovery policy, the ``policy`` stamp of the journal's records):
 

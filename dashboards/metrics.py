@@ -55,7 +55,7 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   has no goodput.
 * **data**: which sequences of the stream the policy trained and skipped
   (``dashboards.data_coverage``; None for the control and for journals without that field).
-* **fault of a recovery**: its ``fault_id`` (``harness/recovery.py`` links it). One fault can
+* **fault of a recovery**: its ``fault_id`` (``harness/job/recovery.py`` links it). One fault can
   explain several recoveries: a host fault takes down every group on that host, and each group's
   recovery carries the fault's id and gets its own figures. A recovery no fault explains
   (a spontaneous failure) has kind ``"unplanned"`` (``names.KIND_UNPLANNED``).

@@ -22,7 +22,7 @@ from typing import Any
 from dashboards.html import write_dashboard
 from experiments import postrun
 from experiments.spec import CONTROL, ExperimentError, ExperimentSpec, Run, load_experiment
-from harness.rundir import make_private_dir, run_dir_for
+from harness.job.rundir import make_private_dir, run_dir_for
 from runtime.journal import Journal, read_journal
 
 
@@ -47,7 +47,7 @@ def run_policy(
 ) -> dict[str, Any]:
     from faults.injector import Injector
     from faults.targets import Topology
-    from harness.launch import attach_telemetry, run_job
+    from harness.job.launch import attach_telemetry, run_job
 
     policy = run.policy
     cfg = job_config(spec, policy)
@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
         return 2
     from harness.config import ConfigError
-    from harness.slurm import TimeLimit, check_allocation
+    from harness.job.slurm import TimeLimit, check_allocation
 
     try:
         problem = check_allocation(job_config(spec, spec.policies[0]))

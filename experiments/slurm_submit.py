@@ -115,7 +115,7 @@ def _name_of(source: str, experiment: bool) -> str:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from harness.rundir import run_dir_for
+    from harness.job.rundir import run_dir_for
 
     source = Path(args.config)
     if not source.is_file():

@@ -2,7 +2,7 @@
 be SLURM nodes (``launcher = "slurm"``); the planner rejects them before launch otherwise.
 
 Both target a host (a node); the recovery tracker links the recoveries of every group that was on
-that node to the fault, as it does for a host eviction (``harness.recovery``).
+that node to the fault, as it does for a host eviction (``harness.job.recovery``).
 """
 
 from __future__ import annotations

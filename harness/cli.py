@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # subcommand -> "module:function"; the function takes the parsed Namespace, returns an exit code.
 _HANDLERS = {
-    "run": "harness.launch:main",
+    "run": "harness.job.launch:main",
     "chaos": "experiments.runner:main",
     "report": "experiments.report:main",
     "agent": "runtime.agent:cli",

@@ -95,7 +95,7 @@ class DataConfig:
     """The synthetic token stream. ``vocab_size`` must match the model's (2048 for llama3_debug).
 
     ``policy``: what happens to the sequences of a replica group that is down (see
-    ``harness.data``). ``skip`` (each group reads its fixed shard; a down group's shard is not
+    ``harness.rank.data``). ``skip`` (each group reads its fixed shard; a down group's shard is not
     trained, a healed group jumps to its peers' position): those sequences are lost. ``replay``
     (the groups of each committed step take the next unread batches of one shared stream, in
     quorum order): every sequence is trained exactly once, whoever is up."""
@@ -162,19 +162,19 @@ class RecoveryConfig:
     spares_per_host: int = 1
     # The built-in trainer asks for a quorum every step (1: torchft's way), or only every N steps
     # and whenever membership may change: after a step that did not commit, and at once when
-    # the tree quorum sees a new member waiting (harness/trainer.py, "Sparse quorum"). 0 (the
+    # the tree quorum sees a new member waiting (harness/rank/trainer.py, "Sparse quorum"). 0 (the
     # default): SPARSE_QUORUM_EVERY with the tree quorum and the built-in trainer, else 1.
     quorum_every_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
 class SlurmConfig:
-    """``launcher = "slurm"`` (runtime/slurm.py): the last ``spare_nodes`` nodes of the
+    """``launcher = "slurm"`` (runtime/launchers/slurm.py): the last ``spare_nodes`` nodes of the
     allocation hold a ready agent and no group; ``replace`` says where a lost node's groups go:
     ``"spare"`` a spare node if one is ready, else the other nodes; ``"none"`` the other nodes
     (no spares); ``"new_job"`` as ``"spare"``, and for every node SLURM takes away (down,
     drained, dropped from the job) a new single-node job is submitted whose node joins as a
-    spare (runtime/slurm.py, ``SlurmLauncher.request_node``)."""
+    spare (runtime/launchers/slurm.py, ``SlurmLauncher.request_node``)."""
 
     spare_nodes: int = 0
     replace: Literal["spare", "new_job", "none"] = "spare"
@@ -205,7 +205,7 @@ class JobConfig:
     min_replica_size: int = 1
     bind_host: str = "127.0.0.1"
     # Where hosts come from: "local" child processes of the controller; "netns" test hosts, each
-    # in its own network namespace with its own address (root only; runtime/netns.py); or
+    # in its own network namespace with its own address (root only; runtime/launchers/netns.py); or
     # "external": agents started on other machines with `ftharness agent`, which dial in.
     launcher: Literal["local", "netns", "external", "slurm"] = "local"
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -1,5 +1,5 @@
 """The ``[program]`` section of a job config: a training program of the user's own, run
-unmodified in place of the built-in trainer (``harness.program`` runs it).
+unmodified in place of the built-in trainer (``harness.job.programs`` runs it).
 
     [program]
     kind = "torchft"                       # or "torchtitan"

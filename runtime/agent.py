@@ -44,7 +44,7 @@ from typing import Any
 import psutil
 import tenacity
 
-from runtime import channel, process
+from runtime import channel, proctree
 from runtime.channel import FrameError
 from runtime.messages import (
     WORKER_STARTED,
@@ -220,7 +220,7 @@ class Agent:
             code = 1
             try:
                 os.setsid()
-                process.die_with_parent(agent_pid)
+                proctree.die_with_parent(agent_pid)
                 signal.set_wakeup_fd(-1)
                 for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
@@ -306,12 +306,12 @@ class Agent:
         os.execv(sys.executable, [sys.executable, "-m", "runtime.worker"])
 
     def _stop_worker(self, w: _Worker, grace_s: float) -> None:
-        procs = process.tree(w.pid)
+        procs = proctree.tree(w.pid)
         w.kill_pids = [p.pid for p in procs]
         if grace_s <= 0:
-            process.signal_all(procs, signal.SIGKILL)
+            proctree.signal_all(procs, signal.SIGKILL)
         else:
-            process.signal_all(procs, signal.SIGTERM)
+            proctree.signal_all(procs, signal.SIGTERM)
             w.kill_at = time.monotonic() + grace_s
 
     def _stop_all_and_exit(self, code: int, grace_s: float = 0.0) -> None:
@@ -368,7 +368,7 @@ class Agent:
             # The worker's own children were re-parented to us (we are a subreaper): any child
             # that is not a worker is such an orphan, and must not outlive its worker.
             orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
-            process.signal_all(orphans, signal.SIGKILL)
+            proctree.signal_all(orphans, signal.SIGKILL)
             self._send(Exited(w.proc_id, pid, status, time.time()))
 
     def _timers(self) -> None:
@@ -381,7 +381,7 @@ class Agent:
                         os.kill(pid, signal.SIGKILL)
             silent = now - w.last_beat
             if w.hb is None:
-                continue  # a program: its liveness is its progress (harness.program)
+                continue  # a program: its liveness is its progress (harness.job.programs)
             limit = self.hb_timeout if w.started else self.cfg.start_timeout_s
             if not w.hung_reported and w.kill_at is None and silent > limit:
                 w.hung_reported = True
@@ -435,11 +435,11 @@ def dial(boot: Boot, timeout_s: float) -> channel.Connection:
 
 def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
     """Dial in, configure, preload, serve until the controller goes away; never returns."""
-    process.become_subreaper()
+    proctree.become_subreaper()
     if boot.parent_pid is not None:
         # SIGTERM, not SIGKILL, when the controller dies: the handler kills every worker's
         # whole tree (workers' own children included) before the agent exits.
-        process.die_with_parent(boot.parent_pid, signal.SIGTERM)
+        proctree.die_with_parent(boot.parent_pid, signal.SIGTERM)
     for path in reversed(boot.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -34,8 +34,8 @@ from typing import Any
 from runtime import channel
 from runtime.actor import RemoteError
 from runtime.failure import Cause, Failure, SupervisionError, decode_wait_status
-from runtime.host import HostAgentHandle
-from runtime.hosts import HostTable
+from runtime.host_handle import HostAgentHandle
+from runtime.host_registry import HostTable
 from runtime.journal import FAILURE, PROC_START, Journal
 from runtime.launchers import Launcher, LocalLauncher
 from runtime.mesh import ProcMesh, ProcRef
@@ -54,7 +54,7 @@ from runtime.messages import (
     SysCall,
 )
 from runtime.plane import Owner
-from runtime.procs import CallTable, ProcFailedError, ProcRecord
+from runtime.proc_handle import CallTable, ProcFailedError, ProcRecord
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
 from runtime.states import ProcState, check_transition

@@ -31,7 +31,7 @@ Event names and their extra fields:
                           ``data_pos``, ``data_policy`` (``skip`` | ``replay``), ``seqs`` and
                           ``seq_due`` (sequences trained and due, dashboards.data_coverage),
                           ``quorum`` (whether the step asked for a quorum: every step, or
-                          some with a sparse quorum, harness.trainer), ``proc`` (the worker
+                          some with a sparse quorum, harness.rank.trainer), ``proc`` (the worker
                           process, stamped by the controller)
 ``step.abort``            ``replica``, ``rank``, ``step``, ``reason`` (should_commit said no)
 ``fault.inject``          ``fault_id``, ``kind``, ``target`` (dict: replica/rank/host), ``seed``,
@@ -114,7 +114,7 @@ class Journal:
         self._torn = False  # the file ends mid-line: end it before the next record
         if self.path is not None:
             # 0700 applies to the last folder only; the run directory above it is made private
-            # by whoever creates it (harness.rundir).
+            # by whoever creates it (harness.job.rundir).
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._torn = _ends_mid_line(self.path)

@@ -1,4 +1,4 @@
-"""A program of the user's own, started by its host agent as a plain process.
+"""A program of the user's own, started by its host agent as a plain proctree.
 
 Unlike a worker (``runtime.worker``) it is not forked from the agent's preloaded interpreter,
 has no control connection and sends no heartbeat: it is ``argv`` exec'd as is, with the
@@ -7,7 +7,7 @@ its per-rank log, in a session of its own (so a stop reaches its whole process g
 terminal's ^C does not), tied to the agent by PR_SET_PDEATHSIG. The agent reaps it like any
 worker (``waitpid`` on SIGCHLD), so its exit, a signal or a core dump reach the controller as
 the same ``Exited`` value. Its liveness is its training progress, watched by the controller
-(``harness.program``), not here.
+(``harness.job.programs``), not here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import traceback
 
-from runtime import process
+from runtime import proctree
 from runtime.messages import SpawnProgram
 
 #: ``argv[0]`` values that mean "this interpreter" (the one the agent runs, which has torch).
@@ -135,7 +135,7 @@ def _child_setup(agent_pid: int) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    process.die_with_parent(agent_pid)
+    proctree.die_with_parent(agent_pid)
 
 
 def log_not_started(msg: SpawnProgram, exc: OSError) -> None:

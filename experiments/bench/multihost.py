@@ -1,6 +1,6 @@
 """``ftharness bench multihost``: recovery across hosts with networks of their own, the heal's
 bandwidth between hosts, and what authenticating every frame costs. Needs root (test hosts are
-network namespaces, runtime/netns.py).
+network namespaces, runtime/launchers/netns.py).
 
 Figures, all from one run:
 
@@ -40,9 +40,9 @@ from dashboards.metrics import percentile, summarize
 from experiments.report import evaluate_hypotheses
 from experiments.spec import Hypotheses
 from harness.config import load_config
-from harness.launch import run_job
-from runtime import netns
+from harness.job.launch import run_job
 from runtime.journal import FAULT_HEAL, FAULT_INJECT, read_journal
+from runtime.launchers import netns
 
 PARTITION_S = 6.0
 EVICTION_COOLDOWN_S = 6.0

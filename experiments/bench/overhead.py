@@ -9,7 +9,7 @@ a rotated order) so every configuration sees the same machine:
 * ``torchft``             — torchft's Manager + Lighthouse driven as torchft's examples drive
   them: the Lighthouse in its own process, ``OptimizerWrapper`` (``zero_grad`` starts the quorum,
   ``step`` asks ``should_commit``), the default asynchronous quorum, the default HTTP transport;
-* ``ftharness``           — ``harness.launch.run_job`` on the job's default config (supervision
+* ``ftharness``           — ``harness.job.launch.run_job`` on the job's default config (supervision
   tree, its quorum service, a sparse quorum, heartbeats, checkpoints), telemetry off;
 * ``ftharness_every_step`` — the same with a quorum every step (``recovery.quorum_every_steps=1``);
 * ``ftharness_telemetry`` — the same with OpenTelemetry (OTLP/HTTP to a stand-in collector in its
@@ -93,9 +93,9 @@ def worker(mode: str, cfg_dict: dict[str, Any], replica: int, addr: str, out: st
     import torch
 
     from harness.config import config_from_dict
-    from harness.data import TokenStream
-    from harness.model import build_model, loss_fn
-    from harness.trainer import threads_per_worker
+    from harness.rank.data import TokenStream
+    from harness.rank.model import build_model, loss_fn
+    from harness.rank.trainer import threads_per_worker
 
     cfg = config_from_dict(cfg_dict)
     torch.set_num_threads(threads_per_worker(cfg))
@@ -369,7 +369,7 @@ def _run_subprocess_config(
 def _run_ftharness(
     cfg: Any, workdir: Path, telemetry: bool, sampler_period: float
 ) -> tuple[list[list[float]], Sampler, int, set[int], set[int]]:
-    from harness.launch import attach_telemetry, run_job
+    from harness.job.launch import attach_telemetry, run_job
     from runtime.journal import PROC_START, STEP_COMMIT, Journal, read_journal
 
     collector = None

@@ -6,8 +6,8 @@ at a random step, once the previous recovery has finished and the job has traine
 since. Configurations, all in the same run and on the same seed:
 
 * ``in_place/torchft`` — in-place restart; membership by torchft's Lighthouse (heartbeats);
-* ``in_place/tree``    — in-place restart; membership by the supervision tree (harness.tree_quorum),
-  a quorum every 10 steps and whenever membership may change (the default, harness.trainer);
+* ``in_place/tree``    — in-place restart; membership by the supervision tree (harness.quorum.tree),
+  a quorum every 10 steps and whenever membership may change (the default, harness.rank.trainer);
 * ``in_place/tree_every_step`` — the same with a quorum every step;
 * ``full_restart``     — every process restarted, resume from the last checkpoint.
 
@@ -22,11 +22,11 @@ the median time from the kill to it: where the replacement's time goes.
 A second row set runs the llama3 debug model (not with ``--quick``).
 
 Two more configurations run a program of the user's own instead of the built-in trainer
-(``tests/programs/train_ddp.py``, a plain torchft program; ``harness.program``), under each
+(``tests/programs/train_ddp.py``, a plain torchft program; ``harness.job.programs``), under each
 quorum backend, started cold (a fresh interpreter: ``program/torchft``, ``program/tree``) and
 warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``).
 Their figures come from what the quorum tap observed (commits one request late, see
-``harness.program``), plus ``cold_start_to_first_commit_s``: from the program's first start to
+``harness.job.programs``), plus ``cold_start_to_first_commit_s``: from the program's first start to
 its group's first committed step, per group (same machine, same run). ``vs_builtin`` compares
 each program row's ``replacement_back_s`` to the cold row's cold start under the same backend
 (the same program from a cold start; goal: at most 1.5x) and its ``survivor_stall_s`` to the
@@ -53,7 +53,7 @@ from dashboards.metrics import percentile, summarize
 from experiments.report import evaluate_hypotheses
 from experiments.spec import Hypotheses
 from harness.config import load_config
-from harness.launch import run_job
+from harness.job.launch import run_job
 from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
 
 CONFIGS = {
@@ -66,7 +66,7 @@ CONFIGS = {
     ],
     "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
 }
-#: A program of the user's own (harness.program), run from a source checkout.
+#: A program of the user's own (harness.job.programs), run from a source checkout.
 PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "programs" / "train_ddp.py"
 PROGRAM_CONFIGS = {
     f"program{'_warm' if warm else ''}/{quorum}": [

@@ -2,7 +2,7 @@
 with lightweight simulated members instead of trainers.
 
 **Quorum** (``experiments.bench.sim_members``): for each number of replica groups N, the tree
-quorum (``harness.tree_quorum``, Python) and torchft's Lighthouse (Rust) in the same run, each in
+quorum (``harness.quorum.tree``, Python) and torchft's Lighthouse (Rust) in the same run, each in
 its own process, driven by the same simulated members (one gRPC connection each, the same
 request bytes) from ``procs`` load processes. Each service first sees every member heartbeat
 and answers one full round (so its previous quorum holds all N, as in a running job). Then:

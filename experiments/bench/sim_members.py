@@ -3,13 +3,13 @@
 A simulated member is what a torchft Manager's ManagerServer is to the quorum service and
 nothing more: it heartbeats and asks for quorums with a ``QuorumMember`` (replica id with the
 job's tag and a uuid, as a Manager sends it; addresses; step; world size) over gRPC, one
-connection per member. Requests are the raw protobuf bytes of ``harness.tree_quorum``'s codec,
+connection per member. Requests are the raw protobuf bytes of ``harness.quorum.tree``'s codec,
 so torchft's Lighthouse and the tree quorum receive the very same bytes.
 
 Processes (so that the service, the load and the measurement do not share a GIL):
 
 * the **service** process hosts one quorum service (:func:`serve`): the tree quorum
-  (``harness.tree_quorum.TreeQuorum``) or torchft's Lighthouse (``LighthouseServer``, Rust);
+  (``harness.quorum.tree.TreeQuorum``) or torchft's Lighthouse (``LighthouseServer``, Rust);
 * ``procs`` **load** processes (:func:`load`) each hold a share of the members, one gRPC channel
   (connection) each, and fire their requests as non-blocking calls from one thread; a reply's
   time is taken first thing in its completion callback.
@@ -39,8 +39,8 @@ _CTX = mp.get_context("spawn")
 
 def member_bytes(replica_id: str, replica: int, step: int) -> bytes:
     """A Manager's ``QuorumMember``: replica_id 1, address 2, store_address 3, step 4,
-    world_size 5 (the field numbers of ``harness.tree_quorum``)."""
-    from harness.tree_quorum import encode_field
+    world_size 5 (the field numbers of ``harness.quorum.tree``)."""
+    from harness.quorum.tree import encode_field
 
     return (
         encode_field(1, replica_id.encode())
@@ -60,7 +60,7 @@ def serve(kind: str, n: int, heartbeat_timeout_s: float, conn: Connection) -> No
     the ones it admits; the Lighthouse's have the same form and length (it admits anyone)."""
     import psutil
 
-    from harness.quorum_rule import member_id
+    from harness.quorum.rule import member_id
 
     # torchft's Lighthouse logs every request and every quorum in full on stderr: keep them off
     # the bench's output (writing them still costs what it costs in a job).
@@ -70,7 +70,7 @@ def serve(kind: str, n: int, heartbeat_timeout_s: float, conn: Connection) -> No
     tree: Any = None
     lighthouse: Any = None
     if kind == "tree":
-        from harness.tree_quorum import TreeQuorum
+        from harness.quorum.tree import TreeQuorum
 
         # Every waiting quorum request holds one of the server's threads.
         tree = TreeQuorum(
@@ -254,7 +254,7 @@ class _Sim:
 
         import grpc
 
-        from harness.tree_quorum import encode_field
+        from harness.quorum.tree import encode_field
 
         requests = [(r, encode_field(1, member_bytes(self.ids[r], r, step))) for r in which]
         sample: list[bytes] = []
@@ -283,7 +283,7 @@ def digest(reply: bytes) -> int:
 
 
 def encode_heartbeat(replica_id: str) -> bytes:
-    from harness.tree_quorum import encode_field
+    from harness.quorum.tree import encode_field
 
     return encode_field(1, replica_id.encode())
 
@@ -396,7 +396,7 @@ class Service:
 
 def quorum_members(reply: bytes) -> tuple[int, list[str]]:
     """The quorum id and the participants' replica ids of a ``LighthouseQuorumResponse``."""
-    from harness.tree_quorum import decode_quorum_response
+    from harness.quorum.tree import decode_quorum_response
 
     qid, members = decode_quorum_response(reply)
     return qid, [m.replica_id for m in members]

@@ -2,7 +2,8 @@
 
 The classic SLURM job (``ftharness slurm submit --requeue``: no ``--no-kill``, no spare nodes)
 on the test cluster (``bin/test-cluster up 3``, ``SLURM_CONF`` set; root): once it trains, its
-second node fails (``runtime.slurm.fail_node``: slurmd and every process of the node). SLURM
+second node fails (``runtime.launchers.slurm.fail_node``: slurmd and every process of the node).
+SLURM
 notices after ``SlurmdTimeout``, ends the job with ``NODE_FAIL``, requeues it, and runs the
 batch script again on the nodes left; the new run resumes from the last checkpoint. Figures:
 
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.slurm_submit import job_state
-from runtime import slurm
 from runtime.journal import read_journal
+from runtime.launchers import slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -36,7 +36,7 @@ def _train_setup():
     import torch
 
     from harness.config import DataConfig, ModelConfig
-    from harness.model import build_model, loss_fn
+    from harness.rank.model import build_model, loss_fn
 
     torch.set_num_threads(1)  # fewer threads, less noise from the other tenants of the machine
     mcfg, dcfg = ModelConfig(), DataConfig()

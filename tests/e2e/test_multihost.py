@@ -1,5 +1,6 @@
 """Jobs across test hosts with networks of their own: one Linux network namespace per host, each
-with its own address on a bridge (runtime/netns.py). Control channel, torchft's stores, quorum
+with its own address on a bridge (runtime/launchers/netns.py). Control channel, torchft's stores,
+quorum
 and process groups, and the data plane all cross real interfaces here.
 
 Needs root (CI is root); skipped with the reason otherwise.
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 from e2e_helpers import after_step, check_invariants, events, tiny_cfg
 
-from harness.launch import run_job
-from runtime import netns
+from harness.job.launch import run_job
+from runtime.launchers import netns
 
 ok, why = netns.available()
 pytestmark = [

@@ -13,7 +13,7 @@ import pytest
 from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
 
 from faults.fault import Target
-from harness.launch import run_job
+from harness.job.launch import run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
     ("quorum", "spares", "every"),
     [("torchft", 0, 1), ("tree", 1, 1), ("tree", 1, 1000)],
     # the last: a sparse quorum that never comes due by itself (N > steps), so the replacement
-    # can only be let in by the survivors' quorum flag (harness.trainer, "Sparse quorum")
+    # can only be let in by the survivors' quorum flag (harness.rank.trainer, "Sparse quorum")
     ids=["torchft-lighthouse", "tree-quorum-with-a-spare", "sparse-quorum-asked-for"],
 )
 def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares, every):
@@ -343,7 +343,7 @@ def test_a_stopped_job_stops_every_group_after_the_same_step(tmp_path):
         group_of = {p: g.replica for g in job.groups.values() for p in g.mesh.proc_ids}
 
         def late_for_others(pid, func, *args):
-            if func == "harness.actors:stop_training" and group_of.get(pid) != 0:
+            if func == "harness.rank.actors:stop_training" and group_of.get(pid) != 0:
                 time.sleep(0.1)
             return run_in_worker(pid, func, *args)
 

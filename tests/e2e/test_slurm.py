@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
 
-from harness.launch import run_job
-from runtime import netns, slurm
+from harness.job.launch import run_job
+from runtime.launchers import netns, slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "bin" / "test-cluster"

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 from torchft import ProcessGroupGloo
 from torchft.process_group import reconfigure_with_store
-from harness.quorum import close_communicator
+from harness.rank.torchft_glue import close_communicator
 
 rank, addr, close, timeout = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", float(sys.argv[4])
 pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))

@@ -1,6 +1,7 @@
 """With the ``replay`` data policy no sequence is lost to a killed replica group.
 
-Real processes (``harness.trainer.run_trainer``), torchft's Lighthouse and Managers, gloo on CPU,
+Real processes (``harness.rank.trainer.run_trainer``), torchft's Lighthouse and Managers, gloo on
+CPU,
 a real SIGKILL of one group while the others train on, and its replacement healing from them.
 The sequences trained are counted from the journals by ``dashboards.data_coverage``: with
 ``replay`` every sequence up to the last committed step is trained exactly once; with ``skip``
@@ -20,7 +21,7 @@ from trainer_procs import commits, start_trainer
 
 from dashboards.data_coverage import coverage
 from harness.config import CheckpointConfig, DataConfig, JobConfig, config_to_dict
-from harness.quorum import Lighthouse
+from harness.rank.torchft_glue import Lighthouse
 from runtime.journal import read_journal
 
 

@@ -1,7 +1,8 @@
 """Which addresses a running job listens on. With ``bind_host = "127.0.0.1"`` no listener of the
 job's processes (the controller with its tree quorum and Prometheus exporter, the host agents,
 the trainers) may bind every interface, except torchft's own servers, which take no bind
-address (listed in ``UNFIXABLE`` with the reason; see also ``harness.quorum``'s docstring).
+address (listed in ``UNFIXABLE`` with the reason; see also ``harness.rank.torchft_glue``'s
+docstring).
 
 Read from ``/proc/net/tcp`` and ``/proc/net/tcp6`` while a real job (2 replica groups x 1 rank,
 the tree quorum, torchft's HTTP checkpoint transport, the Prometheus exporter) trains.
@@ -20,11 +21,11 @@ from typing import Any
 import pytest
 
 from faults.fault import Target
-from harness import quorum_rule as rule
 from harness.cli import build_parser
 from harness.config import load_config
-from harness.launch import attach_telemetry, run_job
-from harness.tree_quorum import decode_fields
+from harness.job.launch import attach_telemetry, run_job
+from harness.quorum import rule
+from harness.quorum.tree import decode_fields
 from runtime.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_no_listener_of_a_running_job_binds_every_interface(tmp_path: Path) -> N
         raise found["error"]
     assert outcome["status"] == "ok", outcome["reason"]
 
-    # Every Manager was let in under a name the job admitted (harness.tree_quorum).
+    # Every Manager was let in under a name the job admitted (harness.quorum.tree).
     assert all(rule.parse_member_id(m.replica_id) for m in found["quorum"].members)
     # The Prometheus exporter listens on bind_host.
     prom_host, prom_port = telemetry.prometheus_address

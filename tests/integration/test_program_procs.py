@@ -1,5 +1,5 @@
 """Programs of the user's own as supervised processes (runtime/program_proc.py), and the quorum
-tap in front of a real quorum service (harness/quorum_tap.py): real processes, real gRPC."""
+tap in front of a real quorum service (harness/quorum/tap.py): real processes, real gRPC."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import grpc
 import psutil
 import pytest
 
-from harness.quorum_tap import QuorumTap, Request
-from harness.tree_quorum import SERVICE, TreeQuorum, decode_quorum_response, encode_field
+from harness.quorum.tap import QuorumTap, Request
+from harness.quorum.tree import SERVICE, TreeQuorum, decode_quorum_response, encode_field
 from runtime.controller import Controller
 from runtime.failure import Cause
 from runtime.messages import SpawnProgram
@@ -96,7 +96,7 @@ def test_a_program_whose_log_cannot_be_opened_is_reported_not_started(ctl, tmp_p
 
 def test_a_stopped_program_is_not_hung_by_heartbeat_and_stop_takes_its_whole_group(ctl, tmp_path):
     """No heartbeat is expected of a program (its liveness is its progress, watched by
-    harness.program); a stop reaches its children too (its own session)."""
+    harness.job.programs); a stop reaches its children too (its own session)."""
     rec, _ = start(ctl, tmp_path, "sleep 100 & sleep 100; wait")
     pid = rec.ready.result(timeout=15)
     child = wait_for(lambda: psutil.Process(pid).children(), what="the child")[0]
@@ -220,7 +220,7 @@ BEATING = "import sys, time\nfor i in range(600):\n    print(i, flush=True)\n   
 
 def _hooked(ctl, tmp_path):
     """A Python program that prints a line every 50 ms, with ftharness's hook on its path."""
-    from harness.program import HOOKS_DIR
+    from harness.job.programs import HOOKS_DIR
 
     host = ctl.hosts.get("h0") or ctl.spawn_host("h0")
     log = tmp_path / "replica0-rank0.log"
@@ -232,7 +232,7 @@ def _hooked(ctl, tmp_path):
 
 
 def _command(tmp_path, pid: int, func: str, *args) -> None:
-    from harness.program import HOOK_SIGNAL
+    from harness.job.programs import HOOK_SIGNAL
 
     (tmp_path / f"{pid}.json").write_text(json.dumps({"func": func, "args": list(args)}))
     os.kill(pid, HOOK_SIGNAL)

@@ -18,7 +18,7 @@ import torch
 from torchft import ProcessGroupGloo as TorchftProcessGroupGloo
 from torchft.process_group import ReconfigureOptions
 
-from harness.quorum import ProcessGroupGloo, communicator_id
+from harness.rank.torchft_glue import ProcessGroupGloo, communicator_id
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +55,8 @@ def test_a_reused_quorum_id_rendezvous_afresh() -> None:
     for i, pg in enumerate(pgs):
         pg.set_rank_info(f"replica_{i}", 0, 1)
     assert _round(pgs, 1, (0.0, 0.0)) == {"0": 2.0, "1": 2.0}
-    for pg in pgs:  # as a survivor does after a failed step (harness.quorum.close_communicator)
+    # as a survivor does after a failed step (harness.rank.torchft_glue.close_communicator)
+    for pg in pgs:
         pg.abort(errored=False)
     # the restarted service hands out id 1 again; the first member arrives 1 s after the second,
     # so the second reads the first's key before the first has written it afresh

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from trainer_procs import lone_trainer
 
-from harness import checkpoint
 from harness.config import CheckpointConfig, JobConfig
-from harness.quorum import Lighthouse
-from harness.trainer import Trainer
+from harness.rank import checkpoint
+from harness.rank.torchft_glue import Lighthouse
+from harness.rank.trainer import Trainer
 
 Log = list[tuple[str, dict[str, Any]]]
 

@@ -9,8 +9,8 @@ import pytest
 from trainer_procs import lone_trainer
 
 from harness.config import CheckpointConfig, JobConfig
-from harness.quorum import Lighthouse
-from harness.trainer import CHECKSUM_EVERY
+from harness.rank.torchft_glue import Lighthouse
+from harness.rank.trainer import CHECKSUM_EVERY
 
 
 @pytest.mark.timeout(120)

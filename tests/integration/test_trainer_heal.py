@@ -1,6 +1,7 @@
 """A killed replica group is replaced in place, heals from a peer and trains on, bitwise equal.
 
-Real processes (``python -c`` running ``harness.trainer.run_trainer``), torchft's real Lighthouse
+Real processes (``python -c`` running ``harness.rank.trainer.run_trainer``), torchft's real
+Lighthouse
 and Managers, gloo on CPU, a real SIGKILL. Everything is asserted from the per-process journals.
 """
 
@@ -20,7 +21,7 @@ import pytest
 from trainer_procs import REPO, commits, lone_trainer, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, config_to_dict
-from harness.quorum import Lighthouse, host_store
+from harness.rank.torchft_glue import Lighthouse, host_store
 from runtime.journal import read_journal
 
 KILL_AFTER = 8  # commits by the victim before it is killed

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from trainer_procs import lone_trainer
 
-from harness import trainer as trainer_mod
 from harness.config import CheckpointConfig, JobConfig, RecoveryConfig
-from harness.quorum import Lighthouse
-from harness.trainer import Trainer
+from harness.rank import trainer as trainer_mod
+from harness.rank.torchft_glue import Lighthouse
+from harness.rank.trainer import Trainer
 
 
 def _trainer(cfg: JobConfig, lighthouse: Lighthouse, events: list) -> Trainer:

@@ -30,7 +30,7 @@ def user_state(seed: int) -> dict:
 
 
 def _sender_main(seed: int, step: int) -> None:
-    from harness.transport import make_dataplane_transport
+    from harness.rank.transport import make_dataplane_transport
 
     user = user_state(seed)
     transport = make_dataplane_transport(None, timedelta(seconds=30), lambda: user)
@@ -60,7 +60,7 @@ def _start_sender(call: str) -> subprocess.Popen:
 
 @pytest.mark.timeout(90)
 def test_send_in_one_process_receive_in_place_in_another() -> None:
-    from harness.transport import DataplaneTransport
+    from harness.rank.transport import DataplaneTransport
 
     proc = _start_sender("_sender_main(5, 9)")
     try:
@@ -100,7 +100,7 @@ class _Evil:
 
 def _evil_sender_main(marker: str, step: int) -> None:
     """A quorum member that publishes a real snapshot whose blob is a malicious pickle."""
-    import harness.transport as transport
+    import harness.rank.transport as transport
 
     evil = pickle.dumps(((), [_Evil(marker)], None))
     transport._encode_blob = lambda paths, values, spec: evil  # what an attacker sends
@@ -114,7 +114,7 @@ def _evil_sender_main(marker: str, step: int) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_malicious_blob_is_refused_and_runs_nothing(tmp_path: Path) -> None:
-    from harness.transport import BlobError, DataplaneTransport
+    from harness.rank.transport import BlobError, DataplaneTransport
 
     marker = tmp_path / "pwned"
     proc = _start_sender(f"_evil_sender_main({str(marker)!r}, 3)")
@@ -134,8 +134,8 @@ def test_a_malicious_blob_is_refused_and_runs_nothing(tmp_path: Path) -> None:
 
 
 def test_dataplane_is_selectable_by_name() -> None:
-    from harness.quorum import transport_factory, transport_names
-    from harness.transport import make_dataplane_transport
+    from harness.rank.torchft_glue import transport_factory, transport_names
+    from harness.rank.transport import make_dataplane_transport
 
     assert "dataplane" in transport_names()
     assert transport_factory("dataplane") is make_dataplane_transport

@@ -26,7 +26,7 @@ import pytest
 from trainer_procs import commits, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, TimeoutConfig, config_to_dict
-from harness.tree_quorum import TreeQuorum
+from harness.quorum.tree import TreeQuorum
 from runtime.journal import read_journal
 
 # The Lighthouse heartbeat timeout here (the harness's default is 1 s): long enough that the
@@ -248,7 +248,7 @@ def test_untagged_ids_only_from_allowed_hosts() -> None:
 @pytest.mark.timeout(60)
 def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
     # The job restarts its quorum service with the old one's secret and incarnations
-    # (harness.launch): the running members stay in, the fenced incarnation stays out.
+    # (harness.job.launch): the running members stay in, the fenced incarnation stays out.
     tq = TreeQuorum(min_replicas=1, heartbeat_timeout_s=60.0)
     old = tq.admit(0) + ":a"
     current = tq.admit(0) + ":b"
@@ -267,7 +267,7 @@ def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_member_not_in_the_last_quorum_is_announced_when_it_joins() -> None:
-    # Sparse quorum (harness.trainer): the running groups skip quorums, so the controller must
+    # Sparse quorum (harness.rank.trainer): the running groups skip quorums, so the controller must
     # hear at once that a replacement waits in a round, and only then (not for every join).
     seen: list[str] = []
     tq = TreeQuorum(min_replicas=2, heartbeat_timeout_s=60.0, on_newcomer=seen.append)

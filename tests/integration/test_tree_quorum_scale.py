@@ -11,8 +11,9 @@ import pytest
 
 from experiments.bench.scale import _check
 from experiments.bench.sim_members import Members
-from harness import quorum_rule, tree_quorum
-from harness.tree_quorum import TreeQuorum
+from harness.quorum import rule as quorum_rule
+from harness.quorum import tree as tree_quorum
+from harness.quorum.tree import TreeQuorum
 
 N = 48
 

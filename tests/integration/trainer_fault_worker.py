@@ -15,7 +15,7 @@ import threading
 import time
 
 from harness.config import config_from_dict
-from harness.trainer import Trainer
+from harness.rank.trainer import Trainer
 from runtime.journal import Journal
 
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def lone_trainer(cfg: Any, lighthouse_addr: str, emit: Any, run_dir: Path | None = None) -> Any:
     """A Trainer in this process: replica group 0, rank 0, no group store (one rank),
     journaling through ``emit(event, fields)``; checkpoints under ``run_dir`` if given."""
-    from harness.trainer import Trainer
+    from harness.rank.trainer import Trainer
 
     return Trainer(
         cfg,
@@ -43,7 +43,7 @@ def start_trainer(
     a real death of the whole trainer). Output goes to ``journal_path`` with ``.log``."""
     code = (
         "import json, os, sys\n"
-        "from harness.trainer import run_trainer\n"
+        "from harness.rank.trainer import run_trainer\n"
         "a = json.loads(sys.argv[1])\n"
         "print(json.dumps(run_trainer(**a)), flush=True)\n"
         # The journal is closed and the summary printed: skip interpreter teardown, where

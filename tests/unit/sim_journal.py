@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import runtime.journal as journal_module
-from harness.recovery import HEALED, RecoveryTracker
+from harness.job.recovery import HEALED, RecoveryTracker
 from runtime.failure import Cause, Failure
 from runtime.journal import (
     CHECKPOINT_LOAD,

@@ -18,14 +18,14 @@ import pytest
 import torch
 import xxhash
 
-from harness import checkpoint
+from harness.rank import checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Saves ever larger checkpoints in a loop until killed; each holds its step in every element.
 _WRITER = """
 import sys, torch
-from harness import checkpoint
+from harness.rank import checkpoint
 d = sys.argv[1]
 step = 1
 while True:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.config import DataConfig
-from harness.data import TokenStream
+from harness.rank.data import TokenStream
 
 CFG = DataConfig(seed=3, seq_len=16, batch_size=4, vocab_size=64)
 

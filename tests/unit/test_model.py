@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.config import ModelConfig
-from harness.model import LLAMA3_DEBUG_VOCAB, build_model, loss_fn
+from harness.rank.model import LLAMA3_DEBUG_VOCAB, build_model, loss_fn
 
 
 def _step(model: torch.nn.Module, vocab: int) -> float:
@@ -37,7 +37,7 @@ def test_tiny_does_not_import_torchtitan() -> None:
     import sys
 
     code = (
-        "import sys; from harness.config import ModelConfig; from harness.model import "
+        "import sys; from harness.config import ModelConfig; from harness.rank.model import "
         "build_model; build_model(ModelConfig(), vocab_size=64, seed=0); "
         "print('torchtitan' in sys.modules)"
     )
@@ -64,7 +64,7 @@ def test_llama3_debug_rejects_other_vocab() -> None:
 def test_a_prebuilt_model_is_what_build_model_builds_and_is_handed_out_once(kind):
     import dataclasses
 
-    from harness import model as model_module
+    from harness.rank import model as model_module
 
     cfg = ModelConfig(kind=kind)
     vocab = 2048 if kind == "llama3_debug" else 256

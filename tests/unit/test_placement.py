@@ -1,11 +1,11 @@
-"""Where a replica group runs (harness.placement): home first, spread on loss, respawn in the
+"""Where a replica group runs (harness.job.placement): home first, spread on loss, respawn in the
 background, wait only when no host is ready."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.placement import HostState, place
+from harness.job.placement import HostState, place
 
 
 def hosts(*states: HostState) -> list[HostState]:

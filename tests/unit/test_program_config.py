@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from harness.config import ConfigError, load_config
-from harness.program import hung_for, launcher_env, log_name, program_argv, read_tail, step_events
+from harness.job.programs import (
+    hung_for,
+    launcher_env,
+    log_name,
+    program_argv,
+    read_tail,
+    step_events,
+)
 from harness.program_config import LAUNCHER_ENV
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""torchft's Lighthouse quorum rule (``harness.quorum_rule``) and the Lighthouse wire codec
-(``harness.tree_quorum``): pure functions, no sockets.
+"""torchft's Lighthouse quorum rule (``harness.quorum.rule``) and the Lighthouse wire codec
+(``harness.quorum.tree``): pure functions, no sockets.
 
 The rule cases follow torchft's own ``src/lighthouse.rs`` tests (join timeout, heartbeats, fast
 quorum, shrink_only) and add the supervision tree's input, ``drop_failed``.
@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from harness import quorum_rule as rule
-from harness.tree_quorum import (
+from harness.quorum import rule
+from harness.quorum.tree import (
     WireError,
     decode_fields,
     decode_heartbeat_request,
@@ -196,7 +196,7 @@ def test_failed_replica_is_fenced_but_its_replacement_joins() -> None:
 
 
 def test_a_sparse_quorum_waits_for_live_members_past_the_join_timeout() -> None:
-    # a trains alone and skips quorums (harness.trainer); b and c start late and join a round.
+    # a trains alone and skips quorums (harness.rank.trainer); b and c start late and join a round.
     # torchft's rule issues {b, c} at the join timeout (2 of 3 heartbeating: a majority), and the
     # job has two copies of the model, both committing. Seen in a real run before this rule.
     a, b, c = "replica_0:u1", "replica_1:u2", "replica_2:u3"

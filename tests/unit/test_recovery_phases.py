@@ -1,9 +1,9 @@
-"""Recovery phases derived from the journal (harness/recovery.py), fed records in the orders a
+"""Recovery phases derived from the journal (harness/job/recovery.py), fed records in the orders a
 real job can write them."""
 
 from __future__ import annotations
 
-from harness.recovery import HEALED, RecoveryTracker
+from harness.job.recovery import HEALED, RecoveryTracker
 from runtime.failure import Cause, Failure
 from runtime.journal import FAULT_INJECT, RECOVERY_PHASE, STEP_ABORT, STEP_COMMIT, Journal
 

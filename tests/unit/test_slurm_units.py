@@ -14,9 +14,9 @@ from faults.schedule import ScheduleSpec, plan
 from faults.targets import TargetError, TargetSpec, Topology
 from harness.cli import build_parser, main
 from harness.config import ConfigError, load_config
-from harness.placement import HostState, place
-from harness.slurm import check_allocation
-from runtime.slurm import (
+from harness.job.placement import HostState, place
+from harness.job.slurm import check_allocation
+from runtime.launchers.slurm import (
     Allocation,
     SlurmError,
     SlurmLauncher,

@@ -1,4 +1,4 @@
-"""The data-plane transport's blob (``harness.transport``): the non-tensor part of a state,
+"""The data-plane transport's blob (``harness.rank.transport``): the non-tensor part of a state,
 decoded from a peer without running anything the peer sent."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from harness.transport import _TENSOR, BlobError, _encode_blob, _flatten, decode_blob
+from harness.rank.transport import _TENSOR, BlobError, _encode_blob, _flatten, decode_blob
 
 
 def trainer_like_state() -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Running a training program of the user's own, unmodified, in place of the built-in trainer
 (``[program]`` in the job config: ``harness.program_config``).
 
-How each piece of the job-level protocol (``harness.job``) applies to a program:
+How each piece of the job-level protocol (``harness.job.protocol``) applies to a program:
 
 * **Spawn.** Each rank of each replica group is started by its host agent as a plain process
   (``runtime.program_proc``) with the environment a torchft launcher gives
@@ -11,7 +11,7 @@ How each piece of the job-level protocol (``harness.job``) applies to a program:
   ``RUN/logs/replica<r>-rank<k>.log``; on a failure the console shows its tail.
 * **Detect.** An exit or a signal is reaped by the agent as for any worker. A program sends no
   heartbeat: its liveness is its progress. Every group's Manager asks for a quorum once per step
-  through a tap in front of the quorum service (``harness.quorum_tap``), and a group with no
+  through a tap in front of the quorum service (``harness.quorum.tap``), and a group with no
   request in flight and none for ``program.progress_timeout_s`` (``start_timeout_s`` after it
   started) is hung: rank 0 is failed like a missed heartbeat and killed.
 * **Observe.** The tap's view is journalled as the group's progress, so every report works
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import quorum_rule as rule
 from harness.program_config import TORCHTITAN_FLAGS
-from harness.quorum_tap import QuorumTap, Request
+from harness.quorum import rule
+from harness.quorum.tap import QuorumTap, Request
 from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 from runtime.mesh import ProcMesh
@@ -53,8 +53,8 @@ TAIL_LINES = 20
 
 
 #: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
-HOOKS_DIR = Path(__file__).resolve().parent / "program_hooks"
-#: The signal that tells the hook a fault command is waiting (harness/program_hooks).
+HOOKS_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_hooks"
+#: The signal that tells the hook a fault command is waiting (harness/rank/program_hooks).
 HOOK_SIGNAL = signal.SIGUSR2
 
 
@@ -194,7 +194,8 @@ class _Group:
 
 class ProgramGroups:
     """The program's replica groups of one job: spawns them, watches them through the quorum
-    tap, and journals their progress. ``harness.job`` calls :meth:`start`, :meth:`start_groups`
+    tap, and journals their progress. ``harness.job.protocol`` calls :meth:`start`,
+    :meth:`start_groups`
     and :meth:`stop`; the tap calls the observer methods."""
 
     def __init__(self, job: Any) -> None:
@@ -338,7 +339,8 @@ class ProgramGroups:
     # -- faults ---------------------------------------------------------------------------------
     def run_in_program(self, proc_id: str, func: str, *args: Any) -> None:
         """An in-process fault for a program. With ``program.hooks`` it runs inside the rank
-        (harness/program_hooks: a command file, then a signal); without, a segfault is a SIGSEGV
+        (harness/rank/program_hooks: a command file, then a signal); without, a segfault is a
+        SIGSEGV
         sent from outside (the supervisor sees the same death) and the others are refused."""
         rec = self.job.controller.procs.get(proc_id)
         if rec is None or rec.pid is None:

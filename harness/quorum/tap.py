@@ -1,17 +1,18 @@
 """A pass-through in front of the quorum service that watches a program's progress.
 
-A program of the user's own (``harness.program``) tells ftharness nothing, but every one of its
+A program of the user's own (``harness.job.programs``) tells ftharness nothing, but every one of its
 replica groups asks the quorum service for a quorum once per step: torchft's Manager sends its
 ``QuorumMember`` (replica id, step, store address, commit failures) to
 ``/torchft.LighthouseService/Quorum`` and heartbeats to ``.../Heartbeat``. Programs get this
 tap's address as ``TORCHFT_LIGHTHOUSE``; it decodes each request and reply (the protobuf codec of
-``harness.tree_quorum``), tells an observer, and forwards the bytes unchanged to the real
+``harness.quorum.tree``), tells an observer, and forwards the bytes unchanged to the real
 service, torchft's Lighthouse or the tree quorum, whichever the job runs. So both backends are
 observed the same way, and neither needs to know programs exist.
 
 Quorum ids: torchft's Lighthouse numbers its quorums from 1 again when it restarts, and a
 torchft process group rendezvouses each reconfiguration under its quorum id on a store where the
-first use of that id left stale peer addresses (``harness.quorum.ProcessGroupGloo``, for the
+first use of that id left stale peer addresses (``harness.rank.torchft_glue.ProcessGroupGloo``, for
+the
 built-in trainer). A program's process group is its own, so the tap renumbers instead: after
 :meth:`QuorumTap.upstream_restarted`, every reply's quorum id is raised by the highest id handed
 out before, so the ids a program sees never repeat. (The tree quorum continues its own ids.)
@@ -34,8 +35,8 @@ from typing import Protocol
 
 import grpc
 
-from harness import quorum_rule as rule
-from harness.tree_quorum import (
+from harness.quorum import rule
+from harness.quorum.tree import (
     SERVICE,
     WireError,
     decode_fields,
@@ -46,7 +47,7 @@ from harness.tree_quorum import (
     encode_wire_field,
 )
 
-_STORE_ADDRESS = 3  # QuorumMember.store_address (harness.tree_quorum's module doc)
+_STORE_ADDRESS = 3  # QuorumMember.store_address (harness.quorum.tree's module doc)
 
 
 @dataclass(frozen=True)

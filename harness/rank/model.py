@@ -115,7 +115,7 @@ def prebuild(model: dict, vocab_size: int, seed: int) -> None:
 def prebuild_call(cfg: JobConfig) -> tuple[str, dict]:
     """The host agents' warm-up call (``AgentConfig.warmup``) that prebuilds ``cfg``'s model."""
     return (
-        "harness.model:prebuild",
+        "harness.rank.model:prebuild",
         {
             "model": dataclasses.asdict(cfg.model),
             "vocab_size": cfg.data.vocab_size,

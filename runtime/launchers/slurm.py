@@ -21,7 +21,7 @@ job (SLURM drops a failed node from a ``--no-kill`` job) is *gone*: never chosen
 never started again (:attr:`SlurmLauncher.gone`).
 
 The last ``spare_nodes`` nodes of the allocation are spares: they run an agent (with its warm
-spare processes) but no group until a node is lost (``harness.placement``).
+spare processes) but no group until a node is lost (``harness.job.placement``).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def controller_address(alloc: Allocation) -> str:
 
 
 def project_root() -> str:
-    return str(Path(__file__).resolve().parents[1])
+    return str(Path(__file__).resolve().parents[2])
 
 
 def agent_command(

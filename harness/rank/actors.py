@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-import harness.transport  # noqa: F401 - preloaded with the actors, so a fork need not import it
+import harness.rank.transport  # noqa: F401 - preloaded with the actors, so a fork need not import it
 from harness.config import config_from_dict
-from harness.trainer import Trainer, threads_per_worker
+from harness.rank.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint
 from runtime.journal import HEALED
 
@@ -38,7 +38,7 @@ class _ReportingTrainer(Trainer):
 
 
 class TrainerActor(Actor):
-    """One rank of one replica group (see harness.trainer for the training loop itself).
+    """One rank of one replica group (see harness.rank.trainer for the training loop itself).
 
     ``train`` occupies the worker's main thread for the whole run; the fault hooks
     (``set_step_delay``, ``abort_collectives``) and ``stop`` are therefore reached through
@@ -115,7 +115,7 @@ def request_quorum() -> None:
 
 def checkpoint_next_step() -> None:
     """System call: every trainer in this worker checkpoints at its next committed step (SLURM's
-    time-limit signal, harness/slurm.py)."""
+    time-limit signal, harness/job/slurm.py)."""
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
             actor.trainer.checkpoint_next_step()
@@ -126,10 +126,10 @@ class LighthouseActor(Actor):
 
     Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port; it
     binds ``bind_host`` and nothing more can be asked of it. ``recovery.quorum = "tree"``
-    admits only the members the job started (``harness.tree_quorum``)."""
+    admits only the members the job started (``harness.quorum.tree``)."""
 
     def __init__(self, cfg: dict[str, Any], port: int) -> None:
-        from harness.quorum import Lighthouse
+        from harness.rank.torchft_glue import Lighthouse
 
         c = config_from_dict(cfg)
         self.lighthouse = Lighthouse(

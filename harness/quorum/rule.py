@@ -2,7 +2,7 @@
 declared failed by the supervision tree.
 
 This is ``quorum_compute`` and ``_quorum_tick`` of torchft's ``src/lighthouse.rs``, kept rule for
-rule (the service around it, ``harness.tree_quorum``, only does I/O):
+rule (the service around it, ``harness.quorum.tree``, only does I/O):
 
 * **healthy** replicas: those with a heartbeat (a quorum request counts as one) younger than
   ``heartbeat_timeout_s``; **healthy participants**: requesters that are healthy.
@@ -68,7 +68,7 @@ class QuorumOpts:
     #: Refuse a step more than this above the highest step any admitted member has reported
     #: (the first member after a start is bounded only by ``max_step``); None: no bound.
     max_step_lead: int | None = 1_000_000
-    #: Sparse quorum (``harness.trainer``): members of the last quorum that still heartbeat and
+    #: Sparse quorum (``harness.rank.trainer``): members of the last quorum that still heartbeat and
     #: are not fenced are waited for past the join timeout. They ask for a quorum only every N
     #: steps or when told that someone waits; a quorum issued without them would let a newcomer
     #: train on its own while they go on without it (two copies of the model, both committing).

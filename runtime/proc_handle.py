@@ -15,7 +15,7 @@ from runtime.plane import Owner
 from runtime.states import ProcState
 
 if TYPE_CHECKING:
-    from runtime.host import HostAgentHandle
+    from runtime.host_handle import HostAgentHandle
 
 
 class ProcFailedError(RuntimeError):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from runtime import channel
-from runtime.host import HostAgentHandle
+from runtime.host_handle import HostAgentHandle
 from runtime.launchers import Launcher
 from runtime.messages import (
     AgentBeat,

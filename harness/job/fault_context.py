@@ -14,14 +14,14 @@ from typing import Any, Protocol
 
 from faults.fault import Target
 from harness.config import JobConfig
-from harness.recovery import RecoveryTracker
+from harness.job.recovery import RecoveryTracker
 from runtime.controller import Controller
 from runtime.journal import Journal
 from runtime.mesh import ActorMesh
 
 
 class RunningJob(Protocol):
-    """What the adapter reads of a job (``harness.job.Job`` is one)."""
+    """What the adapter reads of a job (``harness.job.protocol.Job`` is one)."""
 
     cfg: JobConfig
     journal: Journal
@@ -42,7 +42,7 @@ class RunningJob(Protocol):
     def restart_tree_quorum(self) -> None: ...
 
     network: Any  # the job's TestNetwork with launcher = "netns", else None
-    slurm: Any  # the job's runtime.slurm.SlurmLauncher with launcher = "slurm", else None
+    slurm: Any  # the job's runtime.launchers.slurm.SlurmLauncher with launcher = "slurm", else None
 
 
 class JobFaultContext:
@@ -134,7 +134,7 @@ class JobFaultContext:
         return launcher
 
     def fail_node(self, host: str) -> None:
-        from runtime.slurm import fail_node
+        from runtime.launchers.slurm import fail_node
 
         self._slurm("a node failure")
         fail_node(host)

@@ -1,6 +1,7 @@
 """A job on SLURM: its hosts from the allocation, and SLURM's time-limit signal.
 
-* :func:`make_launcher`: ``launcher = "slurm"`` — the allocation (``runtime.slurm``), the address
+* :func:`make_launcher`: ``launcher = "slurm"`` — the allocation (``runtime.launchers.slurm``), the
+address
   the controller binds (one the nodes reach), and the job's host count (allocated nodes minus
   ``slurm.spare_nodes``).
 * :func:`replace_node`: ``slurm.replace = "new_job"``, a replacement node from a new job.
@@ -27,7 +28,7 @@ from typing import Any
 
 from harness.config import JobConfig
 from runtime.journal import CHECKPOINT_SAVE, Record
-from runtime.slurm import SlurmLauncher, allocation_from_env, controller_address
+from runtime.launchers.slurm import SlurmLauncher, allocation_from_env, controller_address
 
 TIME_LIMIT = "slurm.time_limit"
 
@@ -69,7 +70,7 @@ def check_allocation(cfg: JobConfig) -> str | None:
     """What is wrong with running ``cfg`` here, before anything launches (None: nothing)."""
     if cfg.launcher != "slurm":
         return None
-    from runtime.slurm import SlurmError
+    from runtime.launchers.slurm import SlurmError
 
     try:
         alloc = allocation_from_env()

@@ -1,6 +1,6 @@
 """torchft glue: the Lighthouse, each replica group's store, and each rank's Manager.
 
-This is the one module of the harness that imports torchft (besides ``harness/transport.py``,
+This is the one module of the harness that imports torchft (besides ``harness/rank/transport.py``,
 the "dataplane" checkpoint transport, named in :data:`TRANSPORTS`).
 
 Roles (torchft's, unchanged):
@@ -30,11 +30,11 @@ lists them and checks that nothing else does:
 
 Trust. Nothing torchft serves is authenticated. torchft's Lighthouse (Rust) admits any
 ``replica_id`` that reaches its port (``recovery.quorum = "tree"`` admits only members the job
-started: ``harness.tree_quorum``); a member of the quorum can name itself the heal source, and
+started: ``harness.quorum.tree``); a member of the quorum can name itself the heal source, and
 torchft's own transports unpickle what it sends (``HTTPTransport`` loads with
 ``torch.load(weights_only=False)``, ``PGTransport`` ``pickle.loads`` its metadata): code
 execution in the healing trainer. The ``"dataplane"`` transport decodes without unpickling
-(``harness.transport``). Run jobs on a private network, or use the tree quorum and the
+(``harness.rank.transport``). Run jobs on a private network, or use the tree quorum and the
 dataplane transport.
 """
 
@@ -118,9 +118,9 @@ def pg_transport(pg: ProcessGroupGloo, timeout: timedelta, sd: Callable[[], Any]
 #: factory. Named rather than registered on import: a transport's module loads only when a job
 #: chooses it, and no module has to import this one to add itself.
 TRANSPORTS: dict[str, str] = {
-    "torchft_http": "harness.quorum:http_transport",
-    "torchft_pg": "harness.quorum:pg_transport",
-    "dataplane": "harness.transport:make_dataplane_transport",
+    "torchft_http": "harness.rank.torchft_glue:http_transport",
+    "torchft_pg": "harness.rank.torchft_glue:pg_transport",
+    "dataplane": "harness.rank.transport:make_dataplane_transport",
 }
 
 

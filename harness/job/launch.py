@@ -1,6 +1,6 @@
 """``ftharness run``: run a job config to completion on the supervision tree, with telemetry.
 
-The job itself (the tree per policy, placement, the recovery protocol) is ``harness.job``.
+The job itself (the tree per policy, placement, the recovery protocol) is ``harness.job.protocol``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import ConfigError, JobConfig, load_config
-from harness.job import Job
+from harness.job.protocol import Job
 from runtime.failure import SupervisionError
 from runtime.journal import JOB_END, Journal
 
@@ -33,7 +33,7 @@ def run_job(
     to ``run_dir/journal.jsonl`` unless one is given. ``on_started(job)`` runs once training
     is under way (the chaos runner starts its injector there) and may return a callable that
     is called before the job stops."""
-    from harness.rundir import make_private_dir
+    from harness.job.rundir import make_private_dir
 
     run_dir = make_private_dir(run_dir)  # weights, logs, tracebacks: the user's alone
     make_private_dir(run_dir / "logs")
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return 2
-    from harness.slurm import TimeLimit, check_allocation
+    from harness.job.slurm import TimeLimit, check_allocation
 
     problem = check_allocation(cfg)
     if problem is not None:
@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # SLURM's time-limit signal (sbatch --signal=B:USR1@120): checkpoint, then stop cleanly.
     limit = TimeLimit() if cfg.launcher == "slurm" else None
-    from harness.rundir import run_dir_for
+    from harness.job.rundir import run_dir_for
 
     run_dir = run_dir_for("run", args.out, cfg.name)
     if run_dir is None:

@@ -4,7 +4,7 @@ supervision tree.
 Unmodified torchft Managers use it as their ``lighthouse_addr``: it serves
 ``/torchft.LighthouseService/Quorum`` (a long poll: the reply comes once a quorum that includes
 the requester is issued) and ``/torchft.LighthouseService/Heartbeat``, and decides with
-torchft's own rule (``harness.quorum_rule``). The difference from torchft's Lighthouse is
+torchft's own rule (``harness.quorum.rule``). The difference from torchft's Lighthouse is
 :meth:`TreeQuorum.replica_failed`: the controller calls it as soon as its supervision tree
 learns that a replica group died, and the survivors get their quorum at once instead of after
 the heartbeat timeout.
@@ -18,7 +18,7 @@ data 7, commit_failures 8, reconfigure_handles 9.
 
 Who gets in (torchft's Lighthouse lets in anyone who can reach its port): by default only
 members this job started. The service holds the job's secret; :meth:`TreeQuorum.admit` names
-an incarnation of a replica group (``harness.quorum_rule.member_id``: the Manager's
+an incarnation of a replica group (``harness.quorum.rule.member_id``: the Manager's
 ``replica_id`` carries an HMAC tag of the group and incarnation), and a heartbeat or quorum
 request whose id has no valid tag, or belongs to an incarnation older than the newest admitted
 or seen, is refused with PERMISSION_DENIED. With ``allow_hosts`` (for members the job did not
@@ -29,7 +29,8 @@ is refused with OUT_OF_RANGE. Heartbeats older than the heartbeat timeout are pr
 Not guaranteed: the tag is a bearer token sent in clear over insecure gRPC, so anyone who can
 read the job's traffic can replay it (the listener should bind a private address); it only
 authenticates the quorum protocol, not torchft's ManagerServer or checkpoint servers (see
-``harness.quorum``). Threads only (a gRPC thread pool and one ticker thread); no torch import.
+``harness.rank.torchft_glue``). Threads only (a gRPC thread pool and one ticker thread); no torch
+import.
 A request whose deadline passes before a quorum includes it fails with DEADLINE_EXCEEDED and
 its join stays pending until the next quorum, as in torchft.
 """
@@ -50,7 +51,7 @@ from typing import Any
 
 import grpc
 
-from harness import quorum_rule as rule
+from harness.quorum import rule
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class TreeQuorum:
     step (a higher one is absurd); ``max_step_lead``: how far past the highest step seen a
     member may claim to be. ``on_newcomer(replica_id)``: called (lock held: it must not block)
     when a member that was not in the last quorum joins a round, so the controller can have the
-    members that skip quorums ask for one (sparse quorum, ``harness.trainer``); with it, live
+    members that skip quorums ask for one (sparse quorum, ``harness.rank.trainer``); with it, live
     members of the last quorum are waited for past the join timeout (``QuorumOpts``).
     """
 
@@ -357,7 +358,7 @@ class TreeQuorum:
         ids and re-run the rule at once, so the survivors' pending quorum is issued without it.
         Returns the ids fenced (empty if the group had not registered yet). Call it before
         starting the group's replacement (whose Manager gets a fresh id). ``ids``: the group's
-        ids that do not follow our naming (a program's own Managers', ``harness.program``)."""
+        ids that do not follow our naming (a program's own Managers', ``harness.job.programs``)."""
         with self._cond:
             prefixes = rule.ids_of_replica(replica) + tuple(ids)
             self._state, dropped = rule.drop_failed(self._state, prefixes)

@@ -6,7 +6,8 @@ The controller only knows the :class:`Launcher` interface; which one a job uses 
 * :class:`LocalLauncher` (the embedded default): each agent is a child process of the controller
   on this machine, started with ``python -m runtime.agent`` and its boot settings (the secret
   among them) on stdin.
-* ``runtime.netns.NetnsLauncher``: each host is a Linux network namespace with its own address
+* ``runtime.launchers.netns.NetnsLauncher``: each host is a Linux network namespace with its own
+address
   on a bridge, for testing multi-host behaviour (partitions, delay, loss) on one machine.
 * :class:`ExternalLauncher`: agents are started by someone else (by hand, a scheduler) with
   ``ftharness agent --controller HOST:PORT --secret-file PATH --name NAME``; the controller only
@@ -30,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from runtime import process
+from runtime import proctree
 
 
 class Launcher(Protocol):
@@ -79,7 +80,7 @@ class LocalLauncher:
             popen = self.procs.get(name)
         if popen is None:
             return False
-        process.signal_all(process.tree(popen.pid), signal.SIGKILL)
+        proctree.signal_all(proctree.tree(popen.pid), signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             popen.wait(timeout=2.0)  # reap it: no zombie agent for the rest of the run
         return True
@@ -92,7 +93,7 @@ class LocalLauncher:
         try:
             popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            process.terminate_tree(popen.pid, 0.5)
+            proctree.terminate_tree(popen.pid, 0.5)
             popen.wait(timeout=5.0)
 
     def close(self) -> None:
@@ -100,7 +101,7 @@ class LocalLauncher:
             procs = list(self.procs.values())
         for popen in procs:
             if popen.poll() is None:
-                process.terminate_tree(popen.pid, 0.5)
+                proctree.terminate_tree(popen.pid, 0.5)
 
 
 class ExternalLauncher:

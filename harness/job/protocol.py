@@ -1,5 +1,5 @@
 """The job-level recovery protocol, in one place (as torchft keeps the rank-level one in
-``manager.py``; the per-step protocol of one rank is ``harness/trainer.py``).
+``manager.py``; the per-step protocol of one rank is ``harness/rank/trainer.py``).
 
 A job is replica groups of trainer ranks, each group a :class:`ReplicaGroup` record (replica,
 host, mesh, store, training future, incarnation), supervised as a tree built per recovery policy.
@@ -16,7 +16,8 @@ What happens after a group dies, step by step, and where:
    membership at once (``TreeQuorum.replica_failed``), so the survivors' next quorum excludes it
    instead of waiting out a heartbeat timeout (torchft's Lighthouse fences by heartbeat
    timeout); and when a whole host is lost, every other host closes its connections to it
-   (``runtime.hosts``): a cut link closes nothing, and the survivors' collective with the lost
+   (``runtime.host_registry``): a cut link closes nothing, and the survivors' collective with the
+   lost
    group would otherwise wait out the process-group timeout. Every start of a group is a new
    incarnation that the tree quorum admits, fencing the older ones: a cut-off incarnation can
    never commit or serve weights.
@@ -24,11 +25,11 @@ What happens after a group dies, step by step, and where:
    escalate past the restart intensity: ``runtime.policy``) stops its remaining ranks (SIGTERM,
    grace, SIGKILL) on its own restart thread.
 4. **Place.** :meth:`Job._place`: the group's home host if ready, else the next ready one
-   (``harness.placement``); lost hosts are respawned in the background, never on this path.
+   (``harness.job.placement``); lost hosts are respawned in the background, never on this path.
 5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
    spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
    trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
-   user's own takes the trainers' place (``harness.program``: started by the agents as plain
+   user's own takes the trainers' place (``harness.job.programs``: started by the agents as plain
    processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``). Groups that skip
@@ -50,7 +51,7 @@ The tree (``in_place``)::
         └── replica<r>  one_for_all over the group's ranks, restart intensity from the config
             └── ranks   a mesh {"rank": ranks} of TrainerActors on the group's host
 
-Faults reach the job only through :attr:`Job.faults` (``harness.fault_context``).
+Faults reach the job only through :attr:`Job.faults` (``harness.job.fault_context``).
 """
 
 from __future__ import annotations
@@ -66,17 +67,17 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import JobConfig, config_to_dict
-from harness.fault_context import JobFaultContext
-from harness.placement import HostState, place
-from harness.progress import Progress
-from harness.recovery import RecoveryTracker
+from harness.job.fault_context import JobFaultContext
+from harness.job.placement import HostState, place
+from harness.job.progress import Progress
+from harness.job.recovery import RecoveryTracker
 from runtime.controller import Controller, HostAgentHandle
 from runtime.dataplane.snapshot import reap_orphans
 from runtime.failure import Cause, Failure
 from runtime.journal import JOB_RESTART, JOB_START, Journal
 from runtime.launchers import ExternalLauncher, Launcher, LocalLauncher
+from runtime.launchers.netns import NetnsLauncher, TestNetwork
 from runtime.mesh import ActorMesh, ProcMesh
-from runtime.netns import NetnsLauncher, TestNetwork
 from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
 
 
@@ -114,7 +115,7 @@ class Job:
         self._cfg_dict = config_to_dict(cfg)
         self._controller: Controller | None = None
         self.network: TestNetwork | None = None  # with launcher = "netns"
-        self.slurm: Any = None  # runtime.slurm.SlurmLauncher with launcher = "slurm"
+        self.slurm: Any = None  # runtime.launchers.slurm.SlurmLauncher with launcher = "slurm"
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._started = False
@@ -133,7 +134,7 @@ class Job:
         self._journal_error: OSError | None = None  # ends the run: reports come from it
         journal.on_error(self._on_journal_error)
         self.faults = JobFaultContext(self)
-        self.program: Any = None  # a program of the user's own: harness.program.ProgramGroups
+        self.program: Any = None  # a program of the user's own: harness.job.programs.ProgramGroups
 
     @property
     def controller(self) -> Controller:
@@ -143,7 +144,7 @@ class Job:
 
     # -- start: the tree per policy -------------------------------------------------------------
     def start(self) -> None:
-        from harness.model import model_modules, prebuild_call  # (model.py imports torch)
+        from harness.rank.model import model_modules, prebuild_call  # (model.py imports torch)
 
         launcher = self._make_launcher()
         t = self.cfg.timeouts
@@ -156,16 +157,16 @@ class Job:
             controller_silence_s=t.controller_silence,
             connect_timeout_s=t.connect_timeout,
             # Imported once per agent, before it forks, and the initial model built once
-            # (harness.model.prebuild): a replacement then does not pay for torch, torchft, the
+            # (harness.rank.model.prebuild): a replacement then does not pay for torch, torchft, the
             # model code, the first optimizer's dynamo import (~1-3 s each on this machine).
-            preload=("torch", "torch._dynamo", "harness.actors", *model_modules(self.cfg)),
+            preload=("torch", "torch._dynamo", "harness.rank.actors", *model_modules(self.cfg)),
             warmup=() if self.cfg.program.enabled else (prebuild_call(self.cfg),),
         )
         self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if self.cfg.program.enabled:
-            from harness.program import ProgramGroups
+            from harness.job.programs import ProgramGroups
 
             self.program = ProgramGroups(self)
             self.program.start()
@@ -196,7 +197,7 @@ class Job:
         if self.cfg.launcher == "external":
             return ExternalLauncher()
         if self.cfg.launcher == "slurm":
-            from harness.slurm import make_launcher
+            from harness.job.slurm import make_launcher
 
             self.slurm, self.cfg = make_launcher(self.cfg, self.run_dir, self._on_node_gone)
             self._cfg_dict = config_to_dict(self.cfg)
@@ -286,8 +287,8 @@ class Job:
     # -- the quorum service ---------------------------------------------------------------------
     def _start_tree_quorum(self, port: int = 0) -> None:
         """Membership driven by the tree: a Lighthouse-protocol service in this process that
-        drops a failed group the moment its failure value arrives (harness.tree_quorum)."""
-        from harness.tree_quorum import TreeQuorum
+        drops a failed group the moment its failure value arrives (harness.quorum.tree)."""
+        from harness.quorum.tree import TreeQuorum
 
         t = self.cfg.timeouts
         old = self._tree  # a restart keeps the job's secret: the running members stay admitted
@@ -314,7 +315,8 @@ class Job:
 
     def _newcomer_waits(self, replica_id: str) -> None:
         """Sparse quorum: a new member waits, so every trainer raises the quorum flag
-        (harness.trainer). Called under the tree quorum's lock: asks from a thread of its own."""
+        (harness.rank.trainer). Called under the tree quorum's lock: asks from a thread of its
+        own."""
         ask = threading.Thread(target=self.in_every_trainer, args=("request_quorum",), daemon=True)
         ask.start()
 
@@ -327,7 +329,7 @@ class Job:
         self.tracker.replacement_started(None)
 
     def _start_lighthouse(self) -> ActorMesh:
-        from harness.actors import LighthouseActor
+        from harness.rank.actors import LighthouseActor
 
         if self._started and self.program is not None and self.program.tap is not None:
             self.program.tap.upstream_restarted()  # a new Lighthouse numbers from 1 again
@@ -349,8 +351,8 @@ class Job:
         requested before any is awaited and their trainers are constructed in parallel.
         Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
         host to become ready) hold up only these groups."""
-        from harness.actors import TrainerActor
-        from harness.quorum import host_store
+        from harness.rank.actors import TrainerActor
+        from harness.rank.torchft_glue import host_store
 
         cold = self.policy == "full_restart" and self._started
         if cold:
@@ -429,7 +431,7 @@ class Job:
         stores: dict[int, Any],
         cold: bool,
     ) -> ProcMesh:
-        """Spawn: a program of the user's own in place of trainer actors (harness.program)."""
+        """Spawn: a program of the user's own in place of trainer actors (harness.job.programs)."""
         procs, training = self.program.start_groups(replicas, hosts, incarnation, stores, cold)
         self._record_groups(replicas, hosts, incarnation, stores, procs, training)
         return procs
@@ -474,12 +476,12 @@ class Job:
         with self._host_change:
             self._host_change.notify_all()
         if self.cfg.slurm.replace == "new_job" and not self._stopping:
-            from harness.slurm import replace_node
+            from harness.job.slurm import replace_node
 
             threading.Thread(target=replace_node, args=(self, node), daemon=True).start()
 
     def _place(self, replica: int) -> HostAgentHandle:
-        """The host for a group now (harness.placement's rule); waits if none is ready."""
+        """The host for a group now (harness.job.placement's rule); waits if none is ready."""
         with self._host_change:
             while True:
                 decision = place(replica, self._host_states(), time.monotonic())
@@ -613,12 +615,13 @@ class Job:
         return {"status": status, "reason": reason, "steps": self.tracker.committed_step}
 
     def in_every_trainer(self, func: str, *args: Any) -> None:
-        """Run ``harness.actors:<func>(*args)`` in every rank, not waiting (a gone one: none)."""
+        """Run ``harness.rank.actors:<func>(*args)`` in every rank, not waiting (a gone one:
+        none)."""
         with self._lock:
             pids = [pid for g in self.groups.values() for pid in g.mesh.proc_ids]
         for pid in pids:
             with contextlib.suppress(Exception):
-                self.controller.run_in_worker(pid, f"harness.actors:{func}", *args)
+                self.controller.run_in_worker(pid, f"harness.rank.actors:{func}", *args)
 
     def stop(self) -> None:
         """Let trainers finish their step, then stop every process and agent."""

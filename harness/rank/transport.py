@@ -2,7 +2,8 @@
 ``send_checkpoint`` publishes a snapshot (training continues at once), ``recv_checkpoint`` is
 ``read_into`` the replacement's already-built tensors.
 
-Selectable by name: ``harness.quorum.TRANSPORTS`` names :func:`make_dataplane_transport` as
+Selectable by name: ``harness.rank.torchft_glue.TRANSPORTS`` names :func:`make_dataplane_transport`
+as
 ``"dataplane"`` (config ``transport = "dataplane"``).
 
 How the state dict travels: its tensor leaves are the registered tensors (in pytree flatten
@@ -297,7 +298,8 @@ def make_dataplane_transport(
     read_backend: str = "auto",
     bind: str | None = None,
 ) -> DataplaneTransport:
-    """Factory with ``harness.quorum``'s ``(pg, timeout, state_dict)`` signature; ``pg`` is
+    """Factory with ``harness.rank.torchft_glue``'s ``(pg, timeout, state_dict)`` signature; ``pg``
+    is
     unused (bytes never go through the process group)."""
     return DataplaneTransport(
         state_dict=state_dict,

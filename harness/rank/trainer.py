@@ -11,10 +11,12 @@ Protocol invariants, and where they are kept:
   after that agreement (see :meth:`Trainer.train_step`).
 * **After a heal every replica holds the same weights** (bitwise: same checksum at the same
   step). The replacement loads the peer's model, optimizer and data state (the transport copies
-  tensors exactly) before its first forward pass (synchronous quorum, ``harness.quorum``); from
+  tensors exactly) before its first forward pass (synchronous quorum,
+  ``harness.rank.torchft_glue``); from
   then on every group applies the same averaged gradient with the same deterministic AdamW.
 * **No data position is trained twice by a group**: positions advance only on commit, a healed
-  group takes the peer's (later) position; see ``harness.data``. With ``data.policy = "replay"``
+  group takes the peer's (later) position; see ``harness.rank.data``. With ``data.policy =
+  "replay"``
   moreover no sequence is skipped: each committed step trains the next unread group batches,
   one per participant in quorum order, so the survivors take up a down group's share.
 
@@ -39,12 +41,12 @@ wait for them in the quorum, and they for it in the collective):
   tree quorum (``request_quorum``): a replacement is let in within two steps, not N.
 
 The tree quorum then waits for live members of the last quorum past its join timeout
-(``harness.quorum_rule``): a group that skips quorums is not left out of one. What it costs: a
+(``harness.quorum.rule``): a group that skips quorums is not left out of one. What it costs: a
 group cut off from the others is found by the collective (the host's connections are closed
 once its agent is lost: the host timeout) rather than by its quorum heartbeats going stale.
 
 Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
-``harness.quorum``; the model code knows nothing of it.
+``harness.rank.torchft_glue``; the model code knows nothing of it.
 """
 
 from __future__ import annotations
@@ -60,11 +62,16 @@ from typing import Any
 import torch
 import xxhash
 
-from harness import checkpoint
 from harness.config import JobConfig, config_from_dict
-from harness.data import TokenStream
-from harness.model import build_model, loss_fn
-from harness.quorum import close_communicator, forget_failed_quorum, host_store, make_manager
+from harness.rank import checkpoint
+from harness.rank.data import TokenStream
+from harness.rank.model import build_model, loss_fn
+from harness.rank.torchft_glue import (
+    close_communicator,
+    forget_failed_quorum,
+    host_store,
+    make_manager,
+)
 from runtime.journal import CHECKPOINT_LOAD, CHECKPOINT_SAVE, PROC_START, STEP_ABORT, STEP_COMMIT
 
 #: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
@@ -98,7 +105,7 @@ class Trainer:
     ``run_dir`` is where checkpoints go when ``cfg.checkpoint.dir`` is None (None: no
     checkpoints). On start the newest valid checkpoint (if any) is loaded; a group that is behind
     its peers then heals from them on its first quorum. ``member_id``: the name the quorum
-    service admitted for this incarnation of the group (``harness.quorum.make_manager``).
+    service admitted for this incarnation of the group (``harness.rank.torchft_glue.make_manager``).
     """
 
     def __init__(
@@ -505,7 +512,7 @@ class Trainer:
         current step (then return once the pending checkpoint write, if any, is durable).
         Thread-safe.
 
-        A job stops every group at one step (``harness.actors.stop_training``): each quorum
+        A job stops every group at one step (``harness.rank.actors.stop_training``): each quorum
         is a barrier, so a group that stops a step before the others leaves them waiting in the
         next quorum for it, until the join timeout (5 s by default), to commit one step more."""
         self._stop_after = self.manager.current_step() if after_step is None else after_step
