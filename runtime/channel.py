@@ -31,7 +31,9 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,15 @@ class FrameError(ChannelError):
 class OversizeMessage(ValueError):
     """A message to send pickles to more than ``MAX_FRAME`` bytes. Nothing was sent and the
     connection is still good: the sender's problem, not the link's (so not a ChannelError)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The last frame a server sends to an authenticated peer it will not serve, saying why,
+    before it closes the connection (e.g. a second host agent dialling in under a name that is
+    already live). The peer reports ``reason`` and gives up: it is no channel failure to retry."""
+
+    reason: str
 
 
 def new_secret() -> bytes:
@@ -154,9 +165,12 @@ class FrameDecoder:
                 raise FrameError(f"undecodable frame of {n} bytes: {exc!r}") from exc
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all of them by ``deadline`` (monotonic): the timeout is the time left, set
+    before every ``recv``, so a peer trickling a byte at a time cannot stretch the wait."""
     buf = bytearray()
     while len(buf) < n:
+        _until(sock, deadline)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ChannelError("connection closed during handshake")
@@ -164,14 +178,22 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _until(sock: socket.socket, deadline: float) -> None:
+    """Bound the next blocking call on ``sock`` by what is left until ``deadline``."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
 @contextlib.contextmanager
-def _handshake_bounds(sock: socket.socket, timeout: float) -> Iterator[None]:
-    """The whole handshake under one ``timeout``; socket errors become channel errors."""
-    sock.settimeout(timeout)
+def _handshake_bounds(sock: socket.socket, timeout: float) -> Iterator[float]:
+    """The whole handshake under one deadline, ``timeout`` from now (yielded, monotonic): not
+    one per ``recv``. Socket errors become channel errors."""
     try:
-        yield
+        yield time.monotonic() + timeout
     except TimeoutError as exc:
-        raise AuthError(f"handshake timed out after {timeout} s") from exc
+        raise AuthError(f"handshake not done within {timeout} s") from exc
     except OSError as exc:
         raise ChannelError(f"handshake failed: {exc}") from exc
     finally:
@@ -215,26 +237,30 @@ class ServerHandshake:
 
 
 def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> tuple[bytes, bytes]:
-    """Authenticate a freshly accepted client (blocking, bounded by ``timeout``); returns the
-    session's (send, receive) keys."""
-    with _handshake_bounds(sock, timeout):
+    """Authenticate a freshly accepted client (blocking, the whole exchange within ``timeout``);
+    returns the session's (send, receive) keys. A server with many peers runs the handshakes on
+    one thread instead (``runtime.listener``)."""
+    with _handshake_bounds(sock, timeout) as deadline:
         hs = ServerHandshake(secret)
+        _until(sock, deadline)
         sock.sendall(hs.challenge)
-        proof = hs.feed(_recv_exactly(sock, ServerHandshake.REPLY_BYTES))
+        proof = hs.feed(_recv_exactly(sock, ServerHandshake.REPLY_BYTES, deadline))
         assert proof is not None and hs.keys is not None
+        _until(sock, deadline)
         sock.sendall(proof)
         return hs.keys
 
 
 def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> tuple[bytes, bytes]:
-    """Prove the secret to a server and check that it holds it too; returns the session's
-    (send, receive) keys."""
-    with _handshake_bounds(sock, timeout):
-        nonce_s = _recv_exactly(sock, NONCE_BYTES)
+    """Prove the secret to a server and check that it holds it too, the whole exchange within
+    ``timeout``; returns the session's (send, receive) keys."""
+    with _handshake_bounds(sock, timeout) as deadline:
+        nonce_s = _recv_exactly(sock, NONCE_BYTES, deadline)
         nonce_c = os.urandom(NONCE_BYTES)
+        _until(sock, deadline)
         sock.sendall(client_proof(secret, nonce_s) + nonce_c)
         try:
-            proof = _recv_exactly(sock, DIGEST_BYTES)
+            proof = _recv_exactly(sock, DIGEST_BYTES, deadline)
         except ChannelError as exc:
             raise AuthError("server closed the connection: our secret was rejected") from exc
         if not hmac.compare_digest(proof, server_proof(secret, nonce_c)):
@@ -314,9 +340,13 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float) -> Connecti
     return Connection(sock, peer=f"{address[0]}:{address[1]}", keys=keys)
 
 
-def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 1024) -> socket.socket:
+    """A listening TCP socket. The backlog is deep (the kernel caps it at ``somaxconn``): a
+    burst of workers dialling in at once (a whole replica group restarting) or of idle
+    connections must not overflow the accept queue, where a dropped SYN costs the peer a 1 s
+    retransmission."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(128)
+    sock.listen(backlog)
     return sock

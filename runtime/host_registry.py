@@ -14,6 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import itertools
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,8 @@ from runtime.messages import (
 )
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec
+
+log = logging.getLogger("ftharness.controller")
 
 
 class HostOwner(Protocol):
@@ -61,6 +65,8 @@ class HostTable:
         self._lock = threading.Lock()
         self.hosts: dict[str, HostAgentHandle] = {}
         self._expected: dict[str, cf.Future] = {}  # hosts whose agent is to dial in
+        # host -> (connection, hello) of the one agent being adopted under that name right now
+        self._dialling: dict[str, tuple[channel.Connection, HelloAgent]] = {}
         self._proc_numbers: dict[str, itertools.count] = {}
 
     # -- starting and dialling in -----------------------------------------------------------
@@ -120,13 +126,71 @@ class HostTable:
 
     def adopt(self, conn: channel.Connection, hello: HelloAgent) -> None:
         """An agent dialled in: configure it, wait until it is ready, then serve it on this
-        thread until it goes away. Only an expected host, or a lost one coming back, is
-        adopted."""
+        thread until it goes away.
+
+        One agent per host name. The name must be expected (being started, or waited for) or
+        belong to a lost host (its new agent replaces the old one, whose connection is closed,
+        so that an old agent still running fences itself at once). A second agent under a name
+        whose agent is live, or is dialling in right now, is refused: it gets
+        ``channel.Refused`` with the reason and the running one keeps its host (a scheduler's
+        respawn racing the step before it must not cost the host). An agent nobody expects is
+        dropped without a word, as any peer that says something unexpected."""
+        name = hello.host
         with self._lock:
-            fut = self._expected.get(hello.host)
-            known = self.hosts.get(hello.host)
-        if fut is None and (known is None or not known.lost):
-            raise channel.FrameError(f"unexpected host agent {hello.host!r}")
+            refusal = self._refusal(hello)
+            if refusal is None:
+                self._dialling[name] = (conn, hello)  # claimed: one adoption at a time
+        if refusal is not None:
+            self._refuse(conn, refusal)
+            return
+        try:
+            h = self._configure(conn, hello)
+            with self._lock:
+                old = self.hosts.get(name)
+                self.hosts[name] = h
+                fut = self._expected.pop(name, None)
+        finally:
+            with self._lock:
+                if self._dialling.get(name, (None,))[0] is conn:
+                    del self._dialling[name]
+        if old is not None and old.conn is not None:
+            _retire(old.conn)  # lost already (else we had refused): its agent must stop
+        if fut is not None and not fut.done():
+            fut.set_result(h)
+        self._owner.guarded(self._serve, f"agent-{name}", h)
+
+    def _refusal(self, hello: HelloAgent) -> str | None:
+        """Why ``hello``'s agent may not have its host now (None: it may); FrameError for an
+        agent nobody expects. Called under the lock. Not guaranteed: an agent that died but is
+        not declared lost yet (within the agent heartbeat timeout) still holds its name, and a
+        claim is held until the adoption ends (at most ``connect_timeout_s`` + 30 s)."""
+        name = hello.host
+        dialling = self._dialling.get(name)
+        if dialling is not None:
+            return (
+                f"another agent (pid {dialling[1].pid}) is dialling in as host {name!r} right "
+                f"now; this one (pid {hello.pid}) is refused: one agent per host"
+            )
+        known = self.hosts.get(name)
+        if known is not None and not known.lost:
+            return (
+                f"host {name!r} already has a live agent (pid {known.pid}, heard from "
+                f"{time.monotonic() - known.last_beat:.1f} s ago); this one (pid {hello.pid}) "
+                "is refused: one agent per host, and the running one keeps it"
+            )
+        if known is None and name not in self._expected:
+            raise channel.FrameError(f"unexpected host agent {name!r}")
+        return None
+
+    def _refuse(self, conn: channel.Connection, reason: str) -> None:
+        log.warning("controller: refusing a host agent: %s", reason)
+        with contextlib.suppress(channel.ChannelError):
+            conn.send(channel.Refused(reason))
+        conn.close()
+
+    def _configure(self, conn: channel.Connection, hello: HelloAgent) -> HostAgentHandle:
+        """Send ``hello``'s agent its configuration and wait until it is ready (preloading torch
+        takes seconds); its handle, not registered yet."""
         spec = self._owner.spec
         conn.send(
             AgentConfig(
@@ -140,7 +204,7 @@ class HostTable:
                 start_timeout_s=spec.spawn_timeout_s,
             )
         )
-        conn.sock.settimeout(spec.connect_timeout_s + 30.0)  # preloading torch takes seconds
+        conn.sock.settimeout(spec.connect_timeout_s + 30.0)
         ready = conn.recv()
         conn.sock.settimeout(None)
         if not isinstance(ready, AgentReady):
@@ -149,15 +213,11 @@ class HostTable:
         h = HostAgentHandle(self._owner, hello.host, pool, self._owner.launcher)
         # Process ids stay unique for the whole job: a host's new agent (after an eviction or a
         # partition) continues its predecessor's numbering instead of reusing host1/p0...
-        h.proc_numbers = self._proc_numbers.setdefault(hello.host, itertools.count())
+        with self._lock:
+            h.proc_numbers = self._proc_numbers.setdefault(hello.host, itertools.count())
         h.conn, h.pid, h.address = conn, ready.pid, ready.address
         h.last_beat = time.monotonic()
-        with self._lock:
-            self.hosts[hello.host] = h
-            self._expected.pop(hello.host, None)
-        if fut is not None:
-            fut.set_result(h)
-        self._owner.guarded(self._serve, f"agent-{hello.host}", h)
+        return h
 
     def _serve(self, h: HostAgentHandle) -> None:
         assert h.conn is not None
@@ -225,3 +285,12 @@ class HostTable:
             if h.conn is not None:
                 h.conn.close()
         launcher.close()
+
+
+def _retire(conn: channel.Connection) -> None:
+    """Close the connection of a lost host's agent that a new agent replaces: ``shutdown`` wakes
+    the thread blocked reading it (a bare close would not), and the old agent, if it still runs,
+    reads the end of its link and fences itself now instead of after ``controller_silence_s``."""
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()

@@ -72,7 +72,10 @@ class ControllerSpec:
     bind_host: str = "127.0.0.1"
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     agent_heartbeat: HeartbeatSpec = HeartbeatSpec(interval_s=0.2, timeout_s=3.0)
-    connect_timeout_s: float = 10.0  # handshakes, agent start-up
+    connect_timeout_s: float = 10.0  # handshakes (each one whole), agent start-up
+    # Handshakes in flight on the controller's listener; one more drops the oldest pending one
+    # (runtime/listener.py says why): bounds what unauthenticated connections can hold.
+    max_pending_handshakes: int = 256
     call_timeout_s: float = 60.0  # default for an endpoint call's .get()
     spawn_timeout_s: float = 60.0  # a worker up and connected after the agent forks it
     preload: tuple[str, ...] = ("torch",)  # imported once by each agent, before it forks workers
@@ -86,6 +89,10 @@ class ControllerSpec:
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.call_timeout_s <= 0 or self.spawn_timeout_s <= 0:
             raise SpecError("controller timeouts must be > 0")
+        if self.max_pending_handshakes < 1:
+            raise SpecError(
+                f"max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}"
+            )
         if self.controller_silence_s <= self.agent_heartbeat.interval_s:
             raise SpecError(
                 f"controller_silence_s ({self.controller_silence_s}) must be larger than the "
