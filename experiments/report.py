@@ -6,6 +6,11 @@ wrote next to each journal once its job had stopped: experiments/postrun.py); th
 come from ``RUN_DIR/experiment.toml`` (the runner saves a copy of the experiment there) when it
 exists. Exit status: 0 all hypotheses hold (or none were set),
 1 one failed, 2 no journal.
+
+Why this module is longer than 500 lines: it is the one command that turns a run folder into every
+report (markdown, JSON, HTML), with the experiment's hypotheses checked against the journal; the
+figures themselves are ``dashboards.metrics``, and what remains is the verification and its
+rendering, which change together.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import json
 import math
 import re
 import sys
-import tomllib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +29,7 @@ from dashboards import names as N
 from dashboards.metrics import CONTROL, split_by_policy, summarize
 from experiments import postrun as postrun_files
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
+from harness.tomlfile import read_toml
 from runtime.journal import (
     FAULT_HEAL,
     FAULT_INJECT,
@@ -561,12 +566,16 @@ def write_report(
 
 
 def load_run_hypotheses(run_dir: Path) -> Hypotheses | None:
-    """The ``[hypotheses]`` of the experiment copy saved in ``run_dir`` (None if absent)."""
+    """The ``[hypotheses]`` of the experiment copy saved in ``run_dir`` (None if absent).
+    ExperimentError if it cannot be read or is not a valid table of hypotheses."""
     path = run_dir / "experiment.toml"
-    if not path.is_file():
+    if not path.exists():
         return None
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
-    return parse_hypotheses(data.get("hypotheses", {}), source=path)
+    data = read_toml(path, "experiment copy", ExperimentError)
+    table = data.get("hypotheses", {})
+    if not isinstance(table, dict):
+        raise ExperimentError(f"{path}: hypotheses: must be a table, got {type(table).__name__}")
+    return parse_hypotheses(table, source=path)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -577,13 +586,20 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out_dir = target if target.is_dir() else target.parent
     problems: list[str] = []
-    records = read_journal(target, problems=problems)
+    try:
+        records = read_journal(target, problems=problems)
+    except OSError as e:  # the file's contents never raise; a file that cannot be opened does
+        print(f"ftharness report: {e}", file=sys.stderr)
+        return 2
     if not records:
         print(f"ftharness report: no journal records under {target}", file=sys.stderr)
         return 2
+    if problems:  # said, not fatal: the report is computed from the records every reader can use
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"ftharness report: skipped journal line {problems[0]}{more}", file=sys.stderr)
     try:
         hypotheses = load_run_hypotheses(out_dir)
-    except (ExperimentError, tomllib.TOMLDecodeError) as e:
+    except ExperimentError as e:
         print(f"ftharness report: {e}", file=sys.stderr)
         return 2
     report = write_report(out_dir, records, hypotheses, journal_problems=problems)

@@ -29,8 +29,14 @@ Numbers are also checked against what could ever run (one walk over every field,
 :func:`_check_numbers`): every float is finite (a NaN timeout never fires, an infinite duration
 never ends), every duration is at most :data:`MAX_SECONDS`, and sizes are bounded by what one
 job could launch and hold in memory (:data:`MAX_WORKERS`, :data:`MAX_HOSTS`,
-:data:`MAX_LOGITS_BYTES`). ``name`` names the run directory, so it must be a plain file name
-(:data:`NAME_PATTERN`).
+:data:`MAX_LOGITS_BYTES`, :data:`MAX_MODEL_BYTES`). ``name`` names the run directory, so it must
+be a plain file name (:data:`NAME_PATTERN`). Files and override values are read through
+``harness.tomlfile``: whatever a file or an override holds, the answer is a ConfigError.
+
+Why this module is longer than 500 lines: every key of a job config is declared, documented, bounded
+and checked here, so its type, default and limits are read in one place (the configuration reference
+is generated from it); reading files and ``--set`` values is ``harness.tomlfile``, the ``[program]``
+section ``harness.program_config``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.program_config import ProgramConfig, program_problem
+from harness.tomlfile import parse_toml, read_toml
 
 
 class ConfigError(ValueError):
@@ -71,6 +78,10 @@ MAX_HOSTS = 64
 #: Every rank's forward pass holds batch_size x seq_len x vocab_size float32 logits (and their
 #: gradient as large): past 16 GiB for those alone, a step cannot fit a sane machine.
 MAX_LOGITS_BYTES = 16 << 30
+#: Every worker holds the model, its gradients and AdamW's two moments in float32 (16 bytes per
+#: parameter): past 32 GiB for those (2 billion parameters), one worker cannot fit a sane machine.
+#: The built-in models are ~12 x dim^2 parameters per layer plus the embeddings and the head.
+MAX_MODEL_BYTES = 32 << 30
 #: torch.Generator.manual_seed takes at most a 64-bit value; the data stream derives from it.
 MAX_SEED = 2**63 - 1
 #: The default sparse quorum period (``recovery.quorum_every_steps = 0``). A replacement does
@@ -305,6 +316,14 @@ def _check_sizes(cfg: JobConfig) -> None:
         )
     if not 0 <= d.seed <= MAX_SEED:
         raise ConfigError(f"data.seed = {d.seed}: must be 0..{MAX_SEED} (a 64-bit seed)")
+    m = cfg.model  # TINY_MAX_SEQ (1024) position embeddings, the token embeddings and the head
+    params = 12 * m.dim**2 * m.layers + (1024 + 2 * d.vocab_size) * m.dim
+    if params * 16 > MAX_MODEL_BYTES:
+        raise ConfigError(
+            f"model.dim = {m.dim}, model.layers = {m.layers} (data.vocab_size = {d.vocab_size}): "
+            f"about {params:.3g} parameters, {params * 16 / 2**30:.3g} GiB with gradients and "
+            f"AdamW state per worker: must be <= {MAX_MODEL_BYTES >> 30} GiB"
+        )
 
 
 def _check_optim(o: OptimConfig) -> None:
@@ -497,7 +516,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise ConfigError(f"{key} = {value!r}: must be a list of {len(args)} numbers")
         pairs = enumerate(zip(args, value, strict=True))
         return tuple(_coerce(f"{key}[{i}]", a, v) for i, (a, v) in pairs)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass, not an instance
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -513,6 +532,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key} = {value!r}: must be an integer")
+        if not -(2**63) <= value < 2**63:  # else every size check's float arithmetic overflows
+            raise ConfigError(f"{key}: an integer of {len(str(abs(value)))} digits: must be 64-bit")
         return value
     if tp is str:
         if not isinstance(value, str):
@@ -568,8 +589,10 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+        value = parse_toml(f"v = {raw}", f"override {key}", ConfigError)["v"]
+    except ConfigError as e:
+        if not isinstance(e.__cause__, tomllib.TOMLDecodeError):
+            raise  # too deep or too long: not a bare word either
         value = raw  # a bare word, e.g. recovery.policy=full_restart
     return key.split("."), value
 
@@ -588,24 +611,22 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{'.'.join(path[: i + 1])} is a value, not a table")
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):  # e.g. `model = 5` in the file, then model.dim=...
+            raise ConfigError(f"{'.'.join(path[: i + 1])} = {node!r}: must be a table")
 
 
 def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Load a job config from a TOML path or ``module:function``, apply ``a.b=value`` overrides,
     validate. Raises ConfigError (never launches anything)."""
     if source.endswith(".toml") or Path(source).is_file():
-        try:
-            data = tomllib.loads(Path(source).read_text(encoding="utf-8"))
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file {source!r} does not exist") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {source!r} is not valid TOML: {e}") from e
+        data = read_toml(source, "config file", ConfigError)
     elif ":" in source:
         module, func = source.split(":", 1)
-        try:
-            made = getattr(importlib.import_module(module), func)()
-        except (ImportError, AttributeError) as e:
+        try:  # ValueError, TypeError: an empty or relative module name (":f", "..m:f")
+            factory = getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError, ValueError, TypeError) as e:
             raise ConfigError(f"config function {source!r} cannot be loaded: {e}") from e
+        made = factory() if callable(factory) else factory  # its own errors: the user's code
         if not isinstance(made, JobConfig):
             raise ConfigError(
                 f"config function {source!r} returned {type(made).__name__}, not a JobConfig"
@@ -613,10 +634,7 @@ def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> Job
         data = config_to_dict(made)
     else:
         raise ConfigError(f"config {source!r}: expected a .toml file or module:function")
-    for text in overrides:
-        path, value = _parse_override(text)
-        _apply_override(data, path, value)
-    return config_from_dict(data)
+    return config_from_table(data, overrides)
 
 
 def config_from_table(

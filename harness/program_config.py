@@ -88,9 +88,11 @@ def program_problem(cfg: Any) -> str | None:
     for i, arg in enumerate(p.command):
         if not arg or "\0" in arg:
             return f"program.command[{i}] = {arg!r}: must be a non-empty string"
-    for name in p.env:
+    for name, value in p.env.items():
         if not _ENV_NAME.match(name):
             return f"program.env.{name}: not a valid environment variable name"
+        if "\0" in value:  # the spawn of every rank would fail (execve takes C strings)
+            return f"program.env.{name}: holds a NUL character, which no environment value can"
         if name in LAUNCHER_ENV:
             return (
                 f"program.env.{name}: set by ftharness for every rank (the launcher environment: "

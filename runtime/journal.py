@@ -221,13 +221,16 @@ def read_journal(
     """All records of a journal file (or of every ``*.jsonl`` in a directory), in time order.
 
     Only records every reader can rely on are returned: JSON objects with a finite number ``t``
-    and a string ``event``. Anything else (a torn line from a crash mid-write, a line that is
-    not an object, a record without ``t``) is skipped; pass ``problems`` to get one line per
-    skipped record (``file:line: why``). Never raises for a file's contents, only for a path that
-    cannot be read.
+    and a string ``event``, whose known fields have the types the writers give them
+    (:data:`_FIELDS`, :data:`_REQUIRED`). Anything else (a torn line from a crash mid-write, a
+    line that is not an object, a record without ``t``, a ``step.commit`` whose ``step`` is not
+    an integer, a line nested too deeply to parse) is skipped; pass ``problems`` to get one line
+    per skipped record (``file:line: why``). Never raises for a file's contents, only for a path
+    that cannot be read.
     """
     p = Path(path)
-    files = sorted(p.glob("**/*.jsonl")) if p.is_dir() else [p]
+    # A directory that happens to be named *.jsonl holds no records of its own.
+    files = sorted(f for f in p.glob("**/*.jsonl") if f.is_file()) if p.is_dir() else [p]
     records: list[Record] = []
     for f in files:
         records.extend(_read_lines(f, problems))
@@ -244,8 +247,10 @@ def _read_lines(path: Path, problems: list[str] | None) -> Iterator[Record]:
             why = None
             try:
                 record = json.loads(raw)  # bytes: a torn multi-byte character is an error here
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
                 why = "not valid JSON (a torn write?)"
+            except RecursionError:  # a line of [[[[...]]]]: no writer nests records this deep
+                why = "nested too deeply to read"
             else:
                 why = _problem(record)
             if why is None:
@@ -259,7 +264,104 @@ def _problem(record: Any) -> str | None:
         return f"not a JSON object: {type(record).__name__}"
     t = record.get("t")
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
-        return f"no finite time 't' (got {t!r})"
+        return f"no finite time 't' (got {_short(t)})"
     if not isinstance(record.get("event"), str):
-        return f"no string 'event' (got {record.get('event')!r})"
+        return f"no string 'event' (got {_short(record.get('event'))})"
+    for key in _REQUIRED.get(record["event"], ()):
+        if record.get(key) is None:
+            return f"{record['event']} without {key!r}"
+    why = _field_problem(record, "")
+    if why is None and record.get("seqs") is not None and record.get("seq_due") is None:
+        why = "'seqs' without 'seq_due'"  # data_coverage reads them as a pair
+    return why
+
+
+# -- the fields readers compute with ------------------------------------------------------------
+# Readers (dashboards/metrics.py, the report, the HTML dashboard) use these fields as numbers,
+# dict keys and sort keys; a record whose field has another type (a hand-edited or corrupt
+# journal: no writer produces one) would crash every report, so it is skipped like a torn line.
+# None (JSON null) is allowed wherever a field is allowed, as writers write null for "not known".
+
+
+def _is_int(v: Any) -> bool:
+    # 64-bit, as every writer's are: a larger one raises OverflowError where readers call float().
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
+def _is_number(v: Any) -> bool:
+    return _is_int(v) or isinstance(v, float)
+
+
+def _is_ranges(v: Any) -> bool:
+    """``seqs``: ``[[first, end), ...]`` ranges of sequence numbers, each at most
+    :data:`_MAX_RANGE` long (data_coverage expands them into sets: a range of 10**12 would hang
+    the report)."""
+    return isinstance(v, list) and all(
+        isinstance(r, list)
+        and len(r) == 2
+        and all(_is_int(x) for x in r)
+        and 0 <= r[1] - r[0] <= _MAX_RANGE
+        for r in v
+    )
+
+
+#: Sequences one commit record may name: one step of one rank, far above any real batch.
+_MAX_RANGE = 1 << 24
+_STR = (lambda v: isinstance(v, str), "a string")
+_INT = (_is_int, "an integer")
+_NUMBER = (_is_number, "a number")
+_ID = (lambda v: isinstance(v, str) or _is_int(v), "a string or an integer")
+#: field -> (check, what it must be), wherever the field appears (``target`` is checked with the
+#: same table). Fields not named here are not checked.
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "job": _STR,
+    "policy": _STR,
+    "replica": _INT,
+    "rank": _INT,
+    "host": _ID,  # a host agent's name; a standalone trainer writes 0
+    "step": _INT,
+    "pid": _INT,
+    "fault_id": _ID,
+    "recovery_id": _ID,
+    "kind": _STR,
+    "phase": _STR,
+    "cause": _STR,
+    "checksum": _ID,
+    "loss": _NUMBER,
+    "samples": _NUMBER,
+    "tokens": _NUMBER,
+    "step_time_s": _NUMBER,
+    "seq_due": _INT,
+    "data_policy": _STR,
+    "seqs": (_is_ranges, f"a list of [first, end] integer ranges of <= {_MAX_RANGE}"),
+    "participants": (
+        lambda v: _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
+        "an integer or a list of integers",
+    ),
+    "target": (lambda v: isinstance(v, dict), "a table of replica, rank, host"),
+}
+#: Fields an event's readers index directly (``r["step"]``): the record is useless without them.
+_REQUIRED: dict[str, tuple[str, ...]] = {STEP_COMMIT: ("step",), FAULT_INJECT: ("kind",)}
+
+
+def _field_problem(record: dict[str, Any], prefix: str) -> str | None:
+    for key, (ok, what) in _FIELDS.items():
+        value = record.get(key)
+        if value is None:
+            continue
+        if not ok(value):
+            return f"'{prefix}{key}' must be {what} (got {_short(value)})"
+        if key == "target" and not prefix:  # one level: a target holds no target
+            inner = _field_problem(value, "target.")
+            if inner is not None:
+                return inner
     return None
+
+
+def _short(value: Any) -> str:
+    """A bounded description for a message: repr of a huge or deeply nested value is slow, or
+    raises RecursionError."""
+    if isinstance(value, list | dict):
+        return f"a {type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

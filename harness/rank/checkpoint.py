@@ -19,9 +19,9 @@ file work above (writes, fsyncs, renames, prune), which needs nothing but those 
 
 Trust: payloads are loaded with ``torch.load(weights_only=True)``, so a planted checkpoint can
 hold only tensors and plain data (dicts, lists, tuples, numbers, strings, None), never code. A
-manifest's ``file`` must name a file in the same directory; a manifest that is not a JSON object,
-or names anything else, is skipped like a corrupt one. Folders are created ``0700`` and files
-``0600``: the weights are the run's, not every local user's.
+manifest's ``file`` must name a file in the same directory; a manifest that is not a JSON object
+(or nested too deeply to parse), or names anything else, is skipped like a corrupt one. Folders
+are created ``0700`` and files ``0600``: the weights are the run's, not every local user's.
 
 Not guaranteed: durability against a lying disk, or two writers on one directory at once.
 """
@@ -189,7 +189,7 @@ def _load_verified(manifest: Path) -> tuple[int, dict[str, Any]] | None:
         if path is None:
             return None
         payload = path.read_bytes()
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: a manifest of [[[[...]]]]
         return None
     if len(payload) != meta["bytes"] or xxhash.xxh3_128_hexdigest(payload) != meta["xxh3_128"]:
         return None
