@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
+from faults import inworker
 from faults.fault import FaultContext, Target, TargetKind, register
 
 
@@ -21,7 +22,7 @@ class CollectiveAbort:
     hold_s: float = 0.0
 
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
-        ctx.run_in_worker(target, "faults.inworker:abort_collectives")
+        ctx.run_in_worker(target, inworker.abort_collectives)
 
     def heal(self, ctx: FaultContext, target: Target) -> None:
         return None

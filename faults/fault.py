@@ -87,9 +87,10 @@ class Target:
 class FaultContext(Protocol):
     """What a fault may touch. The harness implements it; tests use a hand-written fake.
 
-    ``run_in_worker`` runs ``"module:function"(*args)`` inside each worker process of ``target``
-    on a thread that is not the training thread and returns once the call is delivered (it does
-    not wait for the function's effect: a segfaulting function never returns).
+    ``run_in_worker`` runs ``func(*args)`` inside each worker process of ``target`` on a thread
+    that is not the training thread and returns once the call is delivered (it does not wait
+    for the function's effect: a segfaulting function never returns). ``func`` is a module-level
+    function (``faults.inworker``'s): only its name travels (``runtime.actor.wire_name``).
     """
 
     journal: Journal
@@ -103,7 +104,7 @@ class FaultContext(Protocol):
 
     def pids(self, target: Target) -> list[int]: ...
 
-    def run_in_worker(self, target: Target, func: str, *args: Any) -> None: ...
+    def run_in_worker(self, target: Target, func: Callable[..., Any], *args: Any) -> None: ...
 
     def kill_host(self, host: str) -> None: ...
 
@@ -163,7 +164,7 @@ def register(name: str) -> Callable[[type], type]:
     """Class decorator: make ``cls`` the fault kind ``name``. A second kind with the same name is
     an error (two modules disagreeing about what a name means)."""
 
-    def deco(cls: type) -> type:
+    def deco(cls: type[Any]) -> type[Any]:  # any class: it is given its `name` below
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"fault kind {name!r} is already registered by {_REGISTRY[name]!r}")
         if getattr(cls, "default_target", None) not in TARGET_KINDS:

@@ -1,7 +1,10 @@
 """Functions that run *inside* a worker process (via ``FaultContext.run_in_worker``).
 
-They run on a thread that is not the training thread. Each is named in a fault as the string
-``"faults.inworker:NAME"`` so the harness can ship the name, not the code, over its channel.
+They run on a thread that is not the training thread. A fault passes the function itself
+(``ctx.run_in_worker(target, inworker.segfault)``); only its name (``runtime.actor.wire_name``,
+``"faults.inworker:segfault"``) travels over the channel, and the worker imports it. A user's
+program with ``program.hooks`` runs copies of these keyed by those names
+(``harness/rank/program_hooks/sitecustomize.py``; a test keeps the keys and the names equal).
 
 The trainer is found through ``runtime.actor.current_actors()``; :data:`actors_provider` is the
 one seam where a test worker without the runtime installs its own lookup.

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import psutil
 
+from faults import inworker
 from faults.fault import FaultContext, Target, TargetKind, register
 
 
@@ -36,7 +37,7 @@ class Segfault:
     hold_s: float = 0.0
 
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
-        ctx.run_in_worker(target, "faults.inworker:segfault")
+        ctx.run_in_worker(target, inworker.segfault)
 
     def heal(self, ctx: FaultContext, target: Target) -> None:
         return None

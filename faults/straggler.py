@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
+from faults import inworker
 from faults.fault import FaultContext, Target, TargetKind, register
 
 
@@ -21,7 +22,7 @@ class SlowRank:
     delay_s: float = 0.5
 
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
-        ctx.run_in_worker(target, "faults.inworker:set_step_delay", self.delay_s)
+        ctx.run_in_worker(target, inworker.set_step_delay, self.delay_s)
 
     def heal(self, ctx: FaultContext, target: Target) -> None:
-        ctx.run_in_worker(target, "faults.inworker:set_step_delay", 0.0)
+        ctx.run_in_worker(target, inworker.set_step_delay, 0.0)

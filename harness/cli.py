@@ -1,61 +1,71 @@
 """The ``ftharness`` command line: run | chaos | report | bench | agent | slurm.
 
-Each subcommand's implementation is imported only when it runs, so ``ftharness --help`` stays
-fast (no torch import) and a broken optional part cannot break the others.
+This module declares each subcommand's arguments; what implements one is an entry point of the
+``ftharness.commands`` group (a bench: ``ftharness.bench``), registered in ``pyproject.toml``, so
+that the harness names no module of a higher layer (``experiments``). Each implementation is
+imported only when it runs, so ``ftharness --help`` stays fast (no torch import) and a broken
+optional part cannot break the others. A bench another package registers is listed too.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import EntryPoint, entry_points
 
-# subcommand -> "module:function"; the function takes the parsed Namespace, returns an exit code.
-_HANDLERS = {
-    "run": "harness.job.launch:main",
-    "chaos": "experiments.runner:main",
-    "report": "experiments.report:main",
-    "agent": "runtime.agent:cli",
-    "slurm": "experiments.slurm_submit:main",
+#: Entry-point groups: subcommand (or bench) name -> ``module:function``; the function takes the
+#: parsed Namespace and returns an exit code (None: 0).
+COMMANDS_GROUP = "ftharness.commands"
+BENCH_GROUP = "ftharness.bench"
+
+#: The help of each bench of ours, in the order ``ftharness bench --help`` lists them.
+_BENCH_HELP = {
+    "runtime": "spawn, call latency and failure detection of the "
+    "supervision tree (and Monarch's, where installed)",
+    "recovery": "survivor stall and time-to-participate after a "
+    "killed replica group, in-place vs full_restart",
+    "transfer": "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
+    "overhead": "fault-free cost of resilience: plain torch.distributed vs torchft vs ftharness "
+    "(telemetry off and on), interleaved in one run",
+    "telemetry": "training-step overhead of the telemetry",
+    "multihost": "recovery across namespace hosts (partition, eviction), cross-host heal "
+    "bandwidth and the cost of authenticated frames (root)",
+    "slurm_requeue": "the baseline for SLURM node loss: a node of a classic job fails, SLURM "
+    "requeues the whole job (root, bin/test-cluster up)",
+    "scale": "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
+    "load, with simulated members and host agents, as the job grows",
 }
-_BENCHES = {
-    "runtime": (
-        "experiments.bench.runtime:main",
-        "spawn, call latency and failure detection of the "
-        "supervision tree (and Monarch's, where installed)",
-    ),
-    "recovery": (
-        "experiments.bench.recovery:main",
-        "survivor stall and time-to-participate after a "
-        "killed replica group, in-place vs full_restart",
-    ),
-    "transfer": (
-        "experiments.bench.transfer:main",
-        "weight-transfer bandwidth: memcpy, shm, tcp, torchft http and pg",
-    ),
-    "overhead": (
-        "experiments.bench.overhead:main",
-        "fault-free cost of resilience: plain torch.distributed vs torchft vs ftharness "
-        "(telemetry off and on), interleaved in one run",
-    ),
-    "telemetry": ("experiments.bench.telemetry:main", "training-step overhead of the telemetry"),
-    "multihost": (
-        "experiments.bench.multihost:main",
-        "recovery across namespace hosts (partition, eviction), cross-host heal bandwidth "
-        "and the cost of authenticated frames (root)",
-    ),
-    "slurm_requeue": (
-        "experiments.bench.slurm_requeue:main",
-        "the baseline for SLURM node loss: a node of a classic job fails, SLURM requeues the "
-        "whole job (root, bin/test-cluster up)",
-    ),
-    "scale": (
-        "experiments.bench.scale:main",
-        "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
-        "load, with simulated members and host agents, as the job grows",
-    ),
-}
+
+
+def _registered(group: str) -> dict[str, EntryPoint]:
+    """The entry points of ``group`` by name (reads installed metadata; imports nothing)."""
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def _benches() -> dict[str, str]:
+    """Bench name -> help: ours (listed even if not installed, so that running one says what is
+    missing), then any other package's, by name."""
+    others = {
+        name: f"registered by {ep.dist.name if ep.dist else ep.value}"
+        for name, ep in sorted(_registered(BENCH_GROUP).items())
+        if name not in _BENCH_HELP
+    }
+    return {**_BENCH_HELP, **others}
+
+
+def _handler(group: str, name: str) -> Callable[[argparse.Namespace], int | None]:
+    """Import and return the implementation of ``name`` in ``group``; SystemExit (status 2)
+    saying how to fix it when none is installed (an install older than pyproject.toml)."""
+    ep = _registered(group).get(name)
+    if ep is None:
+        print(
+            f"ftharness: no implementation of {name!r} is installed (entry point group "
+            f"{group!r}); reinstall: bin/setup, or pip install --no-deps -e .",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return ep.load()
 
 
 def _add_live_options(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, (_, text) in _BENCHES.items():
+    for name, text in _benches().items():
         b = bench_sub.add_parser(name, help=text, description=text)
         b.add_argument("--json", action="store_true", help="print only the JSON result line")
         b.add_argument("--reps", type=int, default=None, help="repetitions (default per bench)")
@@ -210,11 +220,6 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
         c.add_argument("run", help="the run directory `slurm submit` wrote")
 
 
-def _resolve(target: str):
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
@@ -225,14 +230,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "slurm":
         args.sbatch_args = passthrough
     if args.command == "bench":
-        handler = _resolve(_BENCHES[args.bench][0])
+        handler = _handler(BENCH_GROUP, args.bench)
     else:
-        handler = _resolve(_HANDLERS[args.command])
+        handler = _handler(COMMANDS_GROUP, args.command)
     try:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (`ftharness report --json | head`)
+        # Point stdout at /dev/null so the interpreter's flush at exit does not raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ supervisor that owns the process.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +49,73 @@ def endpoint(fn: F | None = None, /, *, supervised: bool = False) -> Any:
         return f
 
     return mark(fn) if fn is not None else mark
+
+
+def wire_name(fn: Callable[..., Any]) -> str:
+    """The name a worker finds ``fn`` by: ``"module:qualname"`` (``"faults.inworker:segfault"``).
+
+    The controller ships this name, not the code, and the worker imports the module and follows
+    the qualname (:func:`resolve`), so callers pass the function itself and a reader can find
+    them. Contract: ``resolve(wire_name(fn)) is fn`` in this process; ``fn`` must therefore be a
+    module-level function (or a static/class attribute reached by a dotted qualname, or a
+    builtin such as ``os.getpid``). Refused with ``TypeError``: a string (pass the function, not
+    its name), a bound method (its instance does not travel), or something that is not a
+    function. Refused with ``ValueError``: a lambda, a function nested in another (a decorator's
+    wrapper among them), one defined in ``__main__`` (a worker's ``__main__`` is another
+    program), or one its name does not lead back to (rebound, or claiming another's name). Not
+    guaranteed: that the worker's interpreter can import the module (its ``sys.path`` is the
+    job's), or that the arguments pickle.
+    """
+    if isinstance(fn, str):
+        raise TypeError(f"wire_name({fn!r}): pass the function itself, not its name")
+    if inspect.ismethod(fn):
+        raise TypeError(
+            f"wire_name({fn!r}): a bound method cannot run in a worker (its instance does not "
+            "travel); pass a module-level function"
+        )
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not callable(fn) or not isinstance(module, str) or not isinstance(qualname, str):
+        raise TypeError(
+            f"wire_name({fn!r}): not a function with a module and a qualified name; pass a "
+            "module-level function"
+        )
+    if "<lambda>" in qualname:
+        raise ValueError(f"wire_name: a lambda in {module} has no name a worker can import")
+    if "<locals>" in qualname:
+        raise ValueError(
+            f"wire_name: {module}:{qualname} is nested in a function; a worker can import only "
+            "module-level functions"
+        )
+    if module == "__main__":
+        raise ValueError(
+            f"wire_name: __main__:{qualname} is defined in the main script; a worker's __main__ "
+            "is another program: move it into an importable module"
+        )
+    name = f"{module}:{qualname}"
+    try:
+        found = resolve(name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"wire_name: {name} does not lead back to {fn!r}: {exc}") from exc
+    if found is not fn:
+        raise ValueError(
+            f"wire_name: {name} names {found!r}, not {fn!r} (rebound, or wrapped without "
+            "functools.wraps)"
+        )
+    return name
+
+
+def resolve(name: str) -> Any:
+    """The object a wire name (``"module:qualname"``, see :func:`wire_name`) names: imports the
+    module, follows the dotted qualname. Raises ``ImportError`` or ``AttributeError``; a name
+    without ``:`` is a ``ValueError``."""
+    module, sep, qualname = name.partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"{name!r} is not a wire name (module:qualname)")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def endpoints_of(cls: type) -> frozenset[str]:

@@ -21,6 +21,11 @@ one ``selectors`` loop:
 
 A local agent also dies with the controller (PR_SET_PDEATHSIG). It is a child subreaper, so
 nothing below it escapes.
+
+Why this module is longer than 500 lines: it is the whole host agent process: its one selector loop
+over the controller's connection, the workers' heartbeats and the reaping of children, which share
+the agent's state and are read together; forking and warm spares are ``runtime.spares``, programs
+``runtime.program_proc``.
 """
 
 from __future__ import annotations
@@ -335,8 +340,10 @@ class Agent:
             pass
 
     def _on_heartbeat(self, w: _Worker) -> None:
+        hb = w.hb
+        assert hb is not None  # only a forked worker's socket is registered for "hb" (_fork_worker)
         try:
-            data = w.hb.recv(4096)
+            data = hb.recv(4096)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -346,7 +353,7 @@ class Agent:
             if not w.started and WORKER_STARTED in data:
                 w.started = True
         else:  # the worker closed its end: it is exiting; waitpid reports how
-            self.sel.unregister(w.hb)
+            self.sel.unregister(hb)
 
     def _reap(self) -> None:
         while True:
@@ -434,7 +441,9 @@ def dial(boot: Boot, timeout_s: float) -> channel.Connection:
 
 
 def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
-    """Dial in, configure, preload, serve until the controller goes away; never returns."""
+    """Dial in, configure, preload, serve until the controller goes away; never returns.
+    ChannelError if it cannot dial in, or if the controller refuses it (``channel.Refused``:
+    the message says why, e.g. a live agent already has this host's name)."""
     proctree.become_subreaper()
     if boot.parent_pid is not None:
         # SIGTERM, not SIGKILL, when the controller dies: the handler kills every worker's
@@ -448,6 +457,9 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
     conn.sock.settimeout(dial_timeout_s)
     cfg = conn.recv()
     conn.sock.settimeout(None)
+    if isinstance(cfg, channel.Refused):  # e.g. another agent already serves this host name
+        conn.close()
+        raise channel.ChannelError(f"the controller refused this agent: {cfg.reason}")
     if not isinstance(cfg, AgentConfig):
         raise channel.ChannelError(f"the controller answered {cfg!r:.80}")
     for mod in cfg.preload:
@@ -505,9 +517,18 @@ def cli(args: Any) -> int:
     """``ftharness agent``: this host's agent for a controller elsewhere."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     host, _, port = args.controller.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         print(
-            f"ftharness agent: --controller {args.controller!r}: expected HOST:PORT",
+            f"ftharness agent: --controller {args.controller!r}: expected HOST:PORT "
+            "(PORT 1..65535)",
+            file=sys.stderr,
+        )
+        return 2
+    week = 7 * 24 * 3600.0  # harness.config.MAX_SECONDS; runtime does not import harness
+    if not 0 < args.dial_timeout <= week:  # False for NaN too, which would retry forever
+        print(
+            f"ftharness agent: --dial-timeout {args.dial_timeout!r}: must be a number of "
+            f"seconds > 0 and <= {week:g} (a week)",
             file=sys.stderr,
         )
         return 2

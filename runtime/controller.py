@@ -8,12 +8,17 @@
 
 It owns every listener and thread of the control plane:
 
-* a listener that workers connect to (authenticated with the job secret) for endpoint calls;
+* a listener that workers and agents dial in to (``runtime.listener``: job secret, bounded);
 * one connection per host agent, over which it spawns and stops workers and hears of exits,
   hangs and agent heartbeats;
 * a monitor thread that declares a host lost when its agent stops heartbeating;
 * one supervision thread that hands each failure, in order, to the supervisor owning the
   process (or to the root handler), so restart decisions never race each other.
+
+Why this module is longer than 500 lines: it owns the control plane's one locked table of processes,
+calls and hosts; the listener, the host registry and the call table are modules of their own
+(``runtime.listener``, ``runtime.host_registry``, ``runtime.proc_handle``), and what remains here
+reads and writes that table under its lock, which splitting would spread across files.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from dataclasses import replace
 from typing import Any
 
 from runtime import channel
-from runtime.actor import RemoteError
+from runtime.actor import RemoteError, wire_name
 from runtime.failure import Cause, Failure, SupervisionError, decode_wait_status
 from runtime.host_handle import HostAgentHandle
 from runtime.host_registry import HostTable
 from runtime.journal import FAILURE, PROC_START, Journal
 from runtime.launchers import Launcher, LocalLauncher
+from runtime.listener import Listener
 from runtime.mesh import ProcMesh, ProcRef
 from runtime.messages import (
     Event,
@@ -96,13 +102,19 @@ class Controller:
         )
         self._owner = threading.local()
         self.closed = False
-        self._listener = channel.listen(self.spec.bind_host, 0)
-        self.address = self._listener.getsockname()[:2]
+        # Handshakes run on the listener's one thread, bounded in number and each by one
+        # deadline; only an authenticated peer gets a thread (_serve_peer).
+        sock, spec = channel.listen(self.spec.bind_host, 0), self.spec
+        self.listener = Listener(
+            sock, self.secret, self._serve_peer,
+            timeout_s=spec.connect_timeout_s, max_pending=spec.max_pending_handshakes,
+        )  # fmt: skip
+        self.address = self.listener.address
         # Agents are started from this one long-lived thread: PR_SET_PDEATHSIG fires when the
         # *thread* that forked a child exits, so a short-lived thread must never fork an agent.
         self._spawner = cf.ThreadPoolExecutor(1, thread_name_prefix="ftharness-spawner")
         for target, name in (
-            (self._accept_loop, "accept"),
+            (self.listener.run, "accept"),
             (self._supervision_loop, "supervision"),
             (self._monitor_loop, "monitor"),
         ):
@@ -346,22 +358,9 @@ class Controller:
             ):
                 time.sleep(0.005)
 
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve_peer, args=(sock,), daemon=True).start()
-
-    def _serve_peer(self, sock: Any) -> None:
-        """A connection to the listener: a worker, or a host agent dialling in."""
-        try:
-            keys = channel.server_handshake(sock, self.secret, self.spec.connect_timeout_s)
-        except channel.ChannelError as exc:
-            log.warning("controller: dropping peer: %s", exc)
-            sock.close()
-            return
+    def _serve_peer(self, sock: Any, keys: tuple[bytes, bytes]) -> None:
+        """An authenticated connection to the listener, on its own thread: a worker, or a host
+        agent dialling in."""
         conn = channel.Connection(sock, peer="peer", keys=keys)
         rec: ProcRecord | None = None
         try:
@@ -450,6 +449,7 @@ class Controller:
             fut = cf.Future()
             fut.set_exception(refused)
             return fut
+        assert rec is not None  # not refused: it was found RUNNING, under the lock, above
         try:
             conn.send(kind(call_id=call_id, **fields))
         except channel.ChannelError as exc:
@@ -459,10 +459,16 @@ class Controller:
             fut.set_exception(exc)
         return fut
 
-    def run_in_worker(self, proc_id: str, func: str, *args: Any) -> cf.Future:
-        """Run ``"module:function"(*args)`` inside a worker on a fresh thread (not queued
-        behind the actor's running endpoint). Used by the fault injector."""
-        return self.request(proc_id, SysCall, func=func, args=args)
+    def run_in_worker(self, proc_id: str, func: Callable[..., Any], *args: Any) -> cf.Future:
+        """Run ``func(*args)`` inside a worker on a fresh thread (not queued behind the actor's
+        running endpoint). Used by the fault injector and the job's system calls.
+
+        ``func`` is the function itself, a module-level one: only its name travels, and the
+        worker imports it. :func:`runtime.actor.wire_name` raises here, in the caller, for what
+        a worker cannot import (a lambda, a nested function, a bound method: ``ValueError`` or
+        ``TypeError``) and for a string (``TypeError``: pass the function, not its name). The
+        future holds the function's result, or the error it raised."""
+        return self.request(proc_id, SysCall, func=wire_name(func), args=args)
 
     # -- failures -----------------------------------------------------------------------------
     def _on_exit(self, proc_id: str, status: int, t: float) -> None:
@@ -634,6 +640,5 @@ class Controller:
                     rec.state = ProcState.STOPPING
         self.host_table.shutdown(grace_s)
         self._queue.put(None)
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self.listener.close()
         self._spawner.shutdown(wait=False)

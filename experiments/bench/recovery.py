@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboards.metrics import percentile, summarize
+from experiments.bench.models import MODELS
 from experiments.report import evaluate_hypotheses
 from experiments.spec import Hypotheses
 from harness.config import load_config
@@ -78,15 +79,6 @@ PROGRAM_CONFIGS = {
     ]
     for warm in (False, True)
     for quorum in ("torchft", "tree")
-}
-MODELS = {
-    "tiny": [],
-    "llama3_debug": [
-        "model.kind=llama3_debug",
-        "data.seq_len=128",
-        "data.batch_size=4",
-        "data.vocab_size=2048",
-    ],
 }
 
 

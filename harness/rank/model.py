@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.config import JobConfig, ModelConfig
+from runtime.actor import wire_name
 
 #: The llama3 debug model's vocabulary (torchtitan's ``debugmodel``); data must match it.
 LLAMA3_DEBUG_VOCAB = 2048
@@ -115,7 +116,7 @@ def prebuild(model: dict, vocab_size: int, seed: int) -> None:
 def prebuild_call(cfg: JobConfig) -> tuple[str, dict]:
     """The host agents' warm-up call (``AgentConfig.warmup``) that prebuilds ``cfg``'s model."""
     return (
-        "harness.rank.model:prebuild",
+        wire_name(prebuild),
         {
             "model": dataclasses.asdict(cfg.model),
             "vocab_size": cfg.data.vocab_size,

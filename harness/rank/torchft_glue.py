@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import importlib
 import json
 import secrets
 import socket
@@ -60,6 +59,7 @@ from torchft.checkpointing.pg_transport import PGTransport
 from torchft.checkpointing.transport import CheckpointTransport
 
 from harness.config import JobConfig, TimeoutConfig
+from harness.rank.transport import make_dataplane_transport
 from runtime.actor import host_address
 
 
@@ -114,13 +114,14 @@ def pg_transport(pg: ProcessGroupGloo, timeout: timedelta, sd: Callable[[], Any]
     return PGTransport(pg, timeout=timeout, device=torch.device("cpu"), state_dict=sd)
 
 
-#: Checkpoint transports by the config's ``transport`` name, each a ``"module:function"``
-#: factory. Named rather than registered on import: a transport's module loads only when a job
-#: chooses it, and no module has to import this one to add itself.
-TRANSPORTS: dict[str, str] = {
-    "torchft_http": "harness.rank.torchft_glue:http_transport",
-    "torchft_pg": "harness.rank.torchft_glue:pg_transport",
-    "dataplane": "harness.rank.transport:make_dataplane_transport",
+#: Checkpoint transports by the config's ``transport`` name: the factories themselves, so a
+#: reader finds them. A table rather than registration on import: no module has to import this
+#: one to add itself (importing the data plane's costs nothing here: torch, torchft and
+#: ``runtime.dataplane`` are loaded already).
+TRANSPORTS: dict[str, TransportFactory] = {
+    "torchft_http": http_transport,
+    "torchft_pg": pg_transport,
+    "dataplane": make_dataplane_transport,
 }
 
 
@@ -132,8 +133,7 @@ def transport_factory(name: str) -> TransportFactory:
     """The factory of transport ``name``; ValueError naming the known ones."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; known: {', '.join(transport_names())}")
-    module, _, func = TRANSPORTS[name].partition(":")
-    return getattr(importlib.import_module(module), func)
+    return TRANSPORTS[name]
 
 
 def _s(seconds: float) -> timedelta:

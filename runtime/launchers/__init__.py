@@ -52,14 +52,51 @@ class Launcher(Protocol):
     def close(self) -> None: ...
 
 
-class LocalLauncher:
+class ChildAgents:
+    """Base of the launchers whose agents are child processes of the controller (the agent
+    itself, or the ``srun`` that runs it on its node): each host's newest agent by name
+    (``procs``), and ``stop``, which waits for it and then forces it down the launcher's way
+    (:meth:`_force_stop`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _track(self, name: str, popen: subprocess.Popen) -> None:
+        """``popen`` is now host ``name``'s agent; a previous one is reaped if it has exited."""
+        with self._lock:
+            old = self.procs.get(name)
+            self.procs[name] = popen
+        if old is not None:
+            old.poll()
+
+    def _proc(self, name: str) -> subprocess.Popen | None:
+        with self._lock:
+            return self.procs.get(name)
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        """After the agent was told to shut down: wait up to ``timeout_s`` for it to exit, then
+        force it (:meth:`_force_stop`). A host this launcher never started: nothing."""
+        popen = self._proc(name)
+        if popen is None:
+            return
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._force_stop(name, popen)
+
+    def _force_stop(self, name: str, popen: subprocess.Popen) -> None:
+        """End host ``name``'s agent that did not exit when told to."""
+        raise NotImplementedError
+
+
+class LocalLauncher(ChildAgents):
     """Agents as child processes of the controller (which must call ``start`` from a thread
     that lives as long as the job: the agent dies with it, PR_SET_PDEATHSIG)."""
 
     def __init__(self, wrap: list[str] | None = None) -> None:
+        super().__init__()
         self._wrap = list(wrap or [])  # a command prefix, e.g. ``ip netns exec NS``
-        self._lock = threading.Lock()
-        self.procs: dict[str, subprocess.Popen] = {}
 
     def command(self, name: str) -> list[str]:
         return [*self._wrap, sys.executable, "-m", "runtime.agent"]
@@ -69,15 +106,10 @@ class LocalLauncher:
         assert popen.stdin is not None
         popen.stdin.write((json.dumps({**boot, "parent_pid": os.getpid()}) + "\n").encode())
         popen.stdin.close()
-        with self._lock:
-            old = self.procs.get(name)
-            self.procs[name] = popen
-        if old is not None:
-            old.poll()  # reap a previous agent of this host
+        self._track(name, popen)
 
     def kill(self, name: str) -> bool:
-        with self._lock:
-            popen = self.procs.get(name)
+        popen = self._proc(name)
         if popen is None:
             return False
         proctree.signal_all(proctree.tree(popen.pid), signal.SIGKILL)
@@ -85,16 +117,9 @@ class LocalLauncher:
             popen.wait(timeout=2.0)  # reap it: no zombie agent for the rest of the run
         return True
 
-    def stop(self, name: str, timeout_s: float) -> None:
-        with self._lock:
-            popen = self.procs.get(name)
-        if popen is None:
-            return
-        try:
-            popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proctree.terminate_tree(popen.pid, 0.5)
-            popen.wait(timeout=5.0)
+    def _force_stop(self, name: str, popen: subprocess.Popen) -> None:
+        proctree.terminate_tree(popen.pid, 0.5)
+        popen.wait(timeout=5.0)
 
     def close(self) -> None:
         with self._lock:

@@ -26,7 +26,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.launchers import LocalLauncher
 
@@ -234,7 +236,7 @@ class NetnsLauncher(LocalLauncher):
             h.address, sys.executable, "-m", "runtime.agent",
         ]  # fmt: skip
 
-    def start(self, name: str, boot: dict) -> None:
+    def start(self, name: str, boot: Mapping[str, Any]) -> None:
         if name not in self.net.partitioned:
             _ip("link", "set", self.net.hosts[name].veth, "up")
         super().start(name, boot)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.launchers import ChildAgents
+
 STEP_PREFIX = "ftharness-agent-"
 #: Node states (``sinfo %T``, lower case, flags stripped) that mean: never use this node.
 UNUSABLE = frozenset(
@@ -202,8 +204,9 @@ def agent_command(
     ]  # fmt: skip
 
 
-class SlurmLauncher:
-    """Each host's agent as a job step on its node (see the module docstring)."""
+class SlurmLauncher(ChildAgents):
+    """Each host's agent as a job step on its node (see the module docstring); the ``srun`` of
+    each step is a child process of the controller."""
 
     def __init__(
         self,
@@ -226,9 +229,8 @@ class SlurmLauncher:
         self.active = [n for n in self.nodes if n not in self.spares]
         self.gone: dict[str, str] = {}  # node -> why
         self.node_job: dict[str, str] = {}  # replacement node -> its own single-node job
+        super().__init__()
         self._on_gone = on_gone
-        self._lock = threading.Lock()
-        self.procs: dict[str, subprocess.Popen] = {}
         self._poll_s = poll_s
         self._closed = threading.Event()
         self._extra_jobs: list[str] = []  # replacement jobs (request_node), cancelled on close
@@ -298,11 +300,7 @@ class SlurmLauncher:
             popen = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
-        with self._lock:
-            old = self.procs.get(name)
-            self.procs[name] = popen
-        if old is not None:
-            old.poll()
+        self._track(name, popen)
 
     def step_ids(self, name: str | None = None) -> list[str]:
         """Our agent steps (``JOB.STEP``), of node ``name`` or all."""
@@ -364,27 +362,18 @@ class SlurmLauncher:
         """``scancel --signal=KILL`` of the node's step, in the background: the controller calls
         this on the path that declares a host lost, and scancel waits for slurmctld, which
         waits for an unresponsive node's slurmd (seconds: a failed node's groups would wait)."""
-        with self._lock:
-            popen = self.procs.get(name)
-        if popen is None:
+        if self._proc(name) is None:
             return False
         threading.Thread(
             target=self.cancel_step, args=(name, "KILL"), daemon=True, name=f"scancel-{name}"
         ).start()
         return True
 
-    def stop(self, name: str, timeout_s: float) -> None:
-        with self._lock:
-            popen = self.procs.get(name)
-        if popen is None:
-            return
-        try:
-            popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.cancel_step(name, "KILL")
-            popen.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                popen.wait(timeout=10.0)
+    def _force_stop(self, name: str, popen: subprocess.Popen) -> None:
+        self.cancel_step(name, "KILL")
+        popen.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout=10.0)
 
     def close(self) -> None:
         self._closed.set()

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,20 +37,49 @@ def kill_group(job: Any, replica: int) -> None:
 
 def after_step(job: Any, step: int, action: Callable[[], None], timeout: float = 120) -> None:
     """Run ``action`` once the job has committed ``step`` (on a background thread)."""
-    import threading
 
     def run() -> None:
-        deadline = time.monotonic() + timeout
-        while job.faults.committed_step() < step and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: job.faults.committed_step() >= step, time.monotonic() + timeout)
         action()
 
     threading.Thread(target=run, daemon=True).start()
 
 
+def wait_until(cond: Callable[[], object], deadline: float, poll_s: float = 0.05) -> bool:
+    """Poll ``cond`` until it is true or ``time.monotonic()`` passes ``deadline``; whether it
+    became true (a caller that must not go on without it asserts on the result, or on what it
+    recorded)."""
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def train_on_then_stop(job: Any, steps: int, stop: threading.Event, deadline: float) -> None:
+    """Let the job commit ``steps`` more steps (or reach ``deadline``), then set ``stop`` (the
+    ``stop_event`` the run was given): how a timed scenario ends once its checks are done."""
+    target = job.faults.committed_step() + steps
+    wait_until(lambda: job.faults.committed_step() >= target, deadline)
+    stop.set()
+
+
 def events(run_dir, name: str | None = None) -> list[dict]:
     rs = read_journal(run_dir / "journal.jsonl")
     return [r for r in rs if name is None or r["event"] == name]
+
+
+def run_ok(cfg: Any, run_dir, **kwargs: Any) -> list[dict]:
+    """Run job ``cfg`` in this process (``harness.job.launch.run_job``, quiet, ``kwargs`` passed
+    on), assert that it ended ok, check the protocol's invariants on its journal
+    (:func:`check_invariants`), and return the journal's records."""
+    from harness.job.launch import run_job
+
+    out = run_job(cfg, run_dir, quiet=True, **kwargs)
+    assert out["status"] == "ok", out["reason"]
+    records = events(run_dir)
+    check_invariants(records)
+    return records
 
 
 def check_invariants(records: list[dict]) -> None:

@@ -10,10 +10,20 @@ import threading
 import time
 
 import pytest
-from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
+from e2e_helpers import (
+    after_step,
+    events,
+    kill_group,
+    run_ok,
+    tiny_cfg,
+    train_on_then_stop,
+    wait_until,
+)
 
+from faults import inworker
 from faults.fault import Target
 from harness.job.launch import run_job
+from harness.rank.actors import stop_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -45,10 +55,7 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares, ever
 
         after_step(job, 12, kill)
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
-    assert out["status"] == "ok", out["reason"]
-    records = events(tmp_path)
-    check_invariants(records)
+    records = run_ok(cfg, tmp_path, on_started=started)
 
     (failure,) = [r for r in records if r["event"] == "failure"]
     assert failure["signal"] == "SIGKILL" and failure["replica"] == 1
@@ -95,13 +102,10 @@ def test_segfault_in_one_rank_restarts_only_its_group(tmp_path):
         after_step(
             job,
             8,
-            lambda: job.faults.run_in_worker(Target(replica=0, rank=1), "faults.inworker:segfault"),
+            lambda: job.faults.run_in_worker(Target(replica=0, rank=1), inworker.segfault),
         )
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
-    assert out["status"] == "ok", out["reason"]
-    records = events(tmp_path)
-    check_invariants(records)
+    records = run_ok(cfg, tmp_path, on_started=started)
     failures = [r for r in records if r["event"] == "failure"]
     assert failures[0]["signal"] == "SIGSEGV"
     assert (failures[0]["replica"], failures[0]["rank"]) == (0, 1)
@@ -152,10 +156,7 @@ def test_full_restart_resumes_from_checkpoint_losing_at_most_k_steps(tmp_path):
     def started(job):
         after_step(job, 13, lambda: kill_group(job, 1))
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
-    assert out["status"] == "ok", out["reason"]
-    records = events(tmp_path)
-    check_invariants(records)
+    records = run_ok(cfg, tmp_path, on_started=started)
     (restart,) = [r for r in records if r["event"] == "job.restart"]
     before = [r["step"] for r in records if r["event"] == "step.commit" and r["t"] < restart["t"]]
     loads = [r for r in records if r["event"] == "checkpoint.load" and r["t"] > restart["t"]]
@@ -210,10 +211,7 @@ def test_heal_through_the_dataplane_transport(tmp_path):
     def started(job):
         after_step(job, 10, lambda: kill_group(job, 2))
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started)
-    assert out["status"] == "ok", out["reason"]
-    records = events(tmp_path)
-    check_invariants(records)
+    records = run_ok(cfg, tmp_path, on_started=started)
     (failure,) = [r for r in records if r["event"] == "failure"]
     healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > failure["t"]]
     assert healed and healed[0]["replica"] == 2 and healed[0]["transport"] == "dataplane"
@@ -241,38 +239,29 @@ def test_an_evicted_host_comes_back_in_the_background_and_takes_its_groups_again
             job.faults.kill_host("host1")
             # group 1 (home host1) is restarted on host0 at once, without waiting for host1
             deadline = time.monotonic() + 60
-            while job.group_host(1) != "host0" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: job.group_host(1) == "host0", deadline)
             seen["moved_to"] = job.group_host(1)
             # host1's agent comes back by itself, though no group asked for it
-            while time.monotonic() < deadline:
-                h = job.controller.hosts["host1"]
-                if not h.lost and h.pid != seen["old_agent"]:
-                    seen["back"] = True
-                    break
-                time.sleep(0.05)
+            hosts = job.controller.hosts
+            seen["back"] = wait_until(
+                lambda: not hosts["host1"].lost and hosts["host1"].pid != seen["old_agent"],
+                deadline,
+            )
             # the group's next restart goes home, to the ready host
             kill_group(job, 1)
-            while job.group_host(1) != "host1" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: job.group_host(1) == "host1", deadline)
             seen["home_again"] = job.group_host(1)
-            after = job.faults.committed_step() + 10
-            while job.faults.committed_step() < after and time.monotonic() < deadline:
-                time.sleep(0.05)
-            stop.set()
+            train_on_then_stop(job, 10, stop, deadline)
 
         after_step(job, 8, evict)
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started, stop_event=stop)
-    assert out["status"] == "ok", out["reason"]
+    records = run_ok(cfg, tmp_path, on_started=started, stop_event=stop)
     assert seen == {
         "old_agent": seen["old_agent"],
         "moved_to": "host0",
         "back": True,
         "home_again": "host1",
     }
-    records = events(tmp_path)
-    check_invariants(records)
     starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") == 1]
     assert [r["host"] for r in starts] == ["host1", "host0", "host1"]
 
@@ -318,10 +307,7 @@ def test_every_group_lost_at_once_resumes_from_the_last_checkpoint(tmp_path):
         job_ref.append(job)
         after_step(job, 50, kill_all)
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started, timeout=150)
-    assert out["status"] == "ok", out["reason"]
-    records = events(tmp_path)
-    check_invariants(records)
+    records = run_ok(cfg, tmp_path, on_started=started, timeout=150)
     restarts = [r for r in records if r["event"] == "job.restart"]
     assert len(restarts) == 1 and "every replica group lost its state" in restarts[0]["reason"]
     loads = [r for r in records if r["event"] == "checkpoint.load"]
@@ -343,16 +329,15 @@ def test_a_stopped_job_stops_every_group_after_the_same_step(tmp_path):
         group_of = {p: g.replica for g in job.groups.values() for p in g.mesh.proc_ids}
 
         def late_for_others(pid, func, *args):
-            if func == "harness.rank.actors:stop_training" and group_of.get(pid) != 0:
+            if func is stop_training and group_of.get(pid) != 0:
                 time.sleep(0.1)
             return run_in_worker(pid, func, *args)
 
         job.controller.run_in_worker = late_for_others
         after_step(job, 20, stop.set)
 
-    out = run_job(cfg, tmp_path, quiet=True, on_started=started, stop_event=stop)
-    assert out["status"] == "ok", out["reason"]
-    commits = [r for r in events(tmp_path) if r["event"] == "step.commit"]
+    records = run_ok(cfg, tmp_path, on_started=started, stop_event=stop)
+    commits = [r for r in records if r["event"] == "step.commit"]
     last = {}
     for r in commits:
         last[r["replica"]] = max(last.get(r["replica"], 0), r["step"])

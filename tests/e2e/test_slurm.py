@@ -18,9 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import after_step, check_invariants, events, kill_group, tiny_cfg
+from e2e_helpers import (
+    after_step,
+    events,
+    kill_group,
+    run_ok,
+    tiny_cfg,
+    train_on_then_stop,
+    wait_until,
+)
 
-from harness.job.launch import run_job
 from runtime.launchers import netns, slurm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +44,12 @@ pytestmark = [
 ]
 
 FAST = ("timeouts.host_timeout=2.0", "timeouts.controller_silence=4.0", "recovery.quorum=tree")
+HEAL_OVER_DATAPLANE = ("transport=dataplane", "timeouts.process_group_timeout=10")
+
+
+def _until_stopped(*overrides: str):
+    """Two groups on SLURM (``FAST``) training until the test's stop event: steps far away."""
+    return tiny_cfg("launcher=slurm", "replicas=2", "steps=100000", *overrides, *FAST)
 
 
 def _cluster(*args: str) -> str:
@@ -93,13 +106,21 @@ def _revive_all() -> None:
         _cluster("revive", node)
 
 
+@contextlib.contextmanager
+def nodes(monkeypatch, n: int):
+    """:func:`allocation` of ``n`` nodes, and every node of the cluster revived afterwards (a
+    test may have failed one): what each test that fails nodes runs its job in."""
+    try:
+        with allocation(monkeypatch, n) as job:
+            yield job
+    finally:
+        _revive_all()
+
+
 def test_a_two_node_job_trains_to_its_last_step(cluster, tmp_path, monkeypatch):
     with allocation(monkeypatch, 2):
         cfg = tiny_cfg("launcher=slurm", "replicas=2", "steps=25", *FAST)
-        out = run_job(cfg, tmp_path, quiet=True, timeout=200)
-    assert out["status"] == "ok", out["reason"]
-    records = events(tmp_path)
-    check_invariants(records)
+        records = run_ok(cfg, tmp_path, timeout=200)
     commits = [r for r in records if r["event"] == "step.commit"]
     assert max(r["step"] for r in commits) >= 25
     assert {(r["replica"], r["host"]) for r in commits} == {(0, "n1"), (1, "n2")}
@@ -113,50 +134,31 @@ def test_a_failed_nodes_groups_restart_on_the_spare_node(cluster, tmp_path, monk
     """n1 fails (its slurmd and every process of the node killed): its group restarts on the
     spare n3 and heals from n2's group; replicas are equal after the heal; SLURM marks n1 down
     and it is never chosen again."""
-    cfg = tiny_cfg(
-        "launcher=slurm",
-        "replicas=2",
-        "steps=100000",
-        "slurm.spare_nodes=1",
-        "transport=dataplane",
-        "timeouts.process_group_timeout=10",
-        *FAST,
-    )
+    cfg = _until_stopped("slurm.spare_nodes=1", *HEAL_OVER_DATAPLANE)
     stop = threading.Event()
     seen: dict[str, object] = {}
 
     def started(job):
         def fail():
-            seen["spares"] = sorted(job.slurm.spares)
+            seen["spares"] = sorted(job.site.slurm.spares)
             seen["t"] = time.time()
             job.faults.fail_node("n1")
             deadline = time.monotonic() + 150
-            while job.group_host(0) == "n1" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: job.group_host(0) != "n1", deadline)
             seen["moved_to"] = job.group_host(0)
-            while "n1" not in job.slurm.gone and time.monotonic() < deadline:
-                time.sleep(0.2)  # SLURM marks it not responding / down (SlurmdTimeout=10)
-            seen["gone"] = job.slurm.gone.get("n1")
-            target = job.faults.committed_step() + 15
-            while job.faults.committed_step() < target and time.monotonic() < deadline:
-                time.sleep(0.05)
-            stop.set()
+            # SLURM marks it not responding / down (SlurmdTimeout=10)
+            wait_until(lambda: "n1" in job.site.slurm.gone, deadline, poll_s=0.2)
+            seen["gone"] = job.site.slurm.gone.get("n1")
+            train_on_then_stop(job, 15, stop, deadline)
 
         after_step(job, 10, fail)
 
-    try:
-        with allocation(monkeypatch, 3):
-            out = run_job(
-                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=240
-            )
-    finally:
-        _revive_all()
-    assert out["status"] == "ok", out["reason"]
+    with nodes(monkeypatch, 3):
+        # (run_ok checks that replicas are bitwise equal at every step both groups committed)
+        records = run_ok(cfg, tmp_path, on_started=started, stop_event=stop, timeout=240)
     assert seen["spares"] == ["n3"]
     assert seen["moved_to"] == "n3", seen
     assert seen["gone"], "SLURM never showed the failed node unusable"
-    records = events(tmp_path)
-    check_invariants(records)  # replicas bitwise equal at every step both groups committed
     failures = [r for r in records if r["event"] == "failure" and r.get("replica") == 0]
     assert failures and failures[0]["cause"] == "lost_host", failures
     t_fail = failures[0]["t"]
@@ -254,14 +256,7 @@ def test_the_time_limit_signal_gives_a_checkpoint_and_a_report(cluster, tmp_path
 def test_a_drained_node_is_never_chosen(cluster, tmp_path, monkeypatch):
     """The spare n3 is drained (an operator's `scontrol update State=DRAIN`), then n1 fails:
     n1's group goes to n2, not to the drained spare."""
-    cfg = tiny_cfg(
-        "launcher=slurm",
-        "replicas=2",
-        "steps=100000",
-        "slurm.spare_nodes=1",
-        "slurm.poll_s=0.5",
-        *FAST,
-    )
+    cfg = _until_stopped("slurm.spare_nodes=1", "slurm.poll_s=0.5")
     stop = threading.Event()
     seen: dict[str, object] = {}
 
@@ -275,33 +270,22 @@ def test_a_drained_node_is_never_chosen(cluster, tmp_path, monkeypatch):
         def drain_then_fail():
             deadline = time.monotonic() + 150
             scontrol_n3("DRAIN")
-            while "n3" not in job.slurm.gone and time.monotonic() < deadline:
-                time.sleep(0.1)
-            seen["gone"] = job.slurm.gone.get("n3")
+            wait_until(lambda: "n3" in job.site.slurm.gone, deadline, poll_s=0.1)
+            seen["gone"] = job.site.slurm.gone.get("n3")
             job.faults.fail_node("n1")
-            while job.group_host(0) == "n1" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: job.group_host(0) != "n1", deadline)
             seen["moved_to"] = job.group_host(0)
-            target = job.faults.committed_step() + 10
-            while job.faults.committed_step() < target and time.monotonic() < deadline:
-                time.sleep(0.05)
-            stop.set()
+            train_on_then_stop(job, 10, stop, deadline)
 
         after_step(job, 10, drain_then_fail)
 
-    try:
-        with allocation(monkeypatch, 3):
-            out = run_job(
-                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=240
-            )
-    finally:
-        scontrol_n3("RESUME")
-        _revive_all()
-    assert out["status"] == "ok", out["reason"]
+    with nodes(monkeypatch, 3):
+        try:
+            records = run_ok(cfg, tmp_path, on_started=started, stop_event=stop, timeout=240)
+        finally:
+            scontrol_n3("RESUME")  # before the revive, which waits for every node to be usable
     assert "drain" in str(seen["gone"]), seen
     assert seen["moved_to"] == "n2", seen
-    records = events(tmp_path)
-    check_invariants(records)
     starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") is not None]
     assert "n3" not in {r["host"] for r in starts}
 
@@ -312,16 +296,7 @@ def test_with_replace_new_job_slurm_gives_a_node_for_the_one_it_took(
     """A 2-node job with no spare and slurm.replace = "new_job": n1 fails, its group doubles up
     on n2; once SLURM shows n1 unusable a single-node job is submitted, its node (n3) joins as a
     spare with a ready agent, and the next group that needs a host (group 0, killed) gets it."""
-    cfg = tiny_cfg(
-        "launcher=slurm",
-        "replicas=2",
-        "steps=100000",
-        "slurm.replace=new_job",
-        "slurm.poll_s=0.5",
-        "transport=dataplane",
-        "timeouts.process_group_timeout=10",
-        *FAST,
-    )
+    cfg = _until_stopped("slurm.replace=new_job", "slurm.poll_s=0.5", *HEAL_OVER_DATAPLANE)
     stop = threading.Event()
     seen: dict[str, object] = {}
 
@@ -330,33 +305,20 @@ def test_with_replace_new_job_slurm_gives_a_node_for_the_one_it_took(
             deadline = time.monotonic() + 200
             job.faults.fail_node("n1")
             hosts = job.controller.hosts
-            while time.monotonic() < deadline and ("n3" not in hosts or hosts["n3"].lost):
-                time.sleep(0.1)
-            seen["replacement_job"] = job.slurm.node_job.get("n3")
-            seen["spare"] = "n3" in job.slurm.spares
+            wait_until(lambda: "n3" in hosts and not hosts["n3"].lost, deadline, poll_s=0.1)
+            seen["replacement_job"] = job.site.slurm.node_job.get("n3")
+            seen["spare"] = "n3" in job.site.slurm.spares
             kill_group(job, 0)
-            while job.group_host(0) != "n3" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: job.group_host(0) == "n3", deadline)
             seen["moved_to"] = job.group_host(0)
-            target = job.faults.committed_step() + 10
-            while job.faults.committed_step() < target and time.monotonic() < deadline:
-                time.sleep(0.05)
-            stop.set()
+            train_on_then_stop(job, 10, stop, deadline)
 
         after_step(job, 10, fail_then_replace)
 
-    try:
-        with allocation(monkeypatch, 2) as job_id:
-            out = run_job(
-                cfg, tmp_path, quiet=True, on_started=started, stop_event=stop, timeout=280
-            )
-    finally:
-        _revive_all()
-    assert out["status"] == "ok", out["reason"]
+    with nodes(monkeypatch, 2) as job_id:
+        records = run_ok(cfg, tmp_path, on_started=started, stop_event=stop, timeout=280)
     assert seen["replacement_job"] not in (None, job_id) and seen["spare"], seen
     assert seen["moved_to"] == "n3", seen
-    records = events(tmp_path)
-    check_invariants(records)
     late = [r for r in records if r["event"] == "step.commit" and r["replica"] == 0]
     assert late[-1]["host"] == "n3"
     left = subprocess.run(

@@ -1,9 +1,10 @@
 """In-worker faults for real, in real processes.
 
 A small stand-in worker (WORKER below) does what a harness worker does for faults: a Python
-heartbeat thread, and a control thread that runs ``"module:function"(*args)`` requests on their
-own threads; its "trainer" just prints what it was asked. The fault classes fire through a
-hand-written FaultContext whose ``run_in_worker`` writes the request to that worker's stdin.
+heartbeat thread, and a control thread that runs ``"module:qualname"(*args)`` requests (the
+function's ``runtime.actor.wire_name``) on their own threads; its "trainer" just prints what it
+was asked. The fault classes fire through a hand-written FaultContext whose ``run_in_worker``
+writes the request to that worker's stdin.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import pytest
 from faults.fault import Target, make_fault
 from faults.injector import Injector
 from faults.schedule import PlannedFault
+from runtime.actor import wire_name
 from runtime.journal import Journal, read_journal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,17 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every line is printed with one write (text and newline together): print's separate write of
 # the newline let a heartbeat thread's line and the main thread's line merge into one, and the
 # merged "beat 0ready" was never seen as "ready".
-WORKER = r"""
-import importlib, json, sys, threading, time
-import faults.inworker as inworker
-
-class Trainer:
-    def set_step_delay(self, seconds):
-        print(f"delay {seconds}\n", end="", flush=True)
-    def abort_collectives(self):
-        print("abort\n", end="", flush=True)
-
-inworker.actors_provider = lambda: {"trainer": Trainer()}
+HEARTBEAT = r"""
+import sys, threading, time
 
 def heartbeat():
     i = 0
@@ -50,13 +44,27 @@ def heartbeat():
         time.sleep(0.05)
 
 threading.Thread(target=heartbeat, daemon=True).start()
+"""
+
+_WORKER_BODY = r"""
+import json
+import faults.inworker as inworker
+from runtime.actor import resolve
+
+class Trainer:
+    def set_step_delay(self, seconds):
+        print(f"delay {seconds}\n", end="", flush=True)
+    def abort_collectives(self):
+        print("abort\n", end="", flush=True)
+
+inworker.actors_provider = lambda: {"trainer": Trainer()}
+
 print("ready\n", end="", flush=True)
 for line in sys.stdin:  # the control thread: each request on its own thread
     req = json.loads(line)
-    module, name = req["func"].split(":")
-    func = getattr(importlib.import_module(module), name)
-    threading.Thread(target=func, args=req["args"], daemon=True).start()
+    threading.Thread(target=resolve(req["func"]), args=req["args"], daemon=True).start()
 """
+WORKER = HEARTBEAT + _WORKER_BODY
 
 
 class Proc:
@@ -119,24 +127,16 @@ def test_segfault_kills_its_process_with_sigsegv():
     assert proc.lines.empty()  # "survived" never printed
 
 
-GIL_SCRIPT = r"""
-import sys, threading, time
+_GIL_BODY = r"""
 from faults.inworker import hold_gil
 
-def heartbeat():
-    i = 0
-    while True:
-        print(f"beat {i}\n", end="", flush=True)
-        i += 1
-        time.sleep(0.05)
-
-threading.Thread(target=heartbeat, daemon=True).start()
 time.sleep(0.3)
 hold_gil(float(sys.argv[1]), 0.1)
 print("armed\n", end="", flush=True)
 while True:  # the main thread stays alive; after the hold it carries on
     time.sleep(0.05)
 """
+GIL_SCRIPT = HEARTBEAT + _GIL_BODY
 
 
 @pytest.mark.timeout(90)
@@ -186,10 +186,10 @@ class WorkerContext:
     def pids(self, target: Target) -> list[int]:
         return [self.workers[target.replica].p.pid]
 
-    def run_in_worker(self, target: Target, func: str, *args: Any) -> None:
+    def run_in_worker(self, target: Target, func: Callable[..., Any], *args: Any) -> None:
         w = self.workers[target.replica]
         assert w.p.stdin is not None
-        w.p.stdin.write(json.dumps({"func": func, "args": list(args)}) + "\n")
+        w.p.stdin.write(json.dumps({"func": wire_name(func), "args": list(args)}) + "\n")
         w.p.stdin.flush()
 
     def kill_host(self, host: str) -> None:

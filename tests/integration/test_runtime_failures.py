@@ -3,6 +3,7 @@ oversized reply, a dead control-plane thread, one group's slow restart, a stoppe
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import runtime_actors
 from test_runtime import FAST, wait_for
 
+from faults import inworker
 from runtime.actor import RemoteError
 from runtime.channel import MAX_FRAME
 from runtime.controller import Controller
@@ -230,7 +232,7 @@ def test_workers_inherit_the_agents_imports_frozen_out_of_the_collector():
     c = Controller(dataclasses.replace(FAST, preload=("torch",)), on_failure=lambda f: True)
     try:
         (proc_id,) = c.spawn_host("h0").spawn_procs({"rank": 1}).proc_ids
-        frozen = c.run_in_worker(proc_id, "gc:get_freeze_count").result(timeout=30)
+        frozen = c.run_in_worker(proc_id, gc.get_freeze_count).result(timeout=30)
         assert frozen > 50_000
     finally:
         c.shutdown(grace_s=0.5)
@@ -257,9 +259,9 @@ def test_a_cold_worker_slow_to_import_is_not_hung():
     try:
         (proc_id,) = c.spawn_host("h0").spawn_procs({"rank": 1}, cold=True).proc_ids
         time.sleep(2 * FAST.heartbeat.timeout_s)
-        assert c.run_in_worker(proc_id, "os:getpid").result(timeout=10) > 0
+        assert c.run_in_worker(proc_id, os.getpid).result(timeout=10) > 0
         assert failures == [], failures
-        c.run_in_worker(proc_id, "faults.inworker:hold_gil", 30.0).result(timeout=10)
+        c.run_in_worker(proc_id, inworker.hold_gil, 30.0).result(timeout=10)
         wait_for(lambda: failures, timeout=10, what="the started worker to be found hung")
         assert failures[0].cause is Cause.MISSED_HEARTBEAT, failures[0]
     finally:

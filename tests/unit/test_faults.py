@@ -7,18 +7,19 @@ tests/integration/test_inworker_faults.py); the process, host and service faults
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import psutil
 import pytest
 
+from faults import inworker
 from faults.fault import (
     Target,
     fault_class,
@@ -30,6 +31,7 @@ from faults.fault import (
 from faults.injector import Injector, due_faults
 from faults.schedule import PlannedFault
 from faults.targets import KeepAlive
+from runtime.actor import wire_name
 from runtime.journal import Journal, read_journal
 
 
@@ -76,9 +78,8 @@ class FakeContext:
             if r == target.replica and target.rank in (None, k)
         ]
 
-    def run_in_worker(self, target: Target, func: str, *args: Any) -> None:
-        module, name = func.split(":")
-        assert callable(getattr(importlib.import_module(module), name)), func
+    def run_in_worker(self, target: Target, func: Callable[..., Any], *args: Any) -> None:
+        wire_name(func)  # what the job's context ships: raises for what a worker cannot import
         self.calls.append(("run_in_worker", target, func, args))
 
     def kill_host(self, host: str) -> None:
@@ -220,13 +221,13 @@ def test_lighthouse_crash_kills_the_quorum_service(ctx):
 @pytest.mark.parametrize(
     ("kind", "func", "args"),
     [
-        ("segfault", "faults.inworker:segfault", ()),
-        ("collective_abort", "faults.inworker:abort_collectives", ()),
-        ("gil_deadlock", "faults.inworker:hold_gil", (3600.0,)),
-        ("slow_rank", "faults.inworker:set_step_delay", (0.5,)),
+        ("segfault", inworker.segfault, ()),
+        ("collective_abort", inworker.abort_collectives, ()),
+        ("gil_deadlock", inworker.hold_gil, (3600.0,)),
+        ("slow_rank", inworker.set_step_delay, (0.5,)),
     ],
 )
-def test_in_worker_faults_name_a_real_function(ctx, kind, func, args):
+def test_in_worker_faults_run_their_function(ctx, kind, func, args):
     target = Target(replica=1, rank=0)
     make_fault(kind).fire(ctx, target, RNG)
     assert ctx.calls == [("run_in_worker", target, func, args)]
