@@ -23,13 +23,13 @@ records all lack it is left out.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 STEP_COMMIT = "step.commit"
 
 
-def coverage(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def coverage(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """``{policy: {"data_policy", "due", "trained", "skipped", "trained_twice",
     "skipped_fraction"}}`` from journal records (any order)."""
     # (policy) -> step -> (replica, rank) -> (t, ranges)

@@ -10,6 +10,9 @@ draw the training activity, the faults and the series.
 Panels carry stable ids and ``data-panel`` attributes (``goodput``, ``comparison``,
 ``timeline``, ``step-rate``, ``participants``, ``recovery-distribution``, ``recoveries``); the
 per-policy ones also carry ``data-policy``. Everything taken from the journal is escaped.
+
+Why this module is longer than 500 lines: the dashboard is drawn here as inline SVG with no library,
+so it opens offline; each panel is one function and the drawing helpers they share sit beside them.
 """
 
 from __future__ import annotations

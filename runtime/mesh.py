@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -112,13 +112,16 @@ class ValueMesh(Mesh[Any], Mapping[Coord, Any]):
     def __getitem__(self, coord: Coord) -> Any:
         return self._items[coord]
 
-    def __iter__(self):  # Mapping protocol: iterate keys
+    # A ValueMesh is a Mapping of coordinates: iteration and items() are Mapping's (keys, and
+    # (coord, value) pairs), not Mesh's (points with items, and a list of items), a deliberate
+    # difference from the base class that mypy rightly reports as an incompatible override.
+    def __iter__(self) -> Iterator[Coord]:  # type: ignore[override]
         return iter(self._items)
 
-    def values(self):  # type: ignore[override]
+    def values(self) -> ValuesView[Any]:
         return self._items.values()
 
-    def items(self):  # type: ignore[override]
+    def items(self) -> ItemsView[Coord, Any]:  # type: ignore[override]
         return self._items.items()
 
     def by_point(self) -> list[tuple[dict[str, int], Any]]:

@@ -56,7 +56,7 @@ def start_program(msg: SpawnProgram, extra_env: dict[str, str]) -> subprocess.Po
             preexec_fn=lambda: _child_setup(agent_pid),
         )
     finally:
-        if log is not subprocess.DEVNULL:
+        if not isinstance(log, int):  # an opened log file, not subprocess.DEVNULL
             log.close()
 
 

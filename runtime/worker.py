@@ -183,7 +183,7 @@ def _serve(ctx: actor_mod.WorkerContext, proc_id: str, msg: SpawnActor | CallEnd
         instance.actor_name = msg.name
         ctx.actors[msg.name] = instance
         try:
-            instance.__init__(*msg.args, **msg.kwargs)
+            cls.__init__(instance, *msg.args, **msg.kwargs)  # what instance.__init__ would call
         except BaseException:
             del ctx.actors[msg.name]
             raise

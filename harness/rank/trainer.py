@@ -47,6 +47,10 @@ once its agent is lost: the host timeout) rather than by its quorum heartbeats g
 
 Fault-tolerance machinery (quorum, commit, heal, fault hooks) lives here and in
 ``harness.rank.torchft_glue``; the model code knows nothing of it.
+
+Why this module is longer than 500 lines: the per-step protocol of one rank stays in one file on
+purpose, as torchft keeps its own in ``manager.py``: each invariant above is kept by code a few
+lines from the step that needs it, and a reader follows the step top to bottom.
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ CHECKSUM_EVERY = 10
 #: uneven machine most of its time is waiting for the slowest group, which the pass now hides.
 OVERLAP_QUORUM = True
 
-#: ``emit(event, fields)``: report a journal event (names and fields in ``runtime/journal.py``).
-Emit = Callable[[str, dict[str, Any]], None]
+#: ``emit(event, fields)``: report a journal event (names and fields in ``runtime/journal.py``);
+#: what it returns (``Journal.emit`` returns the record) is ignored.
+Emit = Callable[[str, dict[str, Any]], object]
 
 
 class Trainer:
@@ -221,6 +226,7 @@ class Trainer:
         t0 = time.perf_counter()
         with_quorum = self._quorum_next  # True for a trainer's first step
         self._quorum_next = True  # until this step commits and says otherwise
+        joined: tuple[int, int | None, int, torch.Tensor] | None
         if not with_quorum:
             joined = self._pass()
         elif OVERLAP_QUORUM and self._last_slot is not None:
@@ -389,7 +395,9 @@ class Trainer:
             parts.append(torch.tensor([1.0 if asked else 0.0], dtype=parts[0].dtype))
         flat = torch.cat(parts)
         if self._intra is not None:
-            self._intra.allreduce([flat]).wait()  # a dead group peer raises: the group restarts
+            # A dead group peer raises: the group restarts. (torch's stub of ProcessGroupGloo
+            # leaves out the collectives its pybind11 class has, allreduce among them.)
+            self._intra.allreduce([flat]).wait()  # type: ignore[attr-defined]
             flat /= self.cfg.ranks
         # torchft averages over participants; on a peer failure it records the error (so
         # should_commit says no) instead of raising. Then close the communicator at once: a
@@ -424,13 +432,13 @@ class Trainer:
         """xxh3-64 over the parameters and the optimizer state, in a fixed order (hex)."""
         h = xxhash.xxh3_64()
         for p in self.model.parameters():
-            h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+            h.update(_bytes_of(p))
         state = self.optimizer.state_dict()["state"]
         for idx in sorted(state):
             for key in sorted(state[idx]):
                 v = state[idx][key]
                 if isinstance(v, torch.Tensor):
-                    h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+                    h.update(_bytes_of(v))
                 else:
                     h.update(repr(v).encode())
         return h.hexdigest()
@@ -547,7 +555,7 @@ class Trainer:
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    def _intra_group_pg(self, store_addr: str) -> torch.distributed.ProcessGroup:
+    def _intra_group_pg(self, store_addr: str) -> torch.distributed.ProcessGroupGloo:
         """A plain gloo group over this replica group's ranks (same store, own prefix)."""
         from torch.distributed import PrefixStore, TCPStore
 
@@ -562,6 +570,13 @@ class Trainer:
             self.cfg.ranks,
             timedelta(seconds=t.process_group_timeout),
         )
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous (ndarray.data: numpy's
+    stubs give ndarray the buffer protocol only from Python 3.12, so hashers reject the array
+    itself for 3.11)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().data
 
 
 def threads_per_worker(cfg: JobConfig) -> int:

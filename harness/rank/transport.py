@@ -89,17 +89,28 @@ class DataplaneTransport(CheckpointTransport[T]):
         self._sig: tuple | None = None
         self._lock = threading.Lock()  # held while publishing; disallow_checkpoint waits on it
 
-    def _ensure_registered(self, values: list[Any], blob_len: int) -> None:
+    def _ensure_registered(
+        self, values: list[Any], blob_len: int
+    ) -> tuple[RegisteredState, torch.Tensor]:
+        """Register ``values`` and a blob of room for ``blob_len`` (unless what is registered
+        already fits); returns the registration and its blob tensor."""
         sig = _signature(values)
         need = max(MIN_BLOB, 4 * (blob_len + _LEN.size))
-        if self._reg is not None and sig == self._sig and self._blob.numel() >= blob_len + 8:
-            return
+        # _blob is set whenever _reg is (just below), so `_blob is not None` only narrows
+        if (
+            self._reg is not None
+            and self._blob is not None
+            and sig == self._sig
+            and self._blob.numel() >= blob_len + 8
+        ):
+            return self._reg, self._blob
         if self._reg is not None:
             self._reg.close()
-        self._blob = torch.zeros(need, dtype=torch.uint8)
-        tensors = [v for v in values if isinstance(v, torch.Tensor)] + [self._blob]
-        self._reg = register(tensors, backend=self._backend, bind=self._bind)
+        blob = self._blob = torch.zeros(need, dtype=torch.uint8)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)] + [blob]
+        reg = self._reg = register(tensors, backend=self._backend, bind=self._bind)
         self._sig = sig
+        return reg, blob
 
     def metadata(self) -> str:
         """The current handle as JSON; registers (or re-registers on a layout change) from
@@ -117,11 +128,11 @@ class DataplaneTransport(CheckpointTransport[T]):
         with self._lock:
             paths, values, spec = _flatten(state_dict)
             blob = _encode_blob(paths, values, spec)
-            self._ensure_registered(values, len(blob))
-            self._blob[: _LEN.size + len(blob)].copy_(
+            reg, blob_tensor = self._ensure_registered(values, len(blob))
+            blob_tensor[: _LEN.size + len(blob)].copy_(
                 torch.frombuffer(bytearray(_LEN.pack(len(blob)) + blob), dtype=torch.uint8)
             )
-            self._reg.publish(step)
+            reg.publish(step)
 
     def disallow_checkpoint(self) -> None:
         # A publish in flight copies the live tensors: wait for it before they change.
@@ -142,17 +153,19 @@ class DataplaneTransport(CheckpointTransport[T]):
             pairs = [(p, v) for p, v in zip(lp, values, strict=True) if isinstance(v, torch.Tensor)]
             local_paths = [p for p, _ in pairs]
             template = [v for _, v in pairs]
-        dest = []
+        dest: list[torch.Tensor] = []
         for i, m in enumerate(metas[:-1]):
             t = template[i] if i < len(template) else None
-            ok = (
+            if (
                 t is not None
                 and t.device.type == "cpu"
                 and t.is_contiguous()
                 and str(t.dtype).removeprefix("torch.") == m.dtype
                 and tuple(t.shape) == m.shape
-            )
-            dest.append(t.detach() if ok else torch.empty(m.shape, dtype=getattr(torch, m.dtype)))
+            ):
+                dest.append(t.detach())
+            else:
+                dest.append(torch.empty(m.shape, dtype=getattr(torch, m.dtype)))
         blob = torch.empty(metas[-1].shape, dtype=torch.uint8)
         read_into(
             handle,

@@ -109,7 +109,7 @@ class FakeVerbs(Verbs):
         self.f.calls.append((verb, detail))
 
     @staticmethod
-    def _need(cond: bool, why: str) -> None:
+    def _need(cond: object, why: str) -> None:
         if not cond:
             raise VerbsMisuse(why)
 
@@ -172,7 +172,8 @@ class FakeVerbs(Verbs):
         self._need(qp.outstanding < qp.max_send_wr, "send queue overflow")
         self._need(len(qp.cq.entries) < qp.cq.cqe, "CQ overrun")
         lmr = self.f.mrs.get(lkey)
-        self._need(lmr is not None and lmr.alive and lmr.pd is qp.pd, "bad lkey for this PD")
+        if lmr is None or not lmr.alive or lmr.pd is not qp.pd:
+            raise VerbsMisuse("bad lkey for this PD")
         self._need(lmr.access & ACCESS_LOCAL_WRITE, "local MR lacks LOCAL_WRITE")
         self._need(
             lmr.addr <= local_addr and local_addr + length <= lmr.addr + lmr.length,
@@ -190,7 +191,8 @@ class FakeVerbs(Verbs):
         self._need(peer.remote_qpn == qp.qp_num, "peer QP is connected to someone else")
         self._need(peer.access & ACCESS_REMOTE_READ, "peer QP does not allow REMOTE_READ")
         rmr = self.f.mrs.get(rkey)
-        self._need(rmr is not None and rmr.alive and rmr.pd is peer.pd, "bad rkey for peer PD")
+        if rmr is None or not rmr.alive or rmr.pd is not peer.pd:
+            raise VerbsMisuse("bad rkey for peer PD")
         self._need(rmr.access & ACCESS_REMOTE_READ, "remote MR lacks REMOTE_READ")
         self._need(
             rmr.addr <= remote_addr and remote_addr + length <= rmr.addr + rmr.length,
@@ -202,7 +204,7 @@ class FakeVerbs(Verbs):
 
     def poll_cq(self, cq: FakeCQ, max_entries: int) -> list[Completion]:
         self._need(cq.alive, "poll on a destroyed CQ")
-        out = []
+        out: list[Completion] = []
         while cq.entries and len(out) < max_entries:
             qp, wc = cq.entries.popleft()
             qp.outstanding -= 1

@@ -293,7 +293,11 @@ def read_ibverbs(
             if pending == WINDOW:
                 pending -= _complete(v, cq, chunks, dest, view, bad, deadline)
             dst = dest[c.tensor].data_ptr() + c.offset
-            v.post_read(qp, c.index, dst, c.length, mrs[c.tensor].lkey, data + c.flat, info.rkey)
+            mr = mrs[c.tensor]
+            # Only an empty tensor has no MR, and plan_chunks gives an empty tensor no chunk
+            # (the reader's check_dest made dest's sizes the handle's).
+            assert mr is not None
+            v.post_read(qp, c.index, dst, c.length, mr.lkey, data + c.flat, info.rkey)
             pending += 1
         while pending:
             pending -= _complete(v, cq, chunks, dest, view, bad, deadline)

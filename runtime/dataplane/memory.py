@@ -27,7 +27,9 @@ from runtime.dataplane.handle import Chunk, TensorMeta, dtype_name
 try:
     from runtime.dataplane import _fastpath
 except ImportError:  # not built: no C compiler or no xxhash headers at install time
-    _fastpath = None
+    # mypy types an imported module as never None and has no "module or None" type that keeps
+    # the stub's signatures (python/mypy#1297); the `is not None` checks below are what count.
+    _fastpath = None  # type: ignore[assignment]
 
 #: Whether the fused C path is in use (``ftharness bench transfer`` reports it).
 FASTPATH = _fastpath is not None

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 _delay = [0.0]
@@ -71,7 +72,7 @@ def _set_step_delay(seconds: float) -> None:
         Manager.start_quorum = start_quorum
 
 
-FAULTS = {
+FAULTS: dict[str, Callable[..., None]] = {
     "faults.inworker:segfault": _segfault,
     "faults.inworker:hold_gil": _hold_gil,
     "faults.inworker:abort_collectives": _abort_collectives,
