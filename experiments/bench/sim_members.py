@@ -40,7 +40,7 @@ _CTX = mp.get_context("spawn")
 def member_bytes(replica_id: str, replica: int, step: int) -> bytes:
     """A Manager's ``QuorumMember``: replica_id 1, address 2, store_address 3, step 4,
     world_size 5 (the field numbers of ``harness.quorum.tree``)."""
-    from harness.quorum.tree import encode_field
+    from harness.quorum.wire import encode_field
 
     return (
         encode_field(1, replica_id.encode())
@@ -254,7 +254,7 @@ class _Sim:
 
         import grpc
 
-        from harness.quorum.tree import encode_field
+        from harness.quorum.wire import encode_field
 
         requests = [(r, encode_field(1, member_bytes(self.ids[r], r, step))) for r in which]
         sample: list[bytes] = []
@@ -283,7 +283,7 @@ def digest(reply: bytes) -> int:
 
 
 def encode_heartbeat(replica_id: str) -> bytes:
-    from harness.quorum.tree import encode_field
+    from harness.quorum.wire import encode_field
 
     return encode_field(1, replica_id.encode())
 
@@ -396,7 +396,7 @@ class Service:
 
 def quorum_members(reply: bytes) -> tuple[int, list[str]]:
     """The quorum id and the participants' replica ids of a ``LighthouseQuorumResponse``."""
-    from harness.quorum.tree import decode_quorum_response
+    from harness.quorum.wire import decode_quorum_response
 
     qid, members = decode_quorum_response(reply)
     return qid, [m.replica_id for m in members]

@@ -7,17 +7,19 @@ reads the job's records and calls the job's own operations; it keeps no state of
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from faults.fault import Target
 from harness.config import JobConfig
+from harness.job.hosts import HostPool
 from harness.job.recovery import RecoveryTracker
+from harness.job.site import Site
+from harness.quorum.service import QuorumService
+from runtime.actor import wire_name
 from runtime.controller import Controller
 from runtime.journal import Journal
-from runtime.mesh import ActorMesh
+from runtime.mesh import ActorMesh, ProcMesh
 
 
 class RunningJob(Protocol):
@@ -26,7 +28,6 @@ class RunningJob(Protocol):
     cfg: JobConfig
     journal: Journal
     tracker: RecoveryTracker
-    recovery_quorum: str
 
     @property
     def controller(self) -> Controller: ...
@@ -35,14 +36,15 @@ class RunningJob(Protocol):
 
     def group_host(self, replica: int) -> str: ...
 
-    def mesh_of(self, replica: int | None) -> ActorMesh | None: ...
+    def mesh_of(self, replica: int | None) -> ActorMesh | ProcMesh | None: ...
 
-    def set_host_cooldown(self, host: str, seconds: float) -> None: ...
+    @property
+    def hosts(self) -> HostPool: ...
 
-    def restart_tree_quorum(self) -> None: ...
+    @property
+    def quorum(self) -> QuorumService: ...
 
-    network: Any  # the job's TestNetwork with launcher = "netns", else None
-    slurm: Any  # the job's runtime.launchers.slurm.SlurmLauncher with launcher = "slurm", else None
+    site: Site  # where it runs: its test network (netns) or allocation (slurm), if any
 
 
 class JobFaultContext:
@@ -54,7 +56,7 @@ class JobFaultContext:
 
     @property
     def networked(self) -> bool:
-        return self._job.network is not None
+        return self._job.site.network is not None
 
     @property
     def launcher(self) -> str:
@@ -82,11 +84,13 @@ class JobFaultContext:
                 out.append(rec.pid)
         return out
 
-    def run_in_worker(self, target: Target, func: str, *args: Any) -> None:
+    def run_in_worker(self, target: Target, func: Callable[..., Any], *args: Any) -> None:
+        """``func(*args)`` in each worker of ``target``; in a program of the user's own, the
+        program's hook keyed by ``func``'s wire name (``runtime.actor.wire_name``)."""
         program = getattr(self._job, "program", None)  # a program of the user's own
         for proc_id in self._proc_ids(target):
             if program is not None:
-                program.run_in_program(proc_id, func, *args)
+                program.run_in_program(proc_id, wire_name(func), *args)
             else:
                 self._job.controller.run_in_worker(proc_id, func, *args)
 
@@ -96,21 +100,16 @@ class JobFaultContext:
             h.kill()
 
     def set_host_cooldown(self, host: str, seconds: float) -> None:
-        self._job.set_host_cooldown(host, seconds)
+        self._job.hosts.set_cooldown(host, seconds)
 
     def kill_quorum_service(self) -> None:
-        if self._job.recovery_quorum == "tree":
-            self._job.restart_tree_quorum()
-            return
-        for pid in self.pids(Target()):  # torchft's Lighthouse: SIGKILL its process
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self._job.quorum.crash()
 
     def committed_step(self) -> int:
         return self._job.tracker.committed_step
 
     def _network(self, what: str) -> Any:
-        net = self._job.network
+        net = self._job.site.network
         if net is None:
             raise ValueError(f"{what} needs hosts with a network of their own (launcher = 'netns')")
         return net
@@ -128,7 +127,7 @@ class JobFaultContext:
         self._network("network delay or loss").clear(host)
 
     def _slurm(self, what: str) -> Any:
-        launcher = getattr(self._job, "slurm", None)
+        launcher = self._job.site.slurm
         if launcher is None:
             raise ValueError(f"{what} needs launcher = 'slurm'")
         return launcher

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import ConfigError, JobConfig, load_config
+from harness.job.progress import say
 from harness.job.protocol import Job
+from harness.job.site import prepare_site
 from runtime.failure import SupervisionError
 from runtime.journal import JOB_END, Journal
 
@@ -41,10 +43,14 @@ def run_job(
     journal = journal or Journal(
         run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy
     )
-    job = Job(cfg, run_dir, journal, quiet=quiet)
+    job: Job | None = None
     before_stop = None
     t0 = time.time()
     try:
+        # The config as it will run: resolved here, once, before anything starts
+        # (harness.job.site); a launcher that cannot start (no allocation) fails the run.
+        site = prepare_site(cfg, run_dir, say=None if quiet else say)
+        job = Job(site, run_dir, journal, quiet=quiet)
         job.start()
         if on_started is not None:
             before_stop = on_started(job)
@@ -52,26 +58,25 @@ def run_job(
     except SupervisionError as exc:
         outcome = {"status": "failed", "reason": exc.failure.report(), "steps": 0}
     except Exception as exc:
-        outcome = {
-            "status": "failed",
-            "reason": f"{type(exc).__name__}: {exc}",
-            "steps": job.tracker.committed_step,
-        }
+        steps = job.tracker.committed_step if job is not None else 0
+        outcome = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}", "steps": steps}
         raise
     finally:
         if before_stop is not None:
             before_stop()
-        job.stop()
+        if job is not None:
+            job.stop()
         outcome_ = locals().get("outcome") or {"status": "failed", "reason": "interrupted"}
         journal.emit(
             JOB_END,
             status=outcome_["status"],
             reason=outcome_["reason"],
-            steps=job.tracker.committed_step,
+            steps=job.tracker.committed_step if job is not None else 0,
             seconds=time.time() - t0,
         )
         if own:
             journal.close()
+    assert job is not None  # (an exception above was raised)
     outcome["recoveries"] = job.tracker.completed
     outcome["run_dir"] = str(run_dir)
     return outcome

@@ -10,6 +10,11 @@ from typing import Any
 from runtime.journal import FAILURE, FAULT_INJECT, RECOVERY_PHASE, STEP_COMMIT, Record
 
 
+def say(text: str) -> None:
+    """One line for the user, on stderr (the journal is the record; this is the console)."""
+    print(f"[ftharness] {text}", file=sys.stderr, flush=True)
+
+
 class Progress:
     def __init__(self, cfg: Any, tracker: Any, *, quiet: bool = False, every_s: float = 1.0):
         self.cfg = cfg
@@ -26,7 +31,7 @@ class Progress:
 
     def say(self, text: str) -> None:
         if not self.quiet:
-            print(f"[ftharness] {text}", file=sys.stderr, flush=True)
+            say(text)
 
     def on_record(self, r: Record) -> None:
         event = r.get("event")

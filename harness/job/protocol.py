@@ -12,20 +12,20 @@ What happens after a group dies, step by step, and where:
    A supervised endpoint (``train``) that raises ends its process too, so an exception is
    detected the same way.
 2. **Fence.** In those listeners, before any supervisor acts: the recovery tracker opens a
-   recovery (phase ``detected``); with the tree quorum the dead group is dropped from
-   membership at once (``TreeQuorum.replica_failed``), so the survivors' next quorum excludes it
-   instead of waiting out a heartbeat timeout (torchft's Lighthouse fences by heartbeat
-   timeout); and when a whole host is lost, every other host closes its connections to it
-   (``runtime.host_registry``): a cut link closes nothing, and the survivors' collective with the
-   lost
-   group would otherwise wait out the process-group timeout. Every start of a group is a new
-   incarnation that the tree quorum admits, fencing the older ones: a cut-off incarnation can
-   never commit or serve weights.
+   recovery (phase ``detected``); the quorum service drops the dead group from membership
+   (``QuorumService.fence``: the tree quorum at once, so the survivors' next quorum excludes it
+   instead of waiting out a heartbeat timeout; torchft's Lighthouse by heartbeat timeout); and
+   when a whole host is lost, every other host closes its connections to it
+   (``runtime.host_registry``): a cut link closes nothing, and the survivors' collective with
+   the lost group would otherwise wait out the process-group timeout. Every start of a group is
+   a new incarnation that the quorum service admits (``QuorumService.admit``), fencing the
+   older ones: a cut-off incarnation can never commit or serve weights.
 3. **Stop.** The group's supervisor (``replica<r>``, one_for_all over its ranks; restart, or
    escalate past the restart intensity: ``runtime.policy``) stops its remaining ranks (SIGTERM,
    grace, SIGKILL) on its own restart thread.
-4. **Place.** :meth:`Job._place`: the group's home host if ready, else the next ready one
-   (``harness.job.placement``); lost hosts are respawned in the background, never on this path.
+4. **Place.** ``HostPool.place`` (``harness.job.hosts``): the group's home host if ready, else
+   the next ready one (``harness.job.placement``); lost hosts are respawned in the background,
+   never on this path.
 5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
    spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
    trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
@@ -33,7 +33,7 @@ What happens after a group dies, step by step, and where:
    processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``). Groups that skip
-   quorums (``recovery.quorum_every_steps``) are asked for one (:meth:`Job._newcomer_waits`).
+   quorums (``recovery.quorum_every_steps``) are asked for one (:meth:`Job.ask_for_quorum`).
 7. **Participate.** The group commits a step with the others (``participating``); the survivors
    never stopped committing (``survivors_resumed`` marks their first commit after detection).
 
@@ -47,10 +47,12 @@ The tree (``in_place``)::
 
     controller (root: an escalation here stops the job)
     └── job             one_for_one, gives up at the first escalation from below
-        ├── quorum      one_for_one: torchft's Lighthouse in a worker, restarted on its port
+        ├── quorum      one_for_one: a quorum service in a process of its own, if it has one
+        │               (torchft's Lighthouse: restarted on its port; ``harness.quorum.service``)
         └── replica<r>  one_for_all over the group's ranks, restart intensity from the config
             └── ranks   a mesh {"rank": ranks} of TrainerActors on the group's host
 
+The job's config is resolved before it starts (``harness.job.site``) and never rewritten.
 Faults reach the job only through :attr:`Job.faults` (``harness.job.fault_context``).
 """
 
@@ -59,110 +61,108 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import os
+import functools
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from harness.config import JobConfig, config_to_dict
+from harness.config import config_to_dict
+from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
-from harness.job.placement import HostState, place
+from harness.job.groups import GroupStarter, ReplicaGroup, TrainerGroups
+from harness.job.hosts import HostPool
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
-from runtime.controller import Controller, HostAgentHandle
+from harness.job.site import Site, controller_spec
+from harness.quorum.backends import make_quorum_service
+from harness.quorum.service import QuorumService
+from runtime.controller import Controller
 from runtime.dataplane.snapshot import reap_orphans
-from runtime.failure import Cause, Failure
+from runtime.failure import Failure
+from runtime.host_handle import HostAgentHandle
 from runtime.journal import JOB_RESTART, JOB_START, Journal
-from runtime.launchers import ExternalLauncher, Launcher, LocalLauncher
-from runtime.launchers.netns import NetnsLauncher, TestNetwork
 from runtime.mesh import ActorMesh, ProcMesh
-from runtime.spec import ControllerSpec, HeartbeatSpec, Strategy, SupervisorSpec
+from runtime.spec import Strategy, SupervisorSpec
+from runtime.supervisor import Supervisor
+
+T = TypeVar("T")
 
 
-@dataclass
-class ReplicaGroup:
-    """One replica group's current incarnation. Replaced whole by every restart."""
-
-    replica: int
-    incarnation: int
-    host: str
-    mesh: ActorMesh | ProcMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
-    store: Any  # the group's TCPStore, served from this process while the group runs
-    training: cf.Future  # rank 0's ``train`` call: done when the group stops training
+def _started(part: T | None) -> T:
+    if part is None:
+        raise RuntimeError("the job has not started")
+    return part
 
 
 class Job:
-    """One run of a job config under one recovery policy. ``start``, then ``wait``, then
-    ``stop``."""
+    """One run of a job on its prepared site (``harness.job.site``) under one recovery policy.
+    ``start``, then ``wait``, then ``stop``. ``site.cfg`` is the config as it runs: read, never
+    rewritten. ``make_controller(spec, journal=, launcher=)`` builds the control plane (a test
+    passes a fake one)."""
 
     def __init__(
-        self, cfg: JobConfig, run_dir: str | Path, journal: Journal, *, quiet: bool = False
+        self,
+        site: Site,
+        run_dir: str | Path,
+        journal: Journal,
+        *,
+        quiet: bool = False,
+        make_controller: Callable[..., Controller] = Controller,
     ) -> None:
-        if cfg.recovery.policy == "full_restart":
-            # The baseline is a classic synchronous job: it trains only with every group, as
-            # torchrun's rendezvous would (a lone group must not run ahead after a restart).
-            cfg = dataclasses.replace(cfg, min_replica_size=cfg.replicas)
-        self.cfg = cfg
+        self.site = site
+        self.cfg = cfg = site.cfg
+        self._cfg_dict = config_to_dict(cfg)  # as the journal and every rank get it
         self.run_dir = Path(run_dir)
         self.journal = journal
         self.replicas = cfg.replicas
         self.ranks = cfg.ranks
         self.policy = cfg.recovery.policy
-        self.recovery_quorum = cfg.recovery.quorum
         self.groups: dict[int, ReplicaGroup] = {}
-        self._cfg_dict = config_to_dict(cfg)
+        self._make_controller = make_controller
         self._controller: Controller | None = None
-        self.network: TestNetwork | None = None  # with launcher = "netns"
-        self.slurm: Any = None  # runtime.launchers.slurm.SlurmLauncher with launcher = "slurm"
+        self._hosts: HostPool | None = None
+        self._quorum: QuorumService | None = None
         self._lock = threading.RLock()
-        self._done = threading.Event()
         self._started = False
-        self._stopping = False
-        self._cooldown: dict[str, float] = {}  # host -> monotonic end of its cooldown
-        self._respawning: set[str] = set()  # hosts whose agent is restarted in the background
         self._all_lost = False  # every group has lost its state (see _on_every_group_lost)
-        self._host_change = threading.Condition(self._lock)
-        self._tree: Any = None  # the tree quorum (in this process), or the Lighthouse below
-        self._lighthouse: ActorMesh | None = None
-        self._lighthouse_port = 0
-        self.quorum_addr = ""
         self.tracker = RecoveryTracker(journal)
         self.progress = Progress(cfg, self.tracker, quiet=quiet)
         journal.add_sink(self.progress.on_record)
-        self._journal_error: OSError | None = None  # ends the run: reports come from it
-        journal.on_error(self._on_journal_error)
+        self.completion = Completion(str(journal.path), lambda: self.controller.fatal)
+        journal.on_error(self.completion.journal_failed)  # ends the run: reports come from it
         self.faults = JobFaultContext(self)
         self.program: Any = None  # a program of the user's own: harness.job.programs.ProgramGroups
+        self.job_supervisor: Supervisor | None = None
 
     @property
     def controller(self) -> Controller:
-        if self._controller is None:
-            raise RuntimeError("the job has not started")
-        return self._controller
+        return _started(self._controller)
+
+    @property
+    def hosts(self) -> HostPool:
+        return _started(self._hosts)
+
+    @property
+    def quorum(self) -> QuorumService:
+        return _started(self._quorum)
+
+    def say(self, text: str) -> None:  # (one line to the user, not journalled)
+        self.progress.say(text)
 
     # -- start: the tree per policy -------------------------------------------------------------
     def start(self) -> None:
-        from harness.rank.model import model_modules, prebuild_call  # (model.py imports torch)
-
-        launcher = self._make_launcher()
-        t = self.cfg.timeouts
-        spec = ControllerSpec(
-            bind_host=self.cfg.bind_host,
-            heartbeat=HeartbeatSpec(interval_s=t.heartbeat_interval, timeout_s=t.heartbeat_timeout),
-            agent_heartbeat=HeartbeatSpec(
-                interval_s=min(0.2, t.host_timeout / 5), timeout_s=t.host_timeout
-            ),
-            controller_silence_s=t.controller_silence,
-            connect_timeout_s=t.connect_timeout,
-            # Imported once per agent, before it forks, and the initial model built once
-            # (harness.rank.model.prebuild): a replacement then does not pay for torch, torchft, the
-            # model code, the first optimizer's dynamo import (~1-3 s each on this machine).
-            preload=("torch", "torch._dynamo", "harness.rank.actors", *model_modules(self.cfg)),
-            warmup=() if self.cfg.program.enabled else (prebuild_call(self.cfg),),
+        spec, launcher = controller_spec(self.cfg), self.site.launcher
+        self._controller = self._make_controller(spec, journal=self.journal, launcher=launcher)
+        self._hosts = HostPool(self.site, self.controller, self.run_dir, self.say)
+        self._quorum = make_quorum_service(
+            self.cfg,
+            self,
+            place=lambda: self.hosts.place(0),
+            controller=self.controller,
+            log_dir=str(self.run_dir / "logs"),
         )
-        self._controller = Controller(spec, journal=self.journal, launcher=launcher)
         self._wire_failures()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if self.cfg.program.enabled:
@@ -170,86 +170,58 @@ class Job:
 
             self.program = ProgramGroups(self)
             self.program.start()
+        self._starter: GroupStarter = self.program or TrainerGroups(
+            self.controller, self._cfg_dict, self.run_dir, self.quorum, self._check_done
+        )
         self.journal.emit(
             JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
         )
-        if self.cfg.launcher == "external":
-            self._wait_for_external_hosts()
-        else:
-            n = len(self.host_names())
-            self.progress.say(f"starting {n} host agent(s) (each imports torch once)")
-            for name in self.host_names():
-                self._spawn_host(name)
-        if self.recovery_quorum == "tree":
-            self._start_tree_quorum()
+        self.hosts.start()
+        self.quorum.start()
         self.job_supervisor = self._build_tree()
         self._started = True
-        self.progress.say(
+        self.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
         )
 
-    def _make_launcher(self) -> Launcher:
-        """Where the hosts come from (``cfg.launcher``). Test hosts in network namespaces get
-        a network of their own, and the controller (and the stores and quorum it serves) binds
-        that network's gateway address."""
-        if self.cfg.launcher == "local":
-            return LocalLauncher()
-        if self.cfg.launcher == "external":
-            return ExternalLauncher()
-        if self.cfg.launcher == "slurm":
-            from harness.job.slurm import make_launcher
-
-            self.slurm, self.cfg = make_launcher(self.cfg, self.run_dir, self._on_node_gone)
-            self._cfg_dict = config_to_dict(self.cfg)
-            self.progress.say(
-                f"SLURM job {self.slurm.alloc.job_id}: nodes {', '.join(self.slurm.active)}"
-                + (f", spare {', '.join(sorted(self.slurm.spares))}" if self.slurm.spares else "")
-                + f"; controller at {self.cfg.bind_host}"
-            )
-            return self.slurm
-        self.network = net = TestNetwork(self.host_names()).up()
-        self.cfg = dataclasses.replace(self.cfg, bind_host=net.gateway)
-        self._cfg_dict = config_to_dict(self.cfg)
-        self.progress.say(
-            f"test hosts in network namespaces: {net.subnet}, controller at {net.gateway}"
-        )
-        return NetnsLauncher(self.network)
-
-    def _build_tree(self) -> Any:
+    def _build_tree(self) -> Supervisor:
         r = self.cfg.recovery
-        lighthouse = self.recovery_quorum != "tree"
-        group_spec = SupervisorSpec(
-            strategy=Strategy.ONE_FOR_ALL,
-            max_restarts=r.max_restarts,
-            within_s=r.within_s,
-            grace_s=0.5,
-        )
+        service = self.quorum.supervised_child()
+        intensity = SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
+        group_spec = dataclasses.replace(intensity, strategy=Strategy.ONE_FOR_ALL, grace_s=0.5)
         if self.policy == "full_restart":
             job = self.controller.supervisor("job", group_spec)
-            if lighthouse:
-                job.add_child("quorum", self._start_lighthouse)
+            if service is not None:
+                job.add_child("quorum", service)
             # One child for all groups: a full restart brings them back together, in parallel.
             job.add_child("groups", lambda: self._start_groups(list(range(self.replicas))))
             return job
         job = self.controller.supervisor("job", SupervisorSpec(max_restarts=0))
-        if lighthouse:
-            quorum = job.add_supervisor(
-                "quorum", SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
-            )
-            quorum.add_child("lighthouse", self._start_lighthouse)
+        if service is not None:
+            job.add_supervisor("quorum", intensity).add_child("lighthouse", service)
         for rep in range(self.replicas):
             group = job.add_supervisor(f"replica{rep}", group_spec)
-            group.add_child("ranks", lambda rep=rep: self._start_groups([rep]))
+            group.add_child("ranks", functools.partial(self._start_groups, [rep]))
         return job
 
+    # -- detect and fence -----------------------------------------------------------------------
     def _wire_failures(self) -> None:
         """Everything that reacts to a failure the moment it is known (detect and fence),
         before any supervisor acts. Listeners run on the thread that learnt of the failure."""
         self.controller.add_failure_listener(self.tracker.on_failure)
-        if self.recovery_quorum == "tree":
-            self.controller.add_failure_listener(self._fence_in_tree_quorum)
-        self.controller.add_failure_listener(self._on_host_lost)
+        self.controller.add_failure_listener(self._fence)
+        self.controller.add_failure_listener(self.hosts.on_failure)
         self.controller.add_failure_listener(self._on_every_group_lost)
+
+    def _fence(self, failure: Failure) -> None:
+        replica = failure.coords.get("replica")
+        if replica is None:
+            return
+        with self._lock:
+            group = self.groups.get(replica)
+        if group is not None and failure.proc not in group.mesh.proc_ids:
+            return  # a late report about a replaced incarnation: fencing would drop its successor
+        self.quorum.fence(replica, self.program.member_ids(replica) if self.program else ())
 
     def _on_every_group_lost(self, failure: Failure) -> None:
         """In place, when no group holds training state any more (every one failed, or was
@@ -271,87 +243,31 @@ class Job:
             reason="in_place: every replica group lost its state at once; no peer to heal "
             "from, the job resumes from its last checkpoint",
         )
-        if self._tree is not None:
-            self._tree.job_restarted()
+        self.quorum.job_restarted()
 
-    def _fence_in_tree_quorum(self, failure: Failure) -> None:
-        replica = failure.coords.get("replica")
-        if replica is None or self._tree is None:
-            return
-        with self._lock:
-            group = self.groups.get(replica)
-        if group is not None and failure.proc not in group.mesh.proc_ids:
-            return  # a late report about a replaced incarnation: fencing would drop its successor
-        self._tree.replica_failed(replica, self.program.member_ids(replica) if self.program else ())
+    # -- the quorum service's events (harness.quorum.service.QuorumEvents) ---------------------
+    def quorum_ids_reset(self) -> None:
+        if self.program is not None:
+            self.program.quorum_ids_reset()  # its tap continues the ids it handed out
 
-    # -- the quorum service ---------------------------------------------------------------------
-    def _start_tree_quorum(self, port: int = 0) -> None:
-        """Membership driven by the tree: a Lighthouse-protocol service in this process that
-        drops a failed group the moment its failure value arrives (harness.quorum.tree)."""
-        from harness.quorum.tree import TreeQuorum
+    def quorum_restarted(self) -> None:
+        self.tracker.replacement_started(None)  # the quorum service's recovery
 
-        t = self.cfg.timeouts
-        old = self._tree  # a restart keeps the job's secret: the running members stay admitted
-        self._tree = TreeQuorum(
-            bind_host=self.cfg.bind_host,
-            port=port,
-            min_replicas=self.cfg.min_replica_size,
-            join_timeout_s=t.lighthouse_join_timeout,
-            heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
-            max_step=self.cfg.steps,
-            # each waiting quorum request holds a server thread: room for every group's request
-            # and heartbeat, with margin (the service's docstring)
-            max_requests=max(64, 4 * self.replicas + 16),
-            secret=old.secret if old is not None else None,
-            incarnations=old.incarnations if old is not None else None,
-            highest_step=old.highest_step if old is not None else -1,
-            reported=old.reported if old is not None else None,
-            quorum_id=old.quorum_id + 1 if old is not None else 0,
-            # a program's Managers pick their own ids; the quorum tap admits them (by store)
-            allow_hosts=[self.cfg.bind_host] if self.program is not None else None,
-            on_newcomer=self._newcomer_waits if self.cfg.quorum_every() > 1 else None,
-        )
-        self.quorum_addr = self._tree.address
+    def ask_for_quorum(self) -> None:
+        """Sparse quorum: a new member waits, so every trainer raises its quorum flag
+        (``harness.rank.trainer``). Called under the quorum service's lock: asks from a thread
+        of its own."""
+        from harness.rank.actors import request_quorum
 
-    def _newcomer_waits(self, replica_id: str) -> None:
-        """Sparse quorum: a new member waits, so every trainer raises the quorum flag
-        (harness.rank.trainer). Called under the tree quorum's lock: asks from a thread of its
-        own."""
-        ask = threading.Thread(target=self.in_every_trainer, args=("request_quorum",), daemon=True)
-        ask.start()
-
-    def restart_tree_quorum(self) -> None:
-        """The in-controller service "crashes": it loses all its state and comes back on the
-        same port, as a restarted Lighthouse would."""
-        port = int(self._tree.address.rsplit(":", 1)[1])
-        self._tree.shutdown()
-        self._start_tree_quorum(port)
-        self.tracker.replacement_started(None)
-
-    def _start_lighthouse(self) -> ActorMesh:
-        from harness.rank.actors import LighthouseActor
-
-        if self._started and self.program is not None and self.program.tap is not None:
-            self.program.tap.upstream_restarted()  # a new Lighthouse numbers from 1 again
-        host = self._place(0)
-        mesh = host.spawn_procs({"service": 1}, log_dir=str(self.run_dir / "logs"))
-        self._lighthouse = mesh.spawn(
-            "lighthouse", LighthouseActor, self._cfg_dict, self._lighthouse_port
-        )
-        self.quorum_addr = self._lighthouse.address.call_one().get(timeout=30)
-        self._lighthouse_port = int(self.quorum_addr.rsplit(":", 1)[1])
-        if self._started:
-            self.tracker.replacement_started(None)  # a restarted Lighthouse is serving again
-        return self._lighthouse
+        threading.Thread(target=self.in_every_trainer, args=(request_quorum,), daemon=True).start()
 
     # -- spawn: groups --------------------------------------------------------------------------
-    def _start_groups(self, replicas: list[int]) -> ActorMesh:
+    def _start_groups(self, replicas: list[int]) -> ActorMesh | ProcMesh:
         """Start replica groups (processes, trainers, then training) and return them stacked
         on a "replica" dimension. Several groups start together: their processes are all
         requested before any is awaited and their trainers are constructed in parallel.
         Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
         host to become ready) hold up only these groups."""
-        from harness.rank.actors import TrainerActor
         from harness.rank.torchft_glue import host_store
 
         cold = self.policy == "full_restart" and self._started
@@ -361,44 +277,25 @@ class Job:
             self.journal.emit(
                 JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
             )
-            if self._tree is not None:
-                self._tree.job_restarted()
+            self.quorum.job_restarted()
         if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
             time.sleep(self.cfg.recovery.restart_delay_s)
-        hosts = {r: self._place(r) for r in replicas}
+        hosts = {r: self.hosts.place(r) for r in replicas}
         with self._lock:
             incarnation = {
                 r: self.groups[r].incarnation + 1 if r in self.groups else 0 for r in replicas
             }
         # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
         stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
-        # Fence: the tree quorum lets in only the incarnation it admitted last, so a stale
+        # Fence: the quorum service lets in only the incarnation it admitted last, so a stale
         # incarnation (a partitioned group that comes back) can never rejoin or serve weights.
-        member_ids = (
-            {r: self._tree.admit(r, incarnation[r]) for r in replicas} if self._tree else {}
+        admitted = {r: self.quorum.admit(r, incarnation[r]) for r in replicas}
+        member_ids = {r: m for r, m in admitted.items() if m is not None}
+        mesh, training = self._starter.start_groups(
+            replicas, hosts, incarnation, stores, cold, member_ids=member_ids
         )
-        if self.program is not None:
-            return self._start_programs(replicas, hosts, incarnation, stores, cold)
-        meshes = self.controller.spawn_many(
-            [(hosts[r], {"rank": self.ranks}, {"replica": r}) for r in replicas],
-            log_dir=str(self.run_dir / "logs"),
-            cold=cold,
-        )
-        actors = ProcMesh.stack(meshes, "replica").spawn(
-            "trainer",
-            TrainerActor,
-            self._cfg_dict,
-            {r: addr for r, (_, addr) in stores.items()},
-            self.quorum_addr,
-            str(self.run_dir),
-            member_ids,
-        )
-        call = actors.train.call()
-        training = {r: call.futures[(i, 0)] for i, r in enumerate(replicas)}
-        self._record_groups(replicas, hosts, incarnation, stores, actors, training)
-        for future in training.values():
-            future.add_done_callback(lambda _: self._check_done())
-        return actors
+        self._record_groups(replicas, hosts, incarnation, stores, mesh, training)
+        return mesh
 
     def _record_groups(
         self,
@@ -406,7 +303,7 @@ class Job:
         hosts: dict[int, HostAgentHandle],
         incarnation: dict[int, int],
         stores: dict[int, Any],
-        mesh: Any,
+        mesh: ActorMesh | ProcMesh,
         training: dict[int, cf.Future],
     ) -> None:
         """Each started group's record (its slice of ``mesh``, stacked on "replica"), then its
@@ -423,160 +320,32 @@ class Job:
                 )
             self.tracker.replacement_started(r)
 
-    def _start_programs(
-        self,
-        replicas: list[int],
-        hosts: dict[int, HostAgentHandle],
-        incarnation: dict[int, int],
-        stores: dict[int, Any],
-        cold: bool,
-    ) -> ProcMesh:
-        """Spawn: a program of the user's own in place of trainer actors (harness.job.programs)."""
-        procs, training = self.program.start_groups(replicas, hosts, incarnation, stores, cold)
-        self._record_groups(replicas, hosts, incarnation, stores, procs, training)
-        return procs
-
-    # -- place: hosts ---------------------------------------------------------------------------
+    # -- what faults and reports read -----------------------------------------------------------
     def host_names(self) -> list[str]:
-        if self.slurm is not None:  # node names: the active nodes, then the spares
-            return list(self.slurm.nodes)
-        return [f"host{i}" for i in range(self.cfg.hosts)]
+        return self.site.host_names()
 
     def group_host(self, replica: int) -> str:
         with self._lock:
             group = self.groups.get(replica)
         return group.host if group else self.host_names()[replica % self.cfg.hosts]
 
-    def mesh_of(self, replica: int | None) -> ActorMesh | None:
-        """The meshes faults target: a group's ranks, or (None) torchft's Lighthouse."""
+    def mesh_of(self, replica: int | None) -> ActorMesh | ProcMesh | None:
+        """The meshes faults target: a group's ranks, or (None) the quorum service's process."""
+        if replica is None:
+            return self.quorum.mesh()
         with self._lock:
-            if replica is None:
-                return self._lighthouse
             group = self.groups.get(replica)
             return group.mesh if group else None
 
-    def _host_states(self) -> list[HostState]:
-        hosts = self.controller.hosts
-        return [
-            HostState(
-                name=n,
-                up=n in hosts and not hosts[n].lost,
-                cooling_until=self._cooldown.get(n, 0.0),
-                respawning=n in self._respawning,
-                spare=self.slurm is not None and n in self.slurm.spares,
-                gone=self.slurm is not None and n in self.slurm.gone,
-            )
-            for n in self.host_names()
-        ]
-
-    def _on_node_gone(self, node: str, why: str) -> None:
-        """SLURM shows a node down or drained, or it left the job: never place or respawn
-        there again (the placement rule reads ``gone``)."""
-        self.progress.say(f"{why}: no group goes there again")
-        with self._host_change:
-            self._host_change.notify_all()
-        if self.cfg.slurm.replace == "new_job" and not self._stopping:
-            from harness.job.slurm import replace_node
-
-            threading.Thread(target=replace_node, args=(self, node), daemon=True).start()
-
-    def _place(self, replica: int) -> HostAgentHandle:
-        """The host for a group now (harness.job.placement's rule); waits if none is ready."""
-        with self._host_change:
-            while True:
-                decision = place(replica, self._host_states(), time.monotonic())
-                for name in decision.respawn:
-                    self._respawn_host(name)
-                if decision.host is not None:
-                    return self.controller.hosts[decision.host]
-                self._host_change.wait(decision.wait_s)
-
-    def set_host_cooldown(self, host: str, seconds: float) -> None:
-        """Keep ``host`` out for ``seconds``; its agent is restarted when the cooldown ends."""
-        with self._lock:
-            self._cooldown[host] = time.monotonic() + seconds
-        timer = threading.Timer(seconds, self._respawn_if_lost, (host,))
-        timer.daemon = True
-        timer.start()
-
-    def _on_host_lost(self, failure: Failure) -> None:
-        """A lost host gets a fresh agent in the background once any cooldown is over, so the
-        groups that come back to it later find it ready (and its warm spares forked)."""
-        if failure.cause is Cause.LOST_HOST and failure.host is not None:
-            with self._lock:
-                left = self._cooldown.get(failure.host, 0.0) - time.monotonic()
-            if left <= 0:
-                self._respawn_if_lost(failure.host)
-
-    def _respawn_if_lost(self, host: str) -> None:
-        with self._lock:
-            h = self.controller.hosts.get(host)
-            if self._stopping or (h is not None and not h.lost):
-                return
-            if self._cooldown.get(host, 0.0) > time.monotonic():
-                return
-            self._respawn_host(host)
-
-    def _respawn_host(self, name: str) -> None:
-        """Start a fresh agent on ``name`` on a background thread (caller holds the lock)."""
-        if name in self._respawning:
-            return
-        self._respawning.add(name)
-
-        def run() -> None:
-            try:
-                self._spawn_host(name)
-            except Exception as exc:
-                self.progress.say(f"could not restart the agent of {name}: {exc}")
-            finally:
-                with self._host_change:
-                    self._respawning.discard(name)
-                    self._host_change.notify_all()
-
-        threading.Thread(target=run, daemon=True, name=f"ftharness-respawn-{name}").start()
-
-    def _wait_for_external_hosts(self) -> None:
-        """Agents on other machines dial in with ``ftharness agent``; the secret they need is
-        written to a file only this user can read."""
-        secret = self.run_dir / "agent.secret"
-        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.controller.secret.hex() + "\n")
-        host, port = self.controller.address
-        self.progress.say(
-            f"waiting up to {self.cfg.timeouts.host_join:g} s for {self.cfg.hosts} host agent(s); "
-            f"on each host I, with a copy of {secret} (mode 0600), run: ftharness agent "
-            f"--controller {host}:{port} --secret-file {secret.name} --name hostI"
-        )
-        for h in self.controller.wait_for_hosts(self.host_names(), self.cfg.timeouts.host_join):
-            self._keep_spares(h)
-
-    def _keep_spares(self, host: HostAgentHandle) -> None:
-        """Warm spares are forked workers for the built-in trainer; a program of the user's own
-        is started as a process of its own (``program.warm`` forks it instead), so it has none."""
-        n = self.cfg.recovery.spares_per_host
-        if n and self.policy == "in_place" and not self.cfg.program.enabled:
-            host.keep_spares(n, log_dir=str(self.run_dir / "logs"))
-
-    def _spawn_host(self, name: str) -> HostAgentHandle:
-        """A host agent, with its warm spares (in-place recovery only: a full restart starts
-        cold on purpose)."""
-        host = self.controller.spawn_host(name)
-        self._keep_spares(host)
-        return host
-
-    # -- completion -----------------------------------------------------------------------------
-    def _on_journal_error(self, exc: OSError) -> None:
-        self._journal_error = exc
-        self._done.set()
-
+    # -- completion (harness.job.completion) ----------------------------------------------------
     def _check_done(self) -> None:
         with self._lock:
-            futs = [g.training for g in self.groups.values()]
-        if any(f.done() and f.exception() is None for f in futs):
-            # One group reached the last step: the others are at most a step behind. Ask all
-            # to stop after their current step rather than train on alone.
-            self._done.set()
+            training = [g.training for g in self.groups.values()]
+        self.completion.groups_changed(training)
+
+    def finished(self) -> None:
+        """Every group is done (a program of the user's own exited 0 in every rank)."""
+        self.completion.finished()
 
     def wait(
         self,
@@ -587,67 +356,44 @@ class Job:
         """Block until the job trains to its last step, runs for ``duration_s`` or sees
         ``stop_event`` set (normal ends), fails, or exceeds ``timeout`` (a failure); return the
         outcome."""
-        now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        end = None if duration_s is None else now + duration_s
-        status, reason = "ok", "trained to the last step"
-        while True:
-            if self._journal_error is not None:
-                err, status = self._journal_error, "failed"
-                reason = f"the journal {self.journal.path} could not be written ({err}); the run"
-                reason += " stopped, since every report is computed from it"
-                break
-            if self._done.is_set():
-                break
-            if self.controller.fatal_event.is_set():
-                status, reason = "failed", self.controller.fatal.report()  # type: ignore[union-attr]
-                break
-            if end is not None and time.monotonic() > end:
-                reason = f"ran for its duration of {duration_s:g} s"
-                break
-            if stop_event is not None and stop_event.is_set():
-                reason = "stopped by its caller"
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                status, reason = "failed", f"timed out after {timeout} s"
-                break
-            self._done.wait(0.1)
+        status, reason = self.completion.wait(timeout, duration_s, stop_event)
         return {"status": status, "reason": reason, "steps": self.tracker.committed_step}
 
-    def in_every_trainer(self, func: str, *args: Any) -> None:
-        """Run ``harness.rank.actors:<func>(*args)`` in every rank, not waiting (a gone one:
-        none)."""
+    def in_every_trainer(self, func: Callable[..., Any], *args: Any) -> None:
+        """Run ``func(*args)`` (a function of ``harness.rank.actors``) in every rank, not
+        waiting (a gone one: none)."""
         with self._lock:
             pids = [pid for g in self.groups.values() for pid in g.mesh.proc_ids]
         for pid in pids:
             with contextlib.suppress(Exception):
-                self.controller.run_in_worker(pid, f"harness.rank.actors:{func}", *args)
+                self.controller.run_in_worker(pid, func, *args)
 
     def stop(self) -> None:
         """Let trainers finish their step, then stop every process and agent."""
+        from harness.rank.actors import stop_training
+
         if self._controller is None:
-            if self.network is not None:
-                self.network.down()
+            self.site.close()
             return
         with self._lock:
-            self._stopping = True
             groups = list(self.groups.values())
+        self.hosts.close()
         if self.program is not None:
             self.program.stop()  # before waiting on the groups' training below
-        self.in_every_trainer("stop_training", self.tracker.stop_step())  # one step for all
+        self.in_every_trainer(stop_training, self.tracker.stop_step())  # one step for all
         for g in groups:
             with contextlib.suppress(Exception):
                 g.training.result(timeout=10)
-        with contextlib.suppress(Exception):
-            self.job_supervisor.stop()
+        if self.job_supervisor is not None:
+            with contextlib.suppress(Exception):
+                self.job_supervisor.stop()
         self.controller.shutdown(grace_s=1.0)
         # Workers are stopped by signals, without cleanup: their data-plane snapshots in
         # /dev/shm outlive them. Every process of the job is gone now: remove what they left.
         reap_orphans()
-        if self._tree is not None:
-            self._tree.shutdown()
+        if self._quorum is not None:
+            self._quorum.shutdown()
         if self.program is not None:
             self.program.close()  # the quorum tap, once no program can call it
-        if self.network is not None:
-            self.network.down()
+        self.site.close()
         self.progress.close()

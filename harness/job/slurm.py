@@ -4,7 +4,6 @@
 address
   the controller binds (one the nodes reach), and the job's host count (allocated nodes minus
   ``slurm.spare_nodes``).
-* :func:`replace_node`: ``slurm.replace = "new_job"``, a replacement node from a new job.
 * :class:`TimeLimit`: the batch script asks SLURM for a signal before the time limit
   (``#SBATCH --signal=B:USR1@120``); on SIGUSR1 the controller asks every replica group to
   checkpoint at its next committed step, waits for that checkpoint (at most ``save_timeout_s``),
@@ -24,13 +23,24 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from harness.config import JobConfig
-from runtime.journal import CHECKPOINT_SAVE, Record
+from runtime.journal import CHECKPOINT_SAVE, Journal, Record
 from runtime.launchers.slurm import SlurmLauncher, allocation_from_env, controller_address
 
 TIME_LIMIT = "slurm.time_limit"
+
+
+class StoppableJob(Protocol):
+    """What the time limit needs of a running job (``harness.job.protocol.Job`` is one)."""
+
+    cfg: JobConfig
+    journal: Journal
+
+    def say(self, text: str) -> None: ...
+
+    def in_every_trainer(self, func: Callable[..., Any], *args: Any) -> None: ...
 
 
 def make_launcher(
@@ -49,21 +59,6 @@ def make_launcher(
     if bind in ("127.0.0.1", "localhost"):  # the default: the nodes could not reach it
         bind = controller_address(alloc)
     return launcher, dataclasses.replace(cfg, bind_host=bind, hosts=len(launcher.active))
-
-
-def replace_node(job: Any, lost: str) -> None:
-    """``slurm.replace = "new_job"``: a new single-node job for the node SLURM took away; its
-    node joins the job as a spare with a ready agent (placement then prefers it)."""
-    try:
-        job.progress.say(f"asking SLURM for a node to replace {lost} (a new single-node job)")
-        node = job.slurm.request_node()
-        job.progress.say(f"replacement node {node} allocated; starting its agent")
-        job._spawn_host(node)
-    except Exception as exc:
-        job.progress.say(f"no replacement for {lost}: {exc}")
-        return
-    with job._host_change:
-        job._host_change.notify_all()
 
 
 def check_allocation(cfg: JobConfig) -> str | None:
@@ -92,11 +87,11 @@ class TimeLimit:
         self.stop_event = threading.Event()
         self.signalled = threading.Event()
         self.save_timeout_s = save_timeout_s
-        self._job: Any = None
+        self._job: StoppableJob | None = None
         self._signum = signum
         self._previous = signal.signal(signum, self._on_signal)
 
-    def on_started(self, job: Any) -> None:
+    def on_started(self, job: StoppableJob) -> None:
         self._job = job
         if self.signalled.is_set():  # the signal came while the job was starting
             self._start_thread()
@@ -117,17 +112,20 @@ class TimeLimit:
 
     def _checkpoint_then_stop(self) -> None:
         job = self._job
+        assert job is not None  # started only once the job is known
         try:
-            job.progress.say("SLURM time limit near (SIGUSR1): checkpointing, then stopping")
+            job.say("SLURM time limit near (SIGUSR1): checkpointing, then stopping")
             saved = checkpoint_now(job, self.save_timeout_s)
             job.journal.emit(TIME_LIMIT, checkpoint_step=saved)
         finally:
             self.stop_event.set()
 
 
-def checkpoint_now(job: Any, timeout_s: float) -> int | None:
+def checkpoint_now(job: StoppableJob, timeout_s: float) -> int | None:
     """Ask every group to write a checkpoint at its next committed step; return that step once
     one is saved, None if checkpoints are off or none came within ``timeout_s``."""
+    from harness.rank.actors import checkpoint_next_step  # (imports torch)
+
     if job.cfg.checkpoint.every_steps <= 0:
         return None
     t0 = time.time()
@@ -140,6 +138,6 @@ def checkpoint_now(job: Any, timeout_s: float) -> int | None:
             done.set()
 
     job.journal.add_sink(sink)
-    job.in_every_trainer("checkpoint_next_step")  # a group being restarted: the others do
+    job.in_every_trainer(checkpoint_next_step)  # a group being restarted: the others do
     done.wait(timeout_s)
     return saved[0] if saved else None

@@ -9,20 +9,17 @@ torchft's own rule (``harness.quorum.rule``). The difference from torchft's Ligh
 learns that a replica group died, and the survivors get their quorum at once instead of after
 the heartbeat timeout.
 
-Wire format: a hand-written protobuf codec for the four messages involved (no generated code).
-Each requester's ``QuorumMember`` is kept as the raw bytes it sent and returned to every
-participant unchanged, so fields added by newer torchft versions pass through; only the fields
-the rule needs are decoded. Field numbers of torchft-nightly 2026.10.26, found by capturing a real
-Manager's request: replica_id 1, address 2, store_address 3, step 4, world_size 5, shrink_only 6,
-data 7, commit_failures 8, reconfigure_handles 9.
+Wire format and the gRPC server: ``harness.quorum.wire`` (shared with the tap).
 
-Who gets in (torchft's Lighthouse lets in anyone who can reach its port): by default only
-members this job started. The service holds the job's secret; :meth:`TreeQuorum.admit` names
+Who gets in (torchft's Lighthouse lets in anyone who can reach its port): only members this
+job started. The service holds the job's secret; :meth:`TreeQuorum.admit` names
 an incarnation of a replica group (``harness.quorum.rule.member_id``: the Manager's
 ``replica_id`` carries an HMAC tag of the group and incarnation), and a heartbeat or quorum
 request whose id has no valid tag, or belongs to an incarnation older than the newest admitted
-or seen, is refused with PERMISSION_DENIED. With ``allow_hosts`` (for members the job did not
-start, whose ids carry no tag) an untagged id is let in only from a peer address in that list.
+or seen, is refused with PERMISSION_DENIED: there is no other way in (a program's own Managers,
+which pick their ids themselves, reach it through ``harness.quorum.tap``, which forwards them
+under the tagged id of their incarnation). So a heal source (the participant torchft picks at
+the highest step) is always a member the job started.
 A quorum request with an absurd step (negative, past ``max_step``, or far past every member's)
 is refused with OUT_OF_RANGE. Heartbeats older than the heartbeat timeout are pruned.
 
@@ -37,172 +34,26 @@ its join stays pending until the next quorum, as in torchft.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
-import socket
 import threading
 import time
-import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent import futures
 from typing import Any
 
 import grpc
 
 from harness.quorum import rule
+from harness.quorum.wire import (
+    WireError,
+    decode_heartbeat_request,
+    decode_quorum_request,
+    encode_quorum_response,
+    lighthouse_server,
+)
 
 log = logging.getLogger(__name__)
-
-SERVICE = "torchft.LighthouseService"
-
-# QuorumMember field numbers (see the module doc).
-_REPLICA_ID, _STEP, _WORLD_SIZE, _SHRINK_ONLY, _COMMIT_FAILURES = 1, 4, 5, 6, 8
-
-# --- protobuf wire codec -------------------------------------------------------------------------
-
-
-class WireError(ValueError):
-    """Bytes that are not a well-formed protobuf message."""
-
-
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise WireError("truncated or overlong varint")
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return result, i
-
-
-def encode_varint(value: int) -> bytes:
-    """Unsigned varint; a negative ``value`` is encoded as its 64-bit two's complement (int64)."""
-    if value < 0:
-        value += 1 << 64
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def decode_fields(buf: bytes) -> list[tuple[int, int, int | bytes]]:
-    """Every field of a message, in order: ``(number, wire_type, value)``; varints and fixed
-    ints as ``int``, length-delimited as ``bytes``. Raises :class:`WireError`."""
-    fields: list[tuple[int, int, int | bytes]] = []
-    i = 0
-    while i < len(buf):
-        key, i = _read_varint(buf, i)
-        number, wire = key >> 3, key & 7
-        value: int | bytes
-        if wire == 0:
-            value, i = _read_varint(buf, i)
-        elif wire == 2:
-            n, i = _read_varint(buf, i)
-            if i + n > len(buf):
-                raise WireError("truncated length-delimited field")
-            value, i = buf[i : i + n], i + n
-        elif wire in (1, 5):
-            width = 8 if wire == 1 else 4
-            if i + width > len(buf):
-                raise WireError("truncated fixed-width field")
-            value, i = int.from_bytes(buf[i : i + width], "little"), i + width
-        else:
-            raise WireError(f"unsupported wire type {wire} (field {number})")
-        if number == 0:
-            raise WireError("field number 0")
-        fields.append((number, wire, value))
-    return fields
-
-
-def _int64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def encode_field(number: int, value: int | bytes) -> bytes:
-    """A varint (``int``) or length-delimited (``bytes``) field."""
-    if isinstance(value, bytes):
-        return encode_varint(number << 3 | 2) + encode_varint(len(value)) + value
-    return encode_varint(number << 3) + encode_varint(value)
-
-
-def encode_wire_field(number: int, wire: int, value: int | bytes) -> bytes:
-    """A field as :func:`decode_fields` returned it, re-encoded: varint and length-delimited as
-    :func:`encode_field`, fixed64/fixed32 as little-endian bytes."""
-    if wire in (0, 2):
-        return encode_field(number, value)
-    assert isinstance(value, int)
-    return encode_varint(number << 3 | wire) + value.to_bytes(8 if wire == 1 else 4, "little")
-
-
-def decode_member(raw: bytes) -> rule.Member:
-    """A ``QuorumMember``'s rule fields; ``raw`` kept as is. Unknown fields are skipped."""
-    m: dict[str, Any] = {}
-    for number, _, value in decode_fields(raw):
-        if number == _REPLICA_ID and isinstance(value, bytes):
-            m["replica_id"] = value.decode()
-        elif number == _STEP and isinstance(value, int):
-            m["step"] = _int64(value)
-        elif number == _WORLD_SIZE and isinstance(value, int):
-            m["world_size"] = value
-        elif number == _SHRINK_ONLY and isinstance(value, int):
-            m["shrink_only"] = bool(value)
-        elif number == _COMMIT_FAILURES and isinstance(value, int):
-            m["commit_failures"] = _int64(value)
-    if not m.get("replica_id"):
-        raise WireError("QuorumMember without replica_id")
-    return rule.Member(raw=raw, **m)
-
-
-def decode_quorum_request(buf: bytes) -> rule.Member:
-    """``LighthouseQuorumRequest{QuorumMember requester = 1}``."""
-    for number, wire, value in decode_fields(buf):
-        if number == 1 and wire == 2 and isinstance(value, bytes):
-            return decode_member(value)
-    raise WireError("LighthouseQuorumRequest without requester")
-
-
-def decode_heartbeat_request(buf: bytes) -> str:
-    """``LighthouseHeartbeatRequest{string replica_id = 1}``."""
-    for number, wire, value in decode_fields(buf):
-        if number == 1 and wire == 2 and isinstance(value, bytes):
-            return value.decode()
-    raise WireError("LighthouseHeartbeatRequest without replica_id")
-
-
-def decode_quorum_response(reply: bytes) -> tuple[int, list[rule.Member]]:
-    """A ``LighthouseQuorumResponse``'s quorum id (0 if absent: proto3's default) and members,
-    in one pass (see :func:`encode_quorum_response`)."""
-    qid, members = 0, []
-    for number, _, value in decode_fields(reply):
-        if number == 1 and isinstance(value, bytes):
-            for n, wire, v in decode_fields(value):
-                if n == 1 and wire == 0 and isinstance(v, int):
-                    qid = v
-                elif n == 2 and isinstance(v, bytes):
-                    members.append(decode_member(v))
-    return qid, members
-
-
-def encode_quorum_response(quorum: rule.Quorum, created: float) -> bytes:
-    """``LighthouseQuorumResponse{Quorum quorum = 1}``, ``Quorum{int64 quorum_id = 1; repeated
-    QuorumMember participants = 2; Timestamp created = 3}``, each participant as it sent itself."""
-    seconds = int(created)
-    stamp = encode_field(1, seconds) + encode_field(2, int((created - seconds) * 1e9))
-    parts = [encode_field(1, quorum.quorum_id)]
-    parts += [encode_field(2, m.raw) for m in quorum.members]
-    parts.append(encode_field(3, stamp))
-    return encode_field(1, b"".join(parts))  # one copy: ``+=`` in the loop copies O(N^2) bytes
-
 
 # --- the service ---------------------------------------------------------------------------------
 
@@ -218,8 +69,7 @@ class TreeQuorum:
     Admission (module doc): ``secret`` is the job's (default: a fresh random one; pass the old
     service's :attr:`secret`, :attr:`incarnations` and :attr:`highest_step` to a restarted one so
     the running members stay admitted and committed steps still never go back).
-    ``allow_hosts``: also let in untagged ids, but only from these addresses (names are
-    resolved once, here); None lets in tagged ids only. ``max_step``: the job's last
+    Only tagged ids are let in. ``max_step``: the job's last
     step (a higher one is absurd); ``max_step_lead``: how far past the highest step seen a
     member may claim to be. ``on_newcomer(replica_id)``: called (lock held: it must not block)
     when a member that was not in the last quorum joins a round, so the controller can have the
@@ -242,7 +92,6 @@ class TreeQuorum:
         highest_step: int = -1,
         reported: Mapping[str, int] | None = None,
         quorum_id: int = 0,
-        allow_hosts: Iterable[str] | None = None,
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
         on_newcomer: Callable[[str], None] | None = None,
@@ -257,7 +106,6 @@ class TreeQuorum:
         )
         #: The job's secret: whoever holds it can name members (keep it in the controller).
         self.secret = secret if secret is not None else secrets.token_bytes(32)
-        self._allow = None if allow_hosts is None else _resolve(allow_hosts)
         self._tick_s = quorum_tick_s
         self._on_newcomer = on_newcomer
         lock = threading.RLock()
@@ -282,23 +130,14 @@ class TreeQuorum:
         self._reason = ""
         self._closed = False
 
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Quorum": grpc.unary_unary_rpc_method_handler(self._quorum),
-                "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
-            },
+        self._server, self.address = lighthouse_server(
+            bind_host=bind_host,
+            port=port,
+            quorum=self._quorum,
+            heartbeat=self._heartbeat,
+            max_workers=max_requests,
+            name="tree-quorum",
         )
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_requests, thread_name_prefix="tree-quorum"),
-            handlers=(handler,),
-            options=(("grpc.so_reuseport", 0),),
-        )
-        bound = self._server.add_insecure_port(f"{bind_host}:{port}")
-        if bound == 0:
-            raise OSError(f"tree quorum: cannot bind {bind_host}:{port}")
-        self.address = f"http://{bind_host}:{bound}"
-        self._server.start()
         self._ticker = threading.Thread(
             target=self._run_ticker, name="tree-quorum-tick", daemon=True
         )
@@ -431,8 +270,7 @@ class TreeQuorum:
 
     def _refusal(self, replica_id: str, context: grpc.ServicerContext) -> str | None:
         """Why this caller may not take part (called with the lock held), or None."""
-        untagged_ok = self._allow is not None and _peer_host(context.peer()) in self._allow
-        return rule.refusal(self._state, replica_id, self.secret, untagged_ok=untagged_ok)
+        return rule.refusal(self._state, replica_id, self.secret)
 
     def _heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -513,31 +351,3 @@ class TreeQuorum:
     def _notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
-
-
-def _resolve(hosts: Iterable[str]) -> frozenset[str]:
-    """Every address the given host names or addresses resolve to, normalized."""
-    out: set[str] = set()
-    for host in hosts:
-        for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
-            out.add(_normal(str(info[4][0])))
-    return frozenset(out)
-
-
-def _normal(addr: str) -> str:
-    ip = ipaddress.ip_address(addr.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip)
-
-
-def _peer_host(peer: str) -> str | None:
-    """The address in a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), or None."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return None
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    try:
-        return _normal(urllib.parse.unquote(host))
-    except ValueError:
-        return None

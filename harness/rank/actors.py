@@ -1,4 +1,5 @@
-"""The actors a training job runs in its worker processes: trainers and the quorum service.
+"""The actors a training job runs in its worker processes: the trainers (torchft's Lighthouse, when
+the job uses it, is ``harness.quorum.lighthouse``).
 
 Preloaded by every host agent (with torch), so forking a replacement does not import them again.
 """
@@ -119,23 +120,3 @@ def checkpoint_next_step() -> None:
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
             actor.trainer.checkpoint_next_step()
-
-
-class LighthouseActor(Actor):
-    """torchft's Lighthouse as a supervised process; a restart binds the same port.
-
-    Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port; it
-    binds ``bind_host`` and nothing more can be asked of it. ``recovery.quorum = "tree"``
-    admits only the members the job started (``harness.quorum.tree``)."""
-
-    def __init__(self, cfg: dict[str, Any], port: int) -> None:
-        from harness.rank.torchft_glue import Lighthouse
-
-        c = config_from_dict(cfg)
-        self.lighthouse = Lighthouse(
-            bind_host=c.bind_host, min_replicas=c.min_replica_size, timeouts=c.timeouts, port=port
-        )
-
-    @endpoint
-    def address(self) -> str:
-        return self.lighthouse.address

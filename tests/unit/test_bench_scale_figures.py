@@ -13,7 +13,7 @@ from experiments.bench.recovery import _stats, default_reps
 from experiments.bench.scale import _check, _ms
 from experiments.bench.sim_members import Reply, digest, member_bytes, quorum_members
 from harness.quorum import rule
-from harness.quorum.tree import decode_member, encode_quorum_response
+from harness.quorum.wire import decode_member, encode_quorum_response
 
 
 def test_ms_reports_p50_p95_max_in_milliseconds() -> None:
