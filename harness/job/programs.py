@@ -14,6 +14,8 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
   through a tap in front of the quorum service (``harness.quorum.tap``), and a group with no
   request in flight and none for ``program.progress_timeout_s`` (``start_timeout_s`` after it
   started) is hung: rank 0 is failed like a missed heartbeat and killed.
+* **Admit.** The tap lets in a call only from a group's rank-0 process, read from ``/proc``
+  (``harness.job.program_admission``), under the tagged id of the group's incarnation.
 * **Observe.** The tap's view is journalled as the group's progress, so every report works
   unchanged: a request at a higher step than the group's last is a ``step.commit`` (at the time
   of the request: a few milliseconds after the real commit), a jump of more than one step is a
@@ -38,13 +40,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from harness.config import JobConfig
+from harness.job import peer_process, program_admission
+from harness.job.program_admission import GroupAdmission
 from harness.program_config import TORCHTITAN_FLAGS
 from harness.quorum import rule
-from harness.quorum.tap import QuorumTap, Request
+from harness.quorum.service import QuorumService
+from harness.quorum.tap import Admission, QuorumTap, Request, upstream_id
+from runtime.controller import Controller
 from runtime.failure import Failure
-from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
+from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT, Journal
 from runtime.mesh import ProcMesh
 from runtime.messages import SpawnProgram
 
@@ -184,21 +191,41 @@ class _Group:
     procs: list[Any]  # ProcRecords, by rank
     started: float  # monotonic
     training: cf.Future
-    ids: set[str] = field(default_factory=set)
+    member_id: str = ""  # its name at the quorum service (QuorumService.admit); "": none
+    ids: set[str] = field(default_factory=set)  # its Managers' own ids, admitted by the tap
     last_step: int | None = None
     last: float | None = None  # monotonic time of the last request or answer
     waiting: int = 0
     participants: int = 1
     hung: bool = False
+    admission: GroupAdmission = field(default_factory=GroupAdmission)  # the tap's rule's
+
+
+class ProgramJob(Protocol):
+    """What the program's groups need of their job (``harness.job.protocol.Job`` is one)."""
+
+    cfg: JobConfig
+    run_dir: Path
+    journal: Journal
+
+    @property
+    def controller(self) -> Controller: ...
+
+    @property
+    def quorum(self) -> QuorumService: ...
+
+    def say(self, text: str) -> None: ...
+
+    def finished(self) -> None:
+        """Every group is done (every rank exited with code 0)."""
 
 
 class ProgramGroups:
     """The program's replica groups of one job: spawns them, watches them through the quorum
     tap, and journals their progress. ``harness.job.protocol`` calls :meth:`start`,
-    :meth:`start_groups`
-    and :meth:`stop`; the tap calls the observer methods."""
+    :meth:`start_groups` and :meth:`stop`; the tap calls the observer methods."""
 
-    def __init__(self, job: Any) -> None:
+    def __init__(self, job: ProgramJob) -> None:
         self.job = job
         self.cfg = job.cfg
         self._lock = threading.Lock()
@@ -213,7 +240,7 @@ class ProgramGroups:
     def start(self) -> None:
         self.tap = QuorumTap(
             bind_host=self.cfg.bind_host,
-            upstream=lambda: self.job.quorum_addr,
+            upstream=lambda: self.job.quorum.address,
             observer=self,
             max_requests=max(64, 4 * self.cfg.replicas + 16),
         )
@@ -229,6 +256,11 @@ class ProgramGroups:
             if not g.training.done():
                 g.training.set_result(None)
 
+    def quorum_ids_reset(self) -> None:
+        """The quorum service restarted numbering from the start: the tap continues its ids."""
+        if self.tap is not None:
+            self.tap.upstream_restarted()
+
     def close(self) -> None:
         """After every process is stopped: a program still asking would see the tap gone."""
         if self.tap is not None:
@@ -241,11 +273,13 @@ class ProgramGroups:
         incarnation: dict[int, int],
         stores: dict[int, tuple[Any, str]],
         cold: bool = False,
+        member_ids: dict[int, str] | None = None,
     ) -> tuple[ProcMesh, dict[int, cf.Future]]:
         """Start every rank of ``replicas`` (on ``hosts``, with their fresh ``stores``); return
         them as a mesh {"replica", "rank"} and each group's training future (done when all its
         ranks exited with code 0). ``cold``: fresh interpreters even with ``program.warm`` (a
-        full restart pays the imports a scheduler's restart pays)."""
+        full restart pays the imports a scheduler's restart pays). ``member_ids``: each group's
+        name at the quorum service (``QuorumService.admit``), its Managers' name upstream."""
         assert self.tap is not None, "start() first"
         c = self.job.controller
         logs = Path(self.job.run_dir) / "logs"
@@ -258,10 +292,12 @@ class ProgramGroups:
         for i, r in enumerate(replicas):
             store_addr = stores[r][1]
             recs: list[Any] = []  # filled below: the group is known before its first request
-            g = self._register(r, incarnation[r], store_addr, recs)
+            g = self._register(r, incarnation[r], store_addr, recs, (member_ids or {}).get(r, ""))
             for k in range(self.cfg.ranks):
                 log = logs / log_name(r, k)
-                with open(log, "a", encoding="utf-8") as f:
+                # 0600 like every worker log: it holds the program's output and tracebacks
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                with open(fd, "a", encoding="utf-8") as f:
                     f.write(f"=== ftharness: replica {r} rank {k} incarnation {incarnation[r]}\n")
                 env = launcher_env(
                     self.cfg,
@@ -294,9 +330,11 @@ class ProgramGroups:
         with self._lock:
             return [rec for r in replicas for rec in self._groups[r].procs]
 
-    def _register(self, replica: int, incarnation: int, store: str, recs: list[Any]) -> _Group:
+    def _register(
+        self, replica: int, incarnation: int, store: str, recs: list[Any], member_id: str
+    ) -> _Group:
         """The group's new incarnation replaces the old one (whose ids are stale from now)."""
-        g = _Group(replica, incarnation, store, recs, time.monotonic(), cf.Future())
+        g = _Group(replica, incarnation, store, recs, time.monotonic(), cf.Future(), member_id)
         with self._lock:
             old = self._groups.get(replica)
             if old is not None:
@@ -328,13 +366,13 @@ class ProgramGroups:
         with self._lock:
             groups = list(self._groups.values())
         if len(groups) == self.cfg.replicas and all(g.training.done() for g in groups):
-            self.job._done.set()
+            self.job.finished()
 
     def member_ids(self, replica: int) -> tuple[str, ...]:
-        """Every quorum id the group's Managers used (its current incarnation's included)."""
+        """The current incarnation's Managers' ids at the quorum service (tap.upstream_id)."""
         with self._lock:
             g = self._groups.get(replica)
-            return tuple(sorted(g.ids)) if g is not None else ()
+            return tuple(sorted(upstream_id(g.member_id, i) for i in g.ids)) if g else ()
 
     # -- faults ---------------------------------------------------------------------------------
     def run_in_program(self, proc_id: str, func: str, *args: Any) -> None:
@@ -361,17 +399,21 @@ class ProgramGroups:
         )
 
     # -- the tap's observer ---------------------------------------------------------------------
-    def admit(self, replica_id: str, store_address: str) -> int | None:
-        with self._lock:
-            g = self._by_store.get(store_address)
-            if g is None or replica_id in self._stale_ids:
-                return None
-            g.ids.add(replica_id)
-            return g.replica
-
-    def refused_id(self, replica_id: str) -> bool:
-        with self._lock:
-            return replica_id in self._stale_ids
+    def admit(self, replica_id: str, peer: str, store_address: str | None) -> Admission | str:
+        """The tap's question (``harness.quorum.tap.Observer``): by the process that holds the
+        call's connection, the group's rank 0 (``harness.job.program_admission``)."""
+        assert self.tap is not None
+        return program_admission.admit(
+            replica_id,
+            peer,
+            store_address,
+            lock=self._lock,
+            groups=self._groups,
+            by_store=self._by_store,
+            stale_ids=self._stale_ids,
+            tap=peer_process.server_endpoint(self.tap.bind_host, self.tap.port),
+            spawn_timeout_s=self.job.controller.spec.spawn_timeout_s,
+        )
 
     def asked(self, req: Request) -> None:
         with self._lock:
@@ -441,7 +483,7 @@ class ProgramGroups:
         if log is None:
             return
         label = log.stem
-        say = self.job.progress.say
+        say = self.job.say
         say(f"{label}: {failure.summary()}; last lines of {log}:")
         for line in read_tail(log):
             say(f"{label} | {line}")

@@ -33,12 +33,12 @@ is the first 16 hex digits of HMAC-SHA256(secret, ``"{r}.{incarnation}"``) and o
 controller) holds the secret. torchft's Manager appends ``":{uuid4}"`` before the id reaches the
 quorum protocol; the trailing ``.{r}`` is there because torchft derives a group's global rank
 from the trailing digits of the id it was given. :func:`refusal` says why an id is not let in:
-no valid tag (unless the service admits untagged ids from an allow-list of hosts), a fenced id,
-or an *older incarnation* of a replica whose newer incarnation was admitted (:func:`admit`) or
-has been seen. :func:`step_refusal` refuses absurd steps: negative, beyond ``max_step`` (the
-job's last step), or more than ``max_step_lead`` past the highest step any admitted member has
-reported. Heartbeats older than the heartbeat timeout are pruned on every :func:`tick`, so the
-state stays bounded by the live members.
+no valid tag (without exception: a program's own Managers get tagged names from
+``harness.quorum.tap``), a fenced id, or an *older incarnation* of a replica whose newer
+incarnation was admitted (:func:`admit`) or has been seen. :func:`step_refusal` refuses absurd
+steps: negative, beyond ``max_step`` (the job's last step), or more than ``max_step_lead`` past
+the highest step any admitted member has reported. Heartbeats older than the heartbeat timeout
+are pruned on every :func:`tick`, so the state stays bounded by the live members.
 
 Everything here is a pure function of (state, time, options); times are ``time.monotonic()``
 seconds. Not guaranteed: nothing here knows about wall-clock time or I/O.
@@ -50,7 +50,7 @@ import functools
 import hashlib
 import hmac
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
@@ -118,7 +118,7 @@ def _frozen(d: Mapping) -> Mapping:
     return MappingProxyType(dict(d))
 
 
-def _with(m: Mapping, key: str, value: object) -> Mapping:
+def _with(m: Mapping, key: Hashable, value: object) -> Mapping:
     """``m`` plus ``key: value``, as a new read-only mapping. One C-level dict copy: unpacking
     a read-only view (``{**m}``) goes key by key through the mapping protocol, several times
     slower, and every join pays it once per known member."""
@@ -182,20 +182,15 @@ def parse_member_id(replica_id: str) -> MemberId | None:
     return MemberId(replica=int(m.group(1)), incarnation=int(m.group(2)), tag=m.group(3))
 
 
-def refusal(
-    state: QuorumState, replica_id: str, secret: bytes | None, *, untagged_ok: bool = False
-) -> str | None:
+def refusal(state: QuorumState, replica_id: str, secret: bytes | None) -> str | None:
     """Why ``replica_id`` may not heartbeat or join, or None if it may. ``secret``: the job's
-    (None: tags are not checked, every id is untagged); ``untagged_ok``: an id without a tag is
-    let in (the caller checked the peer against its allow-list of hosts)."""
+    (None: no tag can be checked, so every id is refused)."""
     if replica_id in state.fenced:
         return f"{replica_id} was declared failed"
-    parsed = parse_member_id(replica_id) if secret is not None else None
-    if parsed is None:
-        if untagged_ok:
-            return None
+    parsed = parse_member_id(replica_id)
+    if parsed is None or secret is None:
         return f"{replica_id!r} carries no valid member tag: not a member this job started"
-    expected = member_tag(secret, parsed.replica, parsed.incarnation)  # type: ignore[arg-type]
+    expected = member_tag(secret, parsed.replica, parsed.incarnation)
     if not hmac.compare_digest(parsed.tag, expected):
         return f"{replica_id!r}: wrong member tag"
     newest = state.incarnations.get(parsed.replica, -1)

@@ -1,11 +1,16 @@
-"""Which addresses a running job listens on. With ``bind_host = "127.0.0.1"`` no listener of the
-job's processes (the controller with its tree quorum and Prometheus exporter, the host agents,
-the trainers) may bind every interface, except torchft's own servers, which take no bind
-address (listed in ``UNFIXABLE`` with the reason; see also ``harness.rank.torchft_glue``'s
+"""Which addresses a running job listens on, and who each listener lets in: the security table
+of the README, checked against live jobs. With ``bind_host = "127.0.0.1"`` no listener of the
+job's processes (the controller with its tree quorum, quorum tap and Prometheus exporter, the
+host agents, the trainers) may bind every interface, except torchft's own servers, which take no
+bind address (listed in ``UNFIXABLE`` with the reason; see also ``harness.rank.torchft_glue``'s
 docstring).
 
 Read from ``/proc/net/tcp`` and ``/proc/net/tcp6`` while a real job (2 replica groups x 1 rank,
-the tree quorum, torchft's HTTP checkpoint transport, the Prometheus exporter) trains.
+the tree quorum, torchft's HTTP checkpoint transport, the Prometheus exporter) trains, and while
+a user's own program (tests/programs/train_ddp.py under ``[program]``) trains behind the quorum
+tap: the tap listens on ``bind_host``, its only clients are the groups' rank-0 processes, a
+stranger's calls (this process: its own sockets) are refused there and at the tree quorum, and
+every quorum member is a tagged incarnation's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from harness.cli import build_parser
 from harness.config import load_config
 from harness.job.launch import attach_telemetry, run_job
 from harness.quorum import rule
-from harness.quorum.tree import decode_fields
+from harness.quorum.wire import decode_fields
 from runtime.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,11 +155,11 @@ def test_no_listener_of_a_running_job_binds_every_interface(tmp_path: Path) -> N
             while both is None or time.monotonic() < both + 1.5:  # a few samples with both in
                 assert time.monotonic() < deadline, "the two groups never formed a quorum"
                 _sample(seen)
-                quorum = job._tree.last_quorum()
+                quorum = job.quorum.tree.last_quorum()
                 if both is None and quorum is not None and len(quorum.members) == 2:
                     both = time.monotonic()
                 time.sleep(0.1)
-            quorum = job._tree.last_quorum()
+            quorum = job.quorum.tree.last_quorum()
             _sample(seen)
             found["quorum"] = quorum
             found["trainers"] = {
@@ -228,3 +233,147 @@ def test_the_prometheus_exporter_binds_what_help_says(
     finally:
         telemetry.shutdown()
         journal.close()
+
+
+def _clients_of(port: int) -> set[str]:
+    """Socket inodes of every established connection *to* local port ``port`` (client ends)."""
+    out: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+                    out.add(fields[9])
+    return out
+
+
+def _owners(inodes: set[str]) -> dict[str, int]:
+    """Socket inode -> the pid (this process or a descendant) holding it."""
+    out: dict[str, int] = {}
+    for pid in _family_tree(os.getpid()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                out[link[8:-1]] = pid
+    return out
+
+
+def _stranger_calls(tap: str, tree: str, store: str, program_id: str) -> dict[str, str]:
+    """What the quorum tap and the tree quorum answer a stranger (this process, its own
+    sockets) that knows the group's store address and one of its Managers' own ids."""
+    import grpc
+
+    from harness.quorum.wire import SERVICE, encode_field
+
+    def member(rid: str) -> bytes:
+        fields = encode_field(1, rid.encode()) + encode_field(3, store.encode())
+        return encode_field(1, fields + encode_field(4, 10**5) + encode_field(5, 1))
+
+    calls = {
+        "tap heartbeat, made-up id": (tap, "Heartbeat", encode_field(1, b"train_ddp_0:x")),
+        "tap heartbeat, the program's id": (tap, "Heartbeat", encode_field(1, program_id.encode())),
+        "tap quorum, the group's store": (tap, "Quorum", member("train_ddp_0:x")),
+        "tap quorum, the program's id": (tap, "Quorum", member(program_id)),
+        "tree heartbeat, untagged": (tree, "Heartbeat", encode_field(1, b"replica_0:x")),
+        "tree quorum, untagged": (tree, "Quorum", member("replica_0:x")),
+    }
+    out = {}
+    for what, (address, method, payload) in calls.items():
+        with grpc.insecure_channel(address.split("://")[-1]) as channel:
+            try:
+                channel.unary_unary(f"/{SERVICE}/{method}")(payload, timeout=5)
+                out[what] = "OK"
+            except grpc.RpcError as e:
+                out[what] = e.code().name
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_quorum_tap_listens_on_bind_host_and_admits_only_the_ranks_the_job_started(
+    tmp_path: Path,
+) -> None:
+    program = ROOT / "tests" / "programs" / "train_ddp.py"
+    cfg = load_config(
+        str(ROOT / "experiments" / "tiny.toml"),
+        [
+            "replicas=2",
+            "ranks=1",
+            "steps=100000",
+            "recovery.quorum=tree",
+            f"program.command={json.dumps(['python', str(program), '100000', '0.02'])}",
+            "program.start_timeout_s=120",
+        ],
+    )
+    journal = Journal(tmp_path / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
+    seen: set[tuple[int, str, int]] = set()
+    found: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def watch(job: Any) -> None:
+        try:
+            deadline = time.monotonic() + 200
+            tree = job.quorum.tree
+            while True:
+                assert time.monotonic() < deadline, "the two groups never formed a quorum"
+                _sample(seen)
+                quorum = tree.last_quorum()
+                if quorum is not None and len(quorum.members) == 2:
+                    break
+                time.sleep(0.1)
+            tap = job.program.tap
+            found["tap"] = (tap.bind_host, tap.port)
+            found["rank0"] = {pid for r in range(2) for pid in job.faults.pids(Target(replica=r))}
+            found["rank0_trees"] = {p for pid in found["rank0"] for p in _family_tree(pid)}
+            found["tap_clients"] = _owners(_clients_of(tap.port))  # before the stranger calls
+            found["members"] = tree.last_quorum().replica_ids
+            group = job.program._groups[0]  # what a local user can learn: the store, the ids
+            found["stranger"] = _stranger_calls(
+                tap.address, job.quorum.address, group.store, sorted(group.ids)[0]
+            )
+            found["after"] = tree.last_quorum().replica_ids
+        except BaseException as e:
+            found["error"] = e
+        finally:
+            stop.set()
+
+    def started(job: Any) -> None:
+        threading.Thread(target=watch, args=(job,), daemon=True).start()
+
+    try:
+        outcome = run_job(
+            cfg, tmp_path, journal=journal, quiet=True, on_started=started, stop_event=stop
+        )
+    finally:
+        journal.close()
+    if "error" in found:
+        raise found["error"]
+    assert outcome["status"] == "ok", outcome["reason"]
+
+    # The tap listens on bind_host, in the controller; no listener of the controller binds
+    # every interface.
+    host, port = found["tap"]
+    assert host == cfg.bind_host
+    # (gRPC's server listens on 127.0.0.1 through an IPv6 socket: ::ffff:127.0.0.1, as /proc
+    # writes it, is the same loopback address.)
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+    assert any(pid == os.getpid() and a in loopback and p == port for pid, a, p in seen), seen
+    assert not [(pid, p) for pid, addr, p in seen if pid == os.getpid() and addr in _ANY]
+    # Its only clients are the groups' rank-0 processes (their Managers).
+    assert found["tap_clients"], "no Manager connected to the tap"
+    assert set(found["tap_clients"].values()) <= found["rank0_trees"], found
+    # A stranger is refused everywhere, even with the group's store and a Manager's own id.
+    assert set(found["stranger"].values()) == {"PERMISSION_DENIED"}, found["stranger"]
+    # Every quorum member is a tagged incarnation's: the tap forwards a Manager under its
+    # incarnation's id, then the program's own id.
+    for rid in (*found["members"], *found["after"]):
+        parsed = rule.parse_member_id(rid)
+        assert parsed is not None and rid.split(":", 1)[1].startswith(
+            f"train_ddp_{parsed.replica}:"
+        ), rid

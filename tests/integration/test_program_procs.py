@@ -13,8 +13,9 @@ import grpc
 import psutil
 import pytest
 
-from harness.quorum.tap import QuorumTap, Request
-from harness.quorum.tree import SERVICE, TreeQuorum, decode_quorum_response, encode_field
+from harness.quorum.tap import Admission, QuorumTap, Request
+from harness.quorum.tree import TreeQuorum
+from harness.quorum.wire import SERVICE, decode_quorum_response, encode_field
 from runtime.controller import Controller
 from runtime.failure import Cause
 from runtime.messages import SpawnProgram
@@ -110,17 +111,24 @@ def test_a_stopped_program_is_not_hung_by_heartbeat_and_stop_takes_its_whole_gro
 
 
 class Seen:
-    """The tap's observer: admits group 0 by its store address, records what it sees."""
+    """The tap's observer: admits group 0 by its store address (a quorum request) and then by
+    the ids it admitted (a heartbeat), forwarded as ``member_id``; records what it sees."""
 
-    def __init__(self) -> None:
+    def __init__(self, member_id: str = "") -> None:
+        self.member_id = member_id
+        self.ids: set[str] = set()
+        self.peers: list[str] = []
         self.requests: list[Request] = []
         self.answers: list[int | None] = []
 
-    def admit(self, replica_id: str, store_address: str) -> int | None:
-        return 0 if store_address == "127.0.0.1:1234" else None
-
-    def refused_id(self, replica_id: str) -> bool:
-        return replica_id == "stale"
+    def admit(self, replica_id: str, peer: str, store_address: str | None) -> Admission | str:
+        self.peers.append(peer)
+        if replica_id == "stale" or (store_address or "127.0.0.1:1234") != "127.0.0.1:1234":
+            return "refused"
+        if store_address is None and replica_id not in self.ids:
+            return f"{replica_id} unknown"
+        self.ids.add(replica_id)
+        return Admission(0, 0, self.member_id)
 
     def asked(self, req: Request) -> None:
         self.requests.append(req)
@@ -138,28 +146,39 @@ def _member(replica_id: str, store: str, step: int) -> bytes:
     )
 
 
-def test_quorum_tap_forwards_observes_and_admits_by_store():
-    tree = TreeQuorum(allow_hosts=["127.0.0.1"], join_timeout_s=0.1, heartbeat_timeout_s=2.0)
-    seen = Seen()
+def test_quorum_tap_forwards_what_its_observer_admits_under_the_incarnation_s_tagged_id():
+    tree = TreeQuorum(join_timeout_s=0.1, heartbeat_timeout_s=2.0)
+    tagged = tree.admit(0, 0)
+    seen = Seen(tagged)
     tap = QuorumTap(bind_host="127.0.0.1", upstream=lambda: tree.address, observer=seen)
     channel = grpc.insecure_channel(tap.address.split("://")[1])
+    me, upstream = "train_ddp_0:u1", f"{tagged}:train_ddp_0:u1"
     try:
         heartbeat = channel.unary_unary(f"/{SERVICE}/Heartbeat")
         quorum = channel.unary_unary(f"/{SERVICE}/Quorum")
-        # torchft's Rust client heartbeats without a deadline: forwarded all the same
-        heartbeat(encode_field(1, b"train_ddp_0:u1"))
-        assert "train_ddp_0:u1" in tree.status()["heartbeating"]
-        with pytest.raises(grpc.RpcError) as refused:
-            heartbeat(encode_field(1, b"stale"), timeout=5)
-        assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        # A heartbeat of an id the observer never admitted is refused and never forwarded.
+        for rid in (me, "stale"):
+            with pytest.raises(grpc.RpcError) as refused:
+                heartbeat(encode_field(1, rid.encode()), timeout=5)
+            assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert tree.status()["heartbeating"] == []
 
-        reply = quorum(encode_field(1, _member("train_ddp_0:u1", "127.0.0.1:1234", 7)), timeout=10)
-        assert reply
+        reply = quorum(encode_field(1, _member(me, "127.0.0.1:1234", 7)), timeout=10)
+        # Upstream the Manager is its incarnation's tagged id (the tree quorum admits nothing
+        # else); in the reply it is itself again, every other field as it sent it.
+        assert tree.status()["members"] == [upstream]
+        members = decode_quorum_response(reply)[1]
+        assert [m.replica_id for m in members] == [me] and members[0].step == 7
+        assert members[0].raw == _member(me, "127.0.0.1:1234", 7)
         req = seen.requests[0]
-        assert (req.replica, req.replica_id, req.step) == (0, "train_ddp_0:u1", 7)
+        assert (req.replica, req.replica_id, req.step) == (0, me, 7)
         assert seen.answers == [1]  # a quorum of one member
+        assert seen.peers[-1].startswith("ipv4:127.0.0.1:")  # the caller's connection
+        # torchft's Rust client heartbeats without a deadline: forwarded all the same, renamed
+        heartbeat(encode_field(1, me.encode()))
+        assert tree.status()["heartbeating"] == [upstream]
 
-        with pytest.raises(grpc.RpcError) as stranger:  # a store no group of the job holds
+        with pytest.raises(grpc.RpcError) as stranger:  # refused by the observer
             quorum(encode_field(1, _member("intruder", "127.0.0.1:9", 7)), timeout=5)
         assert stranger.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert len(seen.requests) == 1

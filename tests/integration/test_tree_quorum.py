@@ -77,11 +77,8 @@ def _beat(stop: threading.Event, addr: str, rids: list[str], every_s: float) -> 
 def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> None:
     # Heartbeats last 60 s and stragglers are waited for 60 s: only replica_failed can release the
     # survivors within their 5 s request timeout.
-    # Untagged ids, as from Managers the job did not start: let in from loopback only.
-    tq = TreeQuorum(
-        min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=60.0, allow_hosts=["127.0.0.1"]
-    )
-    a, b, c = "replica_0:aa", "replica_1:bb", "replica_2:cc"
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=60.0)
+    a, b, c = (tq.admit(r) + f":{u}" for r, u in enumerate(("aa", "bb", "cc")))
     try:
         # All three heartbeat first, so the first quorum waits for all of them (as a job's start).
         from torchft._torchft import LighthouseClient
@@ -122,11 +119,12 @@ def test_torchft_client_gets_quorums_and_replica_failed_unblocks_survivors() -> 
         assert status["members"] == [a, c] and status["fenced"] == [b]
         assert b not in status["heartbeating"]
 
-        # The dead id is refused; its replacement (fresh uuid) joins the survivors.
+        # The dead id is refused; its replacement (the group's next incarnation) joins the
+        # survivors.
         late = _ask_all(tq.address, [b], 2.0)
         assert isinstance(late[b], Exception)
         # It asks first and waits for the survivors' next requests (as a real one does).
-        b2 = "replica_1:new"
+        b2 = tq.admit(1) + ":new"
         again: dict[str, Any] = {}
         joiner = threading.Thread(target=_ask, args=(tq.address, b2, again, 5.0))
         joiner.start()
@@ -231,21 +229,6 @@ def test_a_stale_incarnation_is_refused_once_a_newer_one_is_admitted() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_untagged_ids_only_from_allowed_hosts() -> None:
-    # The fallback for Managers the job did not start: their address must be on the list.
-    for allowed, let_in in ((["127.0.0.2"], False), (["localhost"], True)):
-        tq = TreeQuorum(min_replicas=1, heartbeat_timeout_s=60.0, allow_hosts=allowed)
-        try:
-            if let_in:
-                out = _ask_all(tq.address, ["replica_0:x"], 5.0, step=1, world_size=1)
-                assert [m.replica_id for m in out["replica_0:x"].participants] == ["replica_0:x"]
-            else:
-                assert "no valid member tag" in _refused(tq.address, "replica_0:x")
-        finally:
-            tq.shutdown()
-
-
-@pytest.mark.timeout(60)
 def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
     # The job restarts its quorum service with the old one's secret and incarnations
     # (harness.job.launch): the running members stay in, the fenced incarnation stays out.
@@ -322,21 +305,17 @@ def test_ghost_heartbeats_do_not_block_quorum() -> None:
         haunter.join()
         tq.shutdown()
 
-    # 2. Where untagged members are let in (an allow-listed host), three ghosts that beat once
-    #    and never join stop counting once they are older than the heartbeat timeout.
-    tq = TreeQuorum(
-        min_replicas=1,
-        join_timeout_s=60.0,
-        heartbeat_timeout_s=timeout_s,
-        allow_hosts=["::1", "127.0.0.1"],
-    )
+    # 2. Three admitted members that beat once and never join stop counting once they are
+    #    older than the heartbeat timeout.
+    tq = TreeQuorum(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=timeout_s)
     try:
+        ghosts = [tq.admit(r) + ":g" for r in (7, 8, 9)]
         client = LighthouseClient(addr=tq.address, connect_timeout=timedelta(seconds=5))
         for g in ghosts:
             client.heartbeat(g)
         assert tq.status()["heartbeating"] == ghosts
         time.sleep(timeout_s + 0.2)
-        a = "replica_0:a"
+        a = tq.admit(0) + ":a"
         out = _ask_all(tq.address, [a], 3.0, step=1, world_size=1)
         assert [m.replica_id for m in out[a].participants] == [a]
         assert tq.status()["heartbeating"] == [a]
@@ -412,7 +391,6 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
         min_replicas=cfg.min_replica_size,
         join_timeout_s=t.lighthouse_join_timeout,
         heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
-        allow_hosts=[cfg.bind_host],  # plain trainer processes: untagged ids
     )
     cfg_dict = config_to_dict(cfg)
 
@@ -424,6 +402,7 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
             store_addr=None,
             lighthouse_addr=tq.address,
             journal_path=tmp_path / f"g{replica}{tag}.jsonl",
+            member_id=tq.admit(replica),  # each start is the group's next incarnation
         )
 
     procs = [start(r) for r in range(3)]
@@ -431,7 +410,7 @@ def _run(tmp_path: Path, *, tell_quorum: bool) -> dict[str, float]:
     try:
         for r in range(3):  # every group trained a few steps: the usual gap is known
             _wait_commits(tmp_path / f"g{r}.jsonl", 5, procs, deadline)
-        dead = [m for m in tq.status()["members"] if m.startswith("replica_1:")]
+        dead = [m for m in tq.status()["members"] if m.startswith("replica_1.")]
         t_kill = time.time()
         os.killpg(procs[1].pid, signal.SIGKILL)
         procs[1].wait(timeout=30)  # reaped: the moment a supervision tree knows

@@ -38,14 +38,20 @@ def start_trainer(
     store_addr: str | None,
     lighthouse_addr: str,
     journal_path: Path,
+    member_id: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """``run_trainer`` in a fresh ``python -c`` process (its own session, so a SIGKILL of it is
-    a real death of the whole trainer). Output goes to ``journal_path`` with ``.log``."""
+    a real death of the whole trainer). Output goes to ``journal_path`` with ``.log``.
+    ``member_id``: the name a tree quorum admitted for it (``TreeQuorum.admit``; it lets in no
+    other), passed to its Trainer as the job would."""
     code = (
-        "import json, os, sys\n"
-        "from harness.rank.trainer import run_trainer\n"
+        "import functools, json, os, sys\n"
+        "from harness.rank import trainer\n"
         "a = json.loads(sys.argv[1])\n"
-        "print(json.dumps(run_trainer(**a)), flush=True)\n"
+        "member_id = a.pop('member_id')\n"
+        "if member_id:\n"
+        "    trainer.Trainer = functools.partial(trainer.Trainer, member_id=member_id)\n"
+        "print(json.dumps(trainer.run_trainer(**a)), flush=True)\n"
         # The journal is closed and the summary printed: skip interpreter teardown, where
         # gloo's destructors can abort (SIGABRT) once the peer groups have already exited.
         "os._exit(0)\n"
@@ -57,6 +63,7 @@ def start_trainer(
         "store_addr": store_addr,
         "lighthouse_addr": lighthouse_addr,
         "journal_path": str(journal_path),
+        "member_id": member_id,
     }
     log = open(journal_path.with_suffix(".log"), "ab")  # noqa: SIM115 - owned by the child
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from harness.quorum import rule
-from harness.quorum.tree import (
+from harness.quorum.wire import (
     WireError,
     decode_fields,
     decode_heartbeat_request,
@@ -334,10 +334,11 @@ def test_refusal_lets_in_only_valid_tags_of_the_newest_incarnation() -> None:
     tag = rule.parse_member_id(good).tag
     assert "wrong member tag" in rule.refusal(state, f"replica_2.0.{tag}.2:u", SECRET)
     assert "wrong member tag" in rule.refusal(state, f"replica_1.1.{tag}.1:u", SECRET)
-    # Untagged ids only where the caller vouches for the peer (its allow-list of hosts).
-    assert rule.refusal(state, "replica_1:u", SECRET, untagged_ok=True) is None
-    assert rule.refusal(state, "replica_1:u", None, untagged_ok=True) is None
-    assert rule.refusal(state, good, None) is not None  # no secret, no allow-list: nobody
+    # A program's Manager forwarded by the quorum tap: its own id after the tag (tap.upstream_id).
+    assert rule.refusal(state, rule.member_id(SECRET, 1, 0) + ":train_ddp_1:u", SECRET) is None
+    # No untagged id gets in, whatever its address (there is no allow-list any more).
+    assert "no valid member tag" in rule.refusal(state, "train_ddp_1:u", SECRET)
+    assert rule.refusal(state, good, None) is not None  # no secret: nobody
 
 
 def test_a_newer_incarnation_fences_the_older_one() -> None:
