@@ -68,7 +68,11 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares, ever
         assert [r["spare"] for r in started if "idle" in r] == [True]
     # the replacement healed from a peer, then committed steps with the peers' checksums
     healed = [r for r in records if r["event"] == "trainer.healed" and r["t"] > failure["t"]]
-    assert healed and all(r["replica"] == 1 for r in healed)
+    # A survivor may heal too, from the other survivor, without being restarted: one that left
+    # the interrupted allreduce after the other had committed it, or (torchft's Lighthouse, on a
+    # loaded machine) one dropped from a round for a late heartbeat. Seen in CI under load; the
+    # restarts are checked below (only group 1's process is new).
+    assert any(r["replica"] == 1 for r in healed), healed
     phases = [r["phase"] for r in records if r["event"] == "recovery.phase"]
     assert phases[0] == "detected" and phases[-1] == "participating"
     assert set(phases) == {
