@@ -50,6 +50,7 @@ import psutil
 import tenacity
 
 from runtime import channel, proctree
+from runtime.actor import resolve
 from runtime.channel import FrameError
 from runtime.messages import (
     WORKER_STARTED,
@@ -465,8 +466,7 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
     for mod in cfg.preload:
         importlib.import_module(mod)
     for target, kwargs in cfg.warmup:
-        module, _, function = target.partition(":")
-        getattr(importlib.import_module(module), function)(**kwargs)
+        resolve(target)(**kwargs)
     # Everything imported so far lives as long as the process: keep it out of the collector.
     # A worker forked from here inherits ~300K tracked objects (torch, dynamo, torchft), and a
     # full collection in it (torchft's failure path runs one) would walk them all: 0.2-0.6 s

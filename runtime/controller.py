@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from runtime import channel
-from runtime.actor import RemoteError, wire_name
+from runtime.actor import RemoteError, set_coords, wire_name
 from runtime.failure import Cause, Failure, SupervisionError, decode_wait_status
 from runtime.host_handle import HostAgentHandle
 from runtime.host_registry import HostTable
@@ -317,7 +317,7 @@ class Controller:
             rec.owner, rec.spare = owner, False
         try:
             self.request(
-                rec.ref.proc_id, SysCall, func="runtime.actor:set_coords", args=(coords,)
+                rec.ref.proc_id, SysCall, func=wire_name(set_coords), args=(coords,)
             ).result(timeout=self.spec.connect_timeout_s)
         except Exception:
             return False  # it died while idle; its failure is handled as a spare's

@@ -43,14 +43,6 @@ EXIT_ORPHANED = 70  # the controller or agent went away
 EXIT_ACTOR_CRASHED = 71  # a supervised endpoint raised (see runtime.actor.endpoint)
 
 
-def _resolve(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _heartbeat_loop(sock: socket.socket, interval_s: float) -> None:
     while True:
         try:
@@ -99,7 +91,7 @@ def worker_main(
 
     def run_sys(call: SysCall) -> None:
         try:
-            reply(call.call_id, True, _resolve(call.func)(*call.args))
+            reply(call.call_id, True, actor_mod.resolve(call.func)(*call.args))
         except Exception as exc:
             reply(call.call_id, False, _error_payload(exc))
 
