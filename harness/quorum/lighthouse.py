@@ -10,12 +10,15 @@ only the members the job started (``harness.quorum.tree``).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from harness.config import JobConfig, config_from_dict, config_to_dict
-from harness.quorum.service import QuorumEvents, kill_processes
+from harness.quorum.service import QuorumEvents
 from runtime.actor import Actor, endpoint
 
 if TYPE_CHECKING:
@@ -112,8 +115,11 @@ class LighthouseService:
         """SIGKILL the Lighthouse's process; its supervisor restarts it on the same port."""
         mesh = self.mesh()
         if mesh is not None:
-            procs = [self._controller.procs.get(proc_id) for proc_id in mesh.proc_ids]
-            kill_processes(p.pid for p in procs if p is not None and p.pid is not None)
+            for proc_id in mesh.proc_ids:
+                rec = self._controller.procs.get(proc_id)
+                if rec is not None and rec.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(rec.pid, signal.SIGKILL)
 
     def shutdown(self) -> None:
         """Nothing here: the process stops with the job's tree."""

@@ -19,9 +19,6 @@ The job tells a service what it needs through :class:`QuorumEvents` and nothing 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
@@ -158,10 +155,3 @@ class TreeQuorumService:
     def shutdown(self) -> None:
         if self._tree is not None:
             self._tree.shutdown()
-
-
-def kill_processes(pids: Iterable[int]) -> None:
-    """SIGKILL each of ``pids`` that still exists."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)

@@ -169,11 +169,6 @@ def rewritten(reply: bytes, new_id: int | None, ids: Mapping[str, str]) -> bytes
     return b"".join(out)
 
 
-def renumbered(reply: bytes, new_id: int) -> bytes:
-    """``reply`` with its quorum's id set to ``new_id``; every other field as it was."""
-    return rewritten(reply, new_id, {})
-
-
 class QuorumTap:
     """Serves the Lighthouse protocol on ``bind_host`` (port 0) and forwards to
     ``upstream()`` (``http://host:port``, asked per call: a restarted service may move).

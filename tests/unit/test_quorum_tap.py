@@ -80,7 +80,7 @@ def test_a_reply_comes_back_with_each_program_member_under_its_own_id() -> None:
     )
     again = tap.rewritten(reply, 12, ids)
     assert decode_quorum_response(again)[0] == 12
-    assert decode_quorum_response(tap.renumbered(reply, 12)) == (
+    assert decode_quorum_response(tap.rewritten(reply, 12, {})) == (
         12,
         decode_quorum_response(reply)[1],
     )
