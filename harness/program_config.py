@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,6 +42,16 @@ TORCHTITAN_FLAGS = (
     "--fault_tolerance.group_size",
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: What a warm start (the default where safe: :func:`cold_reason`) needs.
+WARM_NEEDS = (
+    "Warm starts (a fork of ftharness's interpreter, torch imported) need command = ['python', "
+    "SCRIPT, ...] or ['python', '-m', MODULE, ...]; program.warm = false says cold on purpose"
+)
+#: ``program.env`` names read when an interpreter, the C runtime or torch's thread pools start:
+#: a warm rank (a fork of the agent's interpreter, torch imported) would run with the agent's.
+START_ENV_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
+#: ... except these, which a warm rank applies by hand (``runtime.program_proc``).
+WARM_ENV_APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +72,10 @@ class ProgramConfig:
 
     ``warm``: start each rank as a fork of its host agent's interpreter, with torch (and the
     agent's other preloads) already imported, as the built-in trainer's workers start, instead
-    of a fresh interpreter: a replacement skips the imports. Only for ``python SCRIPT ...`` and
-    ``python -m MODULE ...``; what torch reads from the environment at import is then the
-    agent's (``runtime.program_proc.fork_program``)."""
+    of a fresh interpreter: a replacement skips the imports. Unset (the default): warm where it
+    is safe (:func:`cold_reason` says when it is not, and the job says so at start); ``true``:
+    warm, or the config is refused; ``false``: always a fresh interpreter. What a warm rank sees
+    differently: ``runtime.program_proc.fork_program``."""
 
     command: tuple[str, ...] = ()
     kind: Literal["torchft", "torchtitan"] = "torchft"
@@ -72,11 +84,51 @@ class ProgramConfig:
     start_timeout_s: float = 120.0
     progress_timeout_s: float = 30.0
     hooks: bool = False
-    warm: bool = False
+    warm: bool | None = None  # unset: warm where safe (python SCRIPT, python -m MODULE), else cold
 
     @property
     def enabled(self) -> bool:
         return bool(self.command)
+
+    @property
+    def starts_warm(self) -> bool:
+        """Whether each rank starts as a fork of its agent (``warm``, else :func:`cold_reason`)."""
+        if self.warm is not None:
+            return self.warm
+        return self.enabled and cold_reason(self) is None
+
+
+def is_python(exe: str) -> bool:
+    """``exe`` means the interpreter ftharness runs in (``python`` is replaced by it)."""
+    return exe in PYTHON_NAMES or exe == sys.executable
+
+
+def cold_reason(p: ProgramConfig) -> str | None:
+    """Why ``p``'s ranks cannot start as a fork of the agent's interpreter, or None. The rules:
+    the command must be ``python SCRIPT ...`` or ``python -m MODULE ...`` (``python``,
+    ``python3`` or ftharness's own interpreter; not a shell script, a binary, ``env`` or another
+    wrapper, another interpreter, or an interpreter option such as ``-u``, ``-X`` or ``-c``,
+    which only a fresh interpreter applies), and ``program.env`` must not set a variable read
+    when an interpreter or torch starts (:data:`START_ENV_PREFIXES`; ``PYTHONPATH`` and
+    ``PYTHONUNBUFFERED`` are applied by hand)."""
+    cmd = p.command
+    if not cmd:
+        return "no program.command"
+    if not is_python(cmd[0]):
+        return f"program.command[0] = {cmd[0]!r} is not python"
+    if len(cmd) < 2:
+        return "no script or module after python"
+    if cmd[1] == "-m":
+        return None if len(cmd) >= 3 else "no module after python -m"
+    if cmd[1].startswith("-"):
+        return f"interpreter option {cmd[1]!r}: only a fresh interpreter applies it"
+    for name in p.env:
+        if name.startswith(START_ENV_PREFIXES) and name not in WARM_ENV_APPLIED:
+            return (
+                f"program.env.{name} is read when the interpreter or torch starts; a warm rank "
+                "would run with the agent's"
+            )
+    return None
 
 
 def program_problem(cfg: Any) -> str | None:
@@ -119,16 +171,12 @@ def program_problem(cfg: Any) -> str | None:
         )
     if p.cwd is not None and not os.path.isdir(p.cwd):
         return f"program.cwd = {p.cwd!r}: not a directory"
-    if p.warm and (
-        p.command[0] not in PYTHON_NAMES
-        or len(p.command) < 2
-        or (p.command[1].startswith("-") and p.command[1] != "-m")
-        or (p.command[1] == "-m" and len(p.command) < 3)
-    ):
+    why_cold = cold_reason(p)
+    if p.warm and why_cold is not None:
         return (
             f"program.warm = true needs command = ['python', SCRIPT, ...] or "
             f"['python', '-m', MODULE, ...] (it runs them in a fork of ftharness's interpreter), "
-            f"not {list(p.command)}"
+            f"not {list(p.command)}: {why_cold}; leave program.warm unset to start cold then"
         )
     exe = p.command[0]
     if cfg.launcher != "external" and exe not in PYTHON_NAMES and shutil.which(exe) is None:

@@ -49,7 +49,7 @@ from typing import Any
 import psutil
 import tenacity
 
-from runtime import channel, proctree
+from runtime import channel, proctree, sockets
 from runtime.actor import resolve
 from runtime.channel import FrameError
 from runtime.messages import (
@@ -67,6 +67,7 @@ from runtime.messages import (
     Spawned,
     SpawnProgram,
     StopProc,
+    UnblockPeers,
 )
 
 log = logging.getLogger("ftharness.agent")
@@ -89,6 +90,8 @@ class _Worker:
     kill_at: float | None = None
     kill_pids: list[int] = field(default_factory=list)
     popen: Any = None  # a program's Popen: kept so subprocess never reaps it behind our back
+    group: int | None = None  # a program's replica group (its peers: runtime.sockets)
+    unblocked: bool = False  # its group's survivors were unblocked already (once per death)
 
 
 class Agent:
@@ -198,6 +201,10 @@ class Agent:
                 pass  # last_heard is updated for every frame
             case DropConnections(address):
                 self._drop_connections(address)
+            case UnblockPeers(replica):
+                groups = {p: x.group for p, x in self.workers.items() if x.group is not None}
+                if any(g != replica for g in groups.values()):
+                    self._unblock_survivors(replica, sockets.socket_fds(groups), groups)
             case Spawn(proc_id, coords, log_path, cold):
                 pid = self._fork_worker(proc_id, coords, log_path, cold)
                 self._send(Spawned(proc_id, pid))
@@ -206,6 +213,9 @@ class Agent:
             case StopProc(proc_id, grace_s):
                 for w in self.workers.values():
                     if w.proc_id == proc_id:
+                        unblock = self._survivor_sockets(w)  # fenced: dead to its peers
+                        if unblock is not None:
+                            self._unblock_survivors(*unblock)
                         self._stop_worker(w, float(grace_s))
             case Shutdown(grace_s):
                 self._stop_all_and_exit(0, float(grace_s))
@@ -273,11 +283,12 @@ class Agent:
         from runtime import program_proc
 
         extra = {"GLOO_SOCKET_IFNAME": self.gloo_ifname} if self.gloo_ifname else {}
+        group = msg.coords.get("replica")
         if msg.warm:
             socks = [self.conn.sock, self.wake_r, self.wake_w]
             socks += [w.hb for w in self.workers.values() if w.hb is not None]
             pid = program_proc.fork_program(msg, extra, [s.fileno() for s in socks])
-            self.workers[pid] = _Worker(msg.proc_id, pid, None, 0.0)
+            self.workers[pid] = _Worker(msg.proc_id, pid, None, 0.0, group=group)
             self._send(Spawned(msg.proc_id, pid))
             return
         try:
@@ -286,7 +297,9 @@ class Agent:
             program_proc.log_not_started(msg, exc)
             self._send(Exited(msg.proc_id, 0, program_proc.NOT_STARTED, time.time()))
             return
-        self.workers[popen.pid] = _Worker(msg.proc_id, popen.pid, None, 0.0, popen=popen)
+        self.workers[popen.pid] = _Worker(
+            msg.proc_id, popen.pid, None, 0.0, popen=popen, group=group
+        )
         self._send(Spawned(msg.proc_id, popen.pid))
 
     def _exec_cold_worker(self, proc_id: str, coords: dict[str, int], hb: socket.socket) -> None:
@@ -377,7 +390,44 @@ class Agent:
             # that is not a worker is such an orphan, and must not outlive its worker.
             orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
             proctree.signal_all(orphans, signal.SIGKILL)
+            # The survivors' sockets are listed before the controller hears of the death (so
+            # none of a communicator rebuilt without the dead group), shut down after.
+            unblock = self._survivor_sockets(w) if status != 0 else None
             self._send(Exited(w.proc_id, pid, status, time.time()))
+            if unblock is not None:
+                self._unblock_survivors(*unblock)
+
+    def _survivor_sockets(self, w: _Worker) -> tuple[int, dict, dict] | None:
+        """``w``'s program group died or is being fenced: its host's ranks' sockets now (pid ->
+        inode -> fd) and groups, or None (not a program, or its group's death was handled)."""
+        if w.group is None or w.unblocked:
+            return None
+        groups = {p: x.group for p, x in self.workers.items() if x.group is not None}
+        for x in self.workers.values():
+            if x.group == w.group:
+                x.unblocked = True  # the group's other ranks: the same death
+        if all(g == w.group for g in groups.values()):
+            return None
+        return w.group, sockets.socket_fds(groups), groups
+
+    def _unblock_survivors(self, dead: int, fds: dict, groups: dict) -> None:
+        """Fail at once every other group's pending collective with program group ``dead`` on
+        this host (``runtime.sockets``): a program does not close its failed communicator."""
+        t0 = time.monotonic()
+        try:
+            done = sockets.unblock_survivors(fds, groups, dead)
+        except Exception:  # never the agent's loop: the survivors then wait out their timeout
+            log.exception("agent %s: could not unblock the survivors", self.host)
+            return
+        log.info(
+            "agent %s: replica group %s gone; shut down %d connection(s) of %d survivor(s) "
+            "in %.1f ms",
+            self.host,
+            dead,
+            sum(done.values()),
+            len(done),
+            1000 * (time.monotonic() - t0),
+        )
 
     def _timers(self) -> None:
         now = time.monotonic()

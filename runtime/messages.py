@@ -7,7 +7,7 @@ authenticated handshake):
   :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`;
 * controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
   :class:`SpawnProgram`, :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`,
-  :class:`DropConnections`;
+  :class:`DropConnections`, :class:`UnblockPeers`;
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame),
   :class:`SpawnActor`, :class:`CallEndpoint` and :class:`SysCall` (requests, each with a
   ``call_id``), and back :class:`Result` and :class:`Event` (a journal record).
@@ -63,6 +63,14 @@ class DropConnections:
     whole timeout."""
 
     address: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnblockPeers:
+    """Program replica group ``replica`` died or was fenced on another host: shut down this
+    host's ranks' connections of the communicator they shared with it (``runtime.sockets``)."""
+
+    replica: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from typing import Any
 
 from runtime import proctree
 from runtime.messages import SpawnProgram
@@ -65,10 +66,22 @@ def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int])
     (the agent's) interpreter, torch and the other preloads already imported, the way a warm
     worker starts. Returns the pid. ``close``: the agent's descriptors the child must not keep.
 
-    What differs from a cold start: modules imported before the fork are not imported again,
-    so environment variables they read at import (torch's thread counts, for one) are the
-    agent's; ``PYTHONPATH`` entries are put on ``sys.path`` by hand, and ftharness's hook
-    (``program.hooks``) is run explicitly (no interpreter start-up runs ``sitecustomize``)."""
+    What a warm rank sees differently from a cold start (the same argv, environment, cwd, pid
+    parent, signal dispositions, stdin from /dev/null and stdout/stderr to its log; buffered as
+    a fresh interpreter's, unbuffered with ``PYTHONUNBUFFERED``):
+
+    * ``sys.modules`` holds what the agent imported (torch, its preloads, ftharness's runtime),
+      so environment variables read at import (torch's thread counts, ``PYTHON*`` start-up
+      options) are the agent's (``harness.program_config.cold_reason`` starts such a program
+      cold unless told otherwise), and module-level state of those modules is shared with
+      nothing but was set up by the agent;
+    * ``sys.path`` is the script's directory (``-m``: the cwd) and ``PYTHONPATH``, put first
+      by hand, then the agent's path (which can reach ftharness);
+    * ``sys.orig_argv`` is ``program.command`` with this interpreter; ``sys.argv[0]`` is the
+      script (``-m``: the module's file), as in a fresh interpreter;
+    * ftharness's hook (``program.hooks``) is run explicitly (no interpreter start-up runs
+      ``sitecustomize``), and no other ``sitecustomize``/``usercustomize`` or ``.pth`` file of
+      the program's ``PYTHONPATH`` is run."""
     agent_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -84,11 +97,19 @@ def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int])
         for fd in close:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if msg.log_path:
-            fd = os.open(msg.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)  # as a cold start's stdin (the agent's may carry its boot settings)
+        fd = (
+            os.open(msg.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if msg.log_path
+            else null
+        )
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        if fd != null:
+            os.close(null)
+        _fresh_stdio(bool({**extra_env, **msg.env}.get("PYTHONUNBUFFERED")))
         code = _run_warm(msg, extra_env)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -103,7 +124,33 @@ def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int])
         os._exit(code)
 
 
+def _fresh_stdio(unbuffered: bool) -> None:
+    """New ``sys.std*`` objects on descriptors 0-2, as a fresh interpreter would make them
+    (the agent's may hold buffered output of its own)."""
+    import io
+
+    encoding = getattr(sys.__stdout__, "encoding", None) or "utf-8"  # the interpreter's choice
+
+    def text(fd: int, mode: str, buffered: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, mode, closefd=False)
+        binary: Any = (
+            (io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)) if buffered else raw
+        )
+        return io.TextIOWrapper(
+            binary,
+            encoding=encoding,
+            errors="backslashreplace" if fd == 2 else "strict",
+            line_buffering=fd == 2,
+            write_through=not buffered,
+        )
+
+    sys.stdin = text(0, "r", True)
+    sys.stdout = text(1, "w", not unbuffered)
+    sys.stderr = text(2, "w", not unbuffered)
+
+
 def _run_warm(msg: SpawnProgram, extra_env: dict[str, str]) -> int:
+    sys.orig_argv = program_argv(msg.argv)
     os.environ.update({**extra_env, **msg.env})
     if msg.cwd:
         os.chdir(msg.cwd)

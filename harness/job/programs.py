@@ -7,13 +7,15 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
   (``runtime.program_proc``) with the environment a torchft launcher gives
   (:func:`launcher_env`): the group's id and count, the quorum service, the group's own store
   (a fresh one per incarnation), rank and world size; for torchtitan also its
-  ``--fault_tolerance.*`` flags (:func:`program_argv`). Output goes to
+  ``--fault_tolerance.*`` flags (:func:`program_argv`); warm (a fork of the agent's
+  interpreter) where ``program.warm`` allows. Output goes to
   ``RUN/logs/replica<r>-rank<k>.log``; on a failure the console shows its tail.
 * **Detect.** An exit or a signal is reaped by the agent as for any worker. A program sends no
   heartbeat: its liveness is its progress. Every group's Manager asks for a quorum once per step
   through a tap in front of the quorum service (``harness.quorum.tap``), and a group with no
   request in flight and none for ``program.progress_timeout_s`` (``start_timeout_s`` after it
   started) is hung: rank 0 is failed like a missed heartbeat and killed.
+* **Unblock.** A dead or stopped group's peers are unblocked from outside (``runtime.sockets``).
 * **Admit.** The tap lets in a call only from a group's rank-0 process, read from ``/proc``
   (``harness.job.program_admission``), under the tagged id of the group's incarnation.
 * **Observe.** The tap's view is journalled as the group's progress, so every report works
@@ -37,7 +39,6 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,7 +46,9 @@ from typing import Any, Protocol
 from harness.config import JobConfig
 from harness.job import peer_process, program_admission
 from harness.job.program_admission import GroupAdmission
-from harness.program_config import TORCHTITAN_FLAGS
+from harness.job.program_progress import hung_for, read_tail, step_events
+from harness.job.program_unblock import RemoteUnblock
+from harness.program_config import TORCHTITAN_FLAGS, WARM_NEEDS, cold_reason
 from harness.quorum import rule
 from harness.quorum.service import QuorumService
 from harness.quorum.tap import Admission, QuorumTap, Request, upstream_id
@@ -54,10 +57,6 @@ from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT, Journal
 from runtime.mesh import ProcMesh
 from runtime.messages import SpawnProgram
-
-#: Lines of a failed rank's log shown on the console.
-TAIL_LINES = 20
-
 
 #: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
 HOOKS_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_hooks"
@@ -137,50 +136,6 @@ def log_name(replica: int, rank: int) -> str:
     return f"replica{replica}-rank{rank}.log"
 
 
-def read_tail(path: str | Path, lines: int = TAIL_LINES) -> list[str]:
-    """The last ``lines`` lines of a log (empty if it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return []
-    return list(deque(text.splitlines(), maxlen=lines))
-
-
-# -- progress, from the quorum requests (pure) ------------------------------------------------
-
-
-def step_events(last_step: int | None, step: int) -> list[str]:
-    """What a group's quorum request at ``step`` says, given its previous one at ``last_step``
-    (None: its first since it started): ``"healed"`` and/or ``"commit"``, ``"abort"``, or
-    nothing (the first request only sets where the group starts)."""
-    if last_step is None or step < last_step:
-        return []
-    if step == last_step:
-        return ["abort"]  # asked again without committing: the step did not commit
-    return ["healed", "commit"] if step > last_step + 1 else ["commit"]
-
-
-def hung_for(
-    *,
-    now: float,
-    started: float,
-    last: float | None,
-    waiting: int,
-    start_s: float,
-    progress_s: float,
-) -> float | None:
-    """How long a group has been silent past its limit (None: alive). A group with a request in
-    flight waits on the quorum service, not on itself."""
-    if waiting > 0:
-        return None
-    silent = now - (last if last is not None else started)
-    limit = progress_s if last is not None else start_s
-    return silent if silent > limit else None
-
-
 @dataclass
 class _Group:
     """One incarnation of a program's replica group, as the tap sees it."""
@@ -245,6 +200,9 @@ class ProgramGroups:
             max_requests=max(64, 4 * self.cfg.replicas + 16),
         )
         self.job.controller.add_failure_listener(self._show_tail)
+        self.job.controller.add_failure_listener(RemoteUnblock(self.job.controller, self._inc))
+        if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
+            self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
 
     def stop(self) -> None:
@@ -314,7 +272,7 @@ class ProgramGroups:
                     env=env,
                     cwd=cwd,
                     log_path=str(log),
-                    warm=self.cfg.program.warm and not cold,
+                    warm=self.cfg.program.starts_warm and not cold,
                 )
                 rec = c.spawn_program(hosts[r], spawn)
                 self._logs[rec.ref.proc_id] = log
@@ -325,6 +283,11 @@ class ProgramGroups:
         # its supervisor handles like any other.
         cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
         return ProcMesh(c, {"replica": len(replicas), "rank": self.cfg.ranks}, items), training
+
+    def _inc(self, replica: int, proc_id: str) -> int | None:  # for RemoteUnblock
+        with self._lock:
+            g = self._groups.get(replica)
+        return g.incarnation if g and any(x.ref.proc_id == proc_id for x in g.procs) else None
 
     def _all_recs(self, replicas: list[int]) -> list[Any]:
         with self._lock:
@@ -436,6 +399,18 @@ class ProgramGroups:
             elif event == "abort":
                 reason = f"asked for a quorum again at step {req.step} without committing"
                 emit(STEP_ABORT, t=req.t, step=req.step + 1, reason=reason, **base)
+        if req.step > self.cfg.steps and not g.training.done():
+            self._past_last_step(g, req.step)
+
+    def _past_last_step(self, g: _Group, step: int) -> None:
+        """``g`` trained the job's ``steps`` and asks for more, which the quorum service refuses
+        (``rule.step_refusal``): it is done, not hung; the job ends when every group is."""
+        self.job.say(
+            f"replica group {g.replica} asked for step {step}, past the job's last step "
+            f"{self.cfg.steps}: it is done (set steps to the program's own step count to train on)"
+        )
+        g.training.set_result(None)
+        self._check_all_done()
 
     def answered(self, req: Request, members: list[rule.Member] | None) -> None:
         with self._lock:

@@ -7,10 +7,11 @@ gives through the environment.
     MASTER_ADDR, MASTER_PORT               this group's store (Manager reads them)
     RANK, WORLD_SIZE                       this rank within its group (Manager reads them)
 
-Usage: ``python train_ddp.py STEPS [STEP_SECONDS]`` (STEP_SECONDS: extra time per step, standing
-for a real model's compute, so faults land mid-run on a fast machine). Synthetic data, gloo,
-DistributedDataParallel and torchft's OptimizerWrapper; it exits 0 once the Manager has
-committed STEPS steps.
+Usage: ``python train_ddp.py STEPS [STEP_SECONDS [PG_TIMEOUT_S]]`` (STEP_SECONDS: extra time per
+step, standing for a real model's compute, so faults land mid-run on a fast machine;
+PG_TIMEOUT_S: the gloo process group's timeout, 5 s unless given; torchft's default is 60 s).
+Synthetic data, gloo, DistributedDataParallel and torchft's OptimizerWrapper; it exits 0 once the
+Manager has committed STEPS steps.
 A missing variable is an error (exit code 2) rather than a silent default: a program started
 without its launcher's environment must not train on its own as replica group 0.
 """
@@ -32,6 +33,7 @@ def main() -> int:
         return 2
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     step_seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    pg_timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
     replica_group = int(os.environ["REPLICA_GROUP_ID"])
     num_groups = int(os.environ["NUM_REPLICA_GROUPS"])
 
@@ -50,7 +52,7 @@ def main() -> int:
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=pg_timeout))
     manager = Manager(
         pg=pg,
         min_replica_size=1,

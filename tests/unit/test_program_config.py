@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from harness.job.programs import (
     read_tail,
     step_events,
 )
-from harness.program_config import LAUNCHER_ENV
+from harness.program_config import LAUNCHER_ENV, cold_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ["python", "tests/programs/train_ddp.py", "20"]
@@ -183,6 +184,63 @@ def test_warm_start_needs_a_python_script_or_module():
             load_config(
                 "experiments/tiny.toml", [f"program.command={json.dumps(bad)}", "program.warm=true"]
             )
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "why"),
+    [
+        (["python", "train.py", "10"], {}, None),
+        (["python3", "-m", "torchtitan.train", "--x"], {}, None),
+        ([sys.executable, "train.py"], {"PYTHONPATH": "/x", "LOGLEVEL": "INFO"}, None),
+        (["sh", "run.sh"], {}, "program.command[0] = 'sh' is not python"),
+        (["env", "A=1", "python", "t.py"], {}, "'env' is not python"),
+        (["bash", "-c", "python t.py"], {}, "'bash' is not python"),
+        (["python", "-u", "t.py"], {}, "interpreter option '-u'"),
+        (["python", "-c", "print(1)"], {}, "interpreter option '-c'"),
+        (["python", "-m"], {}, "no module after python -m"),
+        (["python"], {}, "no script or module"),
+        (["python", "t.py"], {"OMP_NUM_THREADS": "2"}, "program.env.OMP_NUM_THREADS is read"),
+        (["python", "t.py"], {"PYTHONHASHSEED": "0"}, "program.env.PYTHONHASHSEED is read"),
+        (["python", "t.py"], {"LD_PRELOAD": "x.so"}, "program.env.LD_PRELOAD is read"),
+    ],
+)
+def test_warm_by_default_where_safe_else_cold_with_the_reason(command, env, why):
+    c = load_config(
+        "experiments/tiny.toml",
+        [f"program.command={json.dumps(command)}", f"program.env={toml_table(env)}"],
+    ).program
+    assert c.warm is None  # the default: unset
+    reason = cold_reason(c)
+    assert (reason is None) if why is None else (why in (reason or "")), reason
+    assert c.starts_warm is (why is None)
+    # false forces a cold start; true insists on a warm one
+    off = load_config(
+        "experiments/tiny.toml",
+        [
+            f"program.command={json.dumps(command)}",
+            f"program.env={toml_table(env)}",
+            "program.warm=false",
+        ],
+    ).program
+    assert not off.starts_warm
+    overrides = [
+        f"program.command={json.dumps(command)}",
+        f"program.env={toml_table(env)}",
+        "program.warm=true",
+    ]
+    if why is None:
+        assert load_config("experiments/tiny.toml", overrides).program.starts_warm
+    else:
+        with pytest.raises(ConfigError, match=r"program\.warm = true needs"):
+            load_config("experiments/tiny.toml", overrides)
+
+
+def toml_table(env: dict[str, str]) -> str:
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + "}"
+
+
+def test_the_built_in_trainer_never_starts_as_a_program():
+    assert not load_config("experiments/tiny.toml", []).program.starts_warm
 
 
 def test_a_sparse_quorum_is_refused_for_a_program():
