@@ -28,6 +28,7 @@ from typing import Any
 
 from dashboards import names as N
 from dashboards.metrics import split_by_policy
+from dashboards.quality import loss_panels
 from runtime import journal as J
 
 POLICY_COLORS = {"in_place": "#2b7bb9", "full_restart": "#d9534f"}
@@ -429,6 +430,7 @@ def _series_panel(
     policies: Sequence[str],
     *,
     step: bool = False,
+    note: str = "",
 ) -> str:
     pts = [p for s in series.values() for p in s]
     width, height = 470, 220
@@ -461,7 +463,45 @@ def _series_panel(
         for p in series
     )
     return _panel(
-        pid, kind, title, _svg(width, height, body, title) + f'<div class="legend">{legend}</div>'
+        pid,
+        kind,
+        title,
+        _svg(width, height, body, title) + f'<div class="legend">{legend}</div>',
+        note=note,
+    )
+
+
+def _step_time_panel(by_policy: Mapping[str, Sequence[Record]]) -> str | None:
+    """Each group's own step time (``compute_s``: no wait for others; median per 2 s), with
+    the stragglers flagged and ejected (harness.job.silent) listed; None without any."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    marks = []
+    for policy, recs in by_policy.items():
+        t0 = recs[0].get("t", 0.0) if recs else 0.0
+        buckets: dict[tuple[Any, int], list[float]] = defaultdict(list)
+        for r in recs:
+            if r.get("event") == J.STRAGGLER and r.get("action") != "cleared":
+                marks.append(
+                    f"{policy} g{r.get('replica')} {r.get('action')} at "
+                    f"{r.get('t', t0) - t0:.1f} s ({r.get('ratio')}x)"
+                )
+            elif r.get("compute_s") is not None:
+                buckets[(r.get("replica"), int((r.get("t", t0) - t0) // 2))].append(r["compute_s"])
+        for (replica, b), xs in sorted(buckets.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            series.setdefault(f"{policy} g{replica}", []).append(
+                (2.0 * b + 1.0, sorted(xs)[len(xs) // 2])
+            )
+    if not series:
+        return None
+    note = "stragglers: " + "; ".join(marks) if marks else "no straggler flagged"
+    return _series_panel(
+        "panel-step-time",
+        "step-time",
+        "Step time per group",
+        "s",
+        series,
+        list(series),
+        note=_e(note),
     )
 
 
@@ -623,6 +663,11 @@ def render_dashboard(records: Sequence[Record], summary: Mapping[str, Any]) -> s
             step=True,
         )
     )
+    step_time = _step_time_panel({p: by_policy[p] for p in policies if by_policy.get(p)})
+    if step_time is not None:
+        panels.append(step_time)
+    # training and held-out loss by committed step (dashboards/quality.py)
+    panels += loss_panels(records, {p: _color(p, policies) for p in policies})
     panels.append(_distribution_panel(summary, policies))
     panels.append(_recoveries_panel(summary, policies))
     title = f"ftharness recovery dashboard: {', '.join(jobs) or 'run'}"

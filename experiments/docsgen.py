@@ -251,6 +251,16 @@ def _job_sections() -> list[str]:
     for f in sections:
         cls = hints[f.name]
         out += [f"### [{f.name}]", "", *_class_doc(cls), *_table(dataclass_rows(cls, f.name + "."))]
+        inner = typing.get_type_hints(cls)
+        for g in dataclasses.fields(cls):  # a table inside a section: its own section after it
+            if dataclasses.is_dataclass(inner[g.name]):
+                key, sub = f"{f.name}.{g.name}", inner[g.name]
+                out += [
+                    f"### [{key}]",
+                    "",
+                    *_class_doc(sub),
+                    *_table(dataclass_rows(sub, key + ".")),
+                ]
     return out
 
 

@@ -28,6 +28,8 @@ from typing import Any
 from dashboards import names as N
 from dashboards.metrics import CONTROL, split_by_policy, summarize
 from experiments import postrun as postrun_files
+from experiments.report_quality import heldout_hypothesis, heldout_summary, render_heldout
+from experiments.report_silent import render_silent, silent_summary, without_healed_divergence
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
 from harness.tomlfile import read_toml
 from runtime.journal import (
@@ -386,12 +388,13 @@ def evaluate_hypotheses(
     by_policy.pop(CONTROL, None)  # the yardstick, not a policy under test
     out: list[Result] = []
     for policy, recs in by_policy.items():
+        repaired = without_healed_divergence(recs)  # a healed divergence: experiments.report_silent
         if h.loss_finite:
-            out.append(_loss_finite(policy, recs))
+            out.append(_loss_finite(policy, repaired))
         if h.committed_steps_rise:
             out.append(_steps_rise(policy, recs))
         if h.replicas_equal_after_heal:
-            out.append(_replicas_equal(policy, recs))
+            out.append(_replicas_equal(policy, repaired))
         if h.every_fault_recovered:
             out.append(_every_fault_recovered(policy, recs, summary["policies"].get(policy)))
         if h.journal_complete:
@@ -407,6 +410,10 @@ def evaluate_hypotheses(
         for policy in policies:
             bound = spec_hypotheses.bound(name, policy)
             assert bound is not None
+            if name == "heldout_loss_within":  # experiments/report_quality.py
+                held = summary.get("heldout") or heldout_summary(records)
+                out.append(heldout_hypothesis(bound, policy, held))
+                continue
             out.append(_threshold(name, bound, policy, summary))
     return out
 
@@ -528,6 +535,8 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
             f"- {N.GOODPUT.label}: x{_f(comp['goodput_ratio'])}",
             "",
         ]
+    lines += render_silent(summary.get("silent") or {})
+    lines += render_heldout(summary.get("heldout"))
     lines.append("Computed from the run's journal only (definitions: dashboards/metrics.py).")
     return "\n".join(lines) + "\n"
 
@@ -545,6 +554,8 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(records)
+    summary["silent"] = silent_summary(records)
+    summary["heldout"] = heldout_summary(records)
     results = evaluate_hypotheses(
         hypotheses,
         summary,

@@ -132,10 +132,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"ftharness chaos: {exc}", file=sys.stderr)
         return 2
     from harness.config import ConfigError
+    from harness.corpus.job import resolve_data
+    from harness.job.progress import say
     from harness.job.slurm import TimeLimit, check_allocation
 
     try:
         problem = check_allocation(job_config(spec, spec.policies[0]))
+        # the corpus prepared (first use) and checked before the first run, not during it
+        resolve_data(job_config(spec, spec.policies[0]), None if args.quiet else say)
     except ConfigError as exc:
         problem = str(exc)
     if problem is not None:

@@ -96,6 +96,8 @@ THRESHOLD_HYPOTHESES = {
     "stall_p95_max_s": "p95 of survivor stall <= x s",
     "steps_lost_max": "steps lost over the whole run <= x",
     "skipped_max": "sequences of the data stream never trained (below the last step) <= x",
+    "heldout_loss_within": "held-out loss within x (relative) of the control's at every common "
+    "eval step, or of the control's run-to-run spread if larger (experiments/report_quality.py)",
 }
 
 

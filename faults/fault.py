@@ -49,6 +49,7 @@ _CATALOGUE_MODULES = (
     "faults.host",
     "faults.service",
     "faults.straggler",
+    "faults.bitflip",
     "faults.network",
     "faults.slurm",
 )

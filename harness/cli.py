@@ -1,4 +1,4 @@
-"""The ``ftharness`` command line: run | chaos | report | bench | agent | slurm.
+"""The ``ftharness`` command line: run | chaos | report | bench | agent | slurm | data.
 
 This module declares each subcommand's arguments; what implements one is an entry point of the
 ``ftharness.commands`` group (a bench: ``ftharness.bench``), registered in ``pyproject.toml``, so
@@ -35,6 +35,8 @@ _BENCH_HELP = {
     "requeues the whole job (root, bin/test-cluster up)",
     "scale": "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
     "load, with simulated members and host agents, as the job grows",
+    "silent": "silent failures: a bitflip's detection and heal, a 3x straggler under observe "
+    "and eject against a control",
 }
 
 
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_slurm(sub)
+    _add_data(sub)
 
     bench = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -218,6 +221,33 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
     for name, text in (("status", "the job's state and its report"), ("cancel", "scancel it")):
         c = s.add_parser(name, help=text)
         c.add_argument("run", help="the run directory `slurm submit` wrote")
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    """``ftharness data prepare``: implemented by harness.corpus.cli (defaults: PrepareOptions)."""
+    p = sub.add_parser("data", help="prepare a corpus: tokenizer, token file, held-out split")
+    s = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
+    prep = s.add_parser(
+        "prepare",
+        help="tokenize text into a memory-mapped token file with a held-out split",
+        description="Train a byte-level BPE tokenizer (or use --tokenizer) and tokenize SOURCE "
+        "into DIR: tokens.bin, index.npy (document boundaries), tokenizer.json, manifest.json "
+        "(checksums, splits). Rerunning on an unchanged source reuses DIR.",
+    )
+    prep.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="a directory or glob of .txt, .jsonl or .parquet files, or one such file (default: "
+        "this interpreter's standard library .py files)",
+    )
+    prep.add_argument("--out", required=True, help="corpus directory (new, empty or this corpus)")
+    prep.add_argument("--vocab-size", type=int, help="of the trained tokenizer (default 2048)")
+    prep.add_argument("--heldout", type=float, help="fraction of documents held out (0.01)")
+    prep.add_argument("--tokenizer", help="a tokenizer.json to use instead of training one")
+    prep.add_argument("--text-key", help="the text field of .jsonl / .parquet (default text)")
+    prep.add_argument("--sample-bytes", type=int, help="text the tokenizer trains on (2 MiB)")
+    prep.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

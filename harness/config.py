@@ -103,7 +103,10 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """The synthetic token stream. ``vocab_size`` must match the model's (2048 for llama3_debug).
+    """What the model trains on: ``kind = "synthetic"`` (the default) a generated token stream
+    whose ``vocab_size`` must match the model's (2048 for llama3_debug); ``kind = "tokens"`` a
+    token file prepared from real text (``ftharness data prepare``; ``harness.rank.tokenfile``),
+    whose tokenizer then gives ``vocab_size`` to the model, whatever this key says.
 
     ``policy``: what happens to the sequences of a replica group that is down (see
     ``harness.rank.data``). ``skip`` (each group reads its fixed shard; a down group's shard is not
@@ -116,6 +119,17 @@ class DataConfig:
     batch_size: int = 8
     vocab_size: int = 256
     policy: Literal["skip", "replay"] = "skip"
+    # "synthetic": the generated stream; "tokens": a token file of real text (vocab_size is then
+    # its tokenizer's).
+    kind: Literal["synthetic", "tokens"] = "synthetic"
+    # kind = "tokens": a directory `ftharness data prepare` wrote; None: the default corpus (this
+    # interpreter's standard library), prepared on first use into ~/.cache/ftharness/corpus.
+    corpus: str | None = None
+    # Held-out loss (kind = "tokens"): every eval_every committed steps, and at step 0, one
+    # group evaluates eval_batches fixed batches of the held-out split, the same in every run
+    # (journaled as `eval`; the report compares each policy with the control on it). 0: never.
+    eval_every: int = 0
+    eval_batches: int = 8  # batches of batch_size x seq_len held-out tokens per evaluation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +170,21 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StragglerConfig:
+    """Stragglers (``harness.job.stragglers``): a group whose time to reach the cross-group
+    collective (lower quartile over its last ``window`` committed steps) is more than ``factor``
+    times the median of the other groups' is flagged; it is back in bounds once that ratio
+    falls below ``factor * hysteresis``. ``observe`` journals and reports only; ``eject`` fails
+    the flagged group, which leaves the quorum, restarts in place (a warm spare when there is
+    one) and is re-admitted with its next quorum, judged again on its own step times."""
+
+    policy: Literal["observe", "eject"] = "observe"  # what a flagged group gets
+    factor: float = 3.0  # flagged above this ratio to the other groups' median (> 1)
+    window: int = 20  # committed steps per group in its estimate (>= 3)
+    hysteresis: float = 0.75  # back in bounds below factor * hysteresis (in (0, 1])
+
+
+@dataclass(frozen=True, kw_only=True)
 class RecoveryConfig:
     """How failures are recovered: ``in_place`` restarts only the failed replica group, which heals
     from a peer; ``full_restart`` restarts the whole job from the last checkpoint."""
@@ -176,6 +205,11 @@ class RecoveryConfig:
     # the tree quorum sees a new member waiting (harness/rank/trainer.py, "Sparse quorum"). 0 (the
     # default): SPARSE_QUORUM_EVERY with the tree quorum and the built-in trainer, else 1.
     quorum_every_steps: int = 0
+    # Weight checksums compared across groups as commit records arrive (harness.job.divergence):
+    # "heal" fails a group whose checksum (or non-finite loss) is in the minority, so it heals
+    # from a majority member; "observe" only journals it.
+    divergence: Literal["heal", "observe"] = "heal"
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,6 +387,20 @@ def _check_slurm(cfg: JobConfig) -> None:
         )
 
 
+def _check_stragglers(s: StragglerConfig) -> None:
+    if not s.factor > 1.0:
+        raise ConfigError(
+            f"recovery.stragglers.factor = {s.factor} must be > 1: a factor of 1 "
+            "or less flags a group as slow for being as fast as the others"
+        )
+    _positive("recovery.stragglers.window", s.window, 3)
+    if not 0.0 < s.hysteresis <= 1.0:
+        raise ConfigError(
+            f"recovery.stragglers.hysteresis = {s.hysteresis} must be in (0, 1]: "
+            "a group is back in bounds below factor * hysteresis"
+        )
+
+
 def validate(cfg: JobConfig) -> None:
     """Raise :class:`ConfigError` for the first rule ``cfg`` breaks (numbers, sizes, then
     timeouts)."""
@@ -367,8 +415,11 @@ def validate(cfg: JobConfig) -> None:
             f"min_replica_size = {cfg.min_replica_size} must be <= replicas = {cfg.replicas}: "
             "a quorum can never have more replica groups than the job runs"
         )
-    for key in ("seq_len", "batch_size", "vocab_size"):
+    for key in ("seq_len", "batch_size", "vocab_size", "eval_batches"):
         _positive(f"data.{key}", getattr(cfg.data, key))
+    _positive("data.eval_every", cfg.data.eval_every, 0)
+    if cfg.data.kind != "tokens" and (cfg.data.eval_every or cfg.data.corpus is not None):
+        raise ConfigError('data.eval_every and data.corpus need data.kind = "tokens" (real text)')
     m = cfg.model
     for key in ("dim", "layers", "heads"):
         _positive(f"model.{key}", getattr(m, key))
@@ -378,6 +429,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("recovery.max_restarts", cfg.recovery.max_restarts, 0)
     _positive("recovery.spares_per_host", cfg.recovery.spares_per_host, 0)
+    _check_stragglers(cfg.recovery.stragglers)
     _positive("recovery.quorum_every_steps", cfg.recovery.quorum_every_steps, 0)
     if cfg.recovery.quorum_every_steps > 1 and cfg.recovery.quorum != "tree":
         raise ConfigError(

@@ -26,8 +26,10 @@ Event names and their extra fields:
                           ``reason``
 ``step.commit``           ``replica``, ``rank``, ``step``, ``loss``, ``checksum`` (hex str of
                           params + optimizer state on sampled steps, every 10th and checkpoint
-                          steps; null otherwise), ``step_time_s``, ``samples`` (sequences in the
-                          step), ``tokens``, ``participants`` (replica groups in the quorum),
+                          steps; null otherwise), ``step_time_s``, ``compute_s`` (the rank's
+                          own forward/backward time, no wait for others), ``samples``
+                          (sequences in the step), ``tokens``, ``participants`` (replica
+                          groups in the quorum),
                           ``data_pos``, ``data_policy`` (``skip`` | ``replay``), ``seqs`` and
                           ``seq_due`` (sequences trained and due, dashboards.data_coverage),
                           ``quorum`` (whether the step asked for a quorum: every step, or
@@ -42,8 +44,21 @@ Event names and their extra fields:
 ``checkpoint.save``       ``step``, ``path``, ``seconds`` (serialize + write), ``blocked_s`` (the
                           training thread's share); logged once the checkpoint is durable
 ``checkpoint.load``       ``step``, ``path``
+``eval``                  ``replica``, ``rank``, ``step`` (committed steps of the weights
+                          evaluated), ``heldout_loss`` (mean over the fixed held-out batches),
+                          ``sequences``, ``tokens``, ``seconds`` (harness/rank/token_data.py)
 ``trainer.healed``        ``replica``, ``rank``, ``data_pos``, ``transport``: torchft loaded a
                           healthy peer's state into this rank mid-run
+``fault.bitflip``         ``replica``, ``rank``, ``step`` (committed steps when it hit),
+                          ``tensor``, ``index``, ``bit``, ``before``, ``after``, ``seed``: one
+                          bit flipped in this rank's state between steps (faults/bitflip.py)
+``silent.divergence``     ``suspects`` (replicas), ``majority``, ``step``, ``cause``
+                          (``checksum`` | ``nonfinite``), ``action`` (``heal`` | ``rollback`` |
+                          ``observe``), ``latency_steps``, ``latency_s`` (since the bitflip, if
+                          one was journaled), ``fault_id`` (its ``fault.inject``, if any),
+                          ``rollback_to`` (harness/job/silent.py)
+``straggler``             ``replica``, ``action`` (``flagged`` | ``cleared`` | ``ejected``),
+                          ``ratio``, ``group_s``, ``others_s``, ``step``
 ========================  =====================================================================
 """
 
@@ -73,7 +88,11 @@ FAULT_HEAL = "fault.heal"
 RECOVERY_PHASE = "recovery.phase"
 CHECKPOINT_SAVE = "checkpoint.save"
 CHECKPOINT_LOAD = "checkpoint.load"
+EVAL = "eval"
 HEALED = "trainer.healed"
+BITFLIP = "fault.bitflip"
+SILENT_DIVERGENCE = "silent.divergence"
+STRAGGLER = "straggler"
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")

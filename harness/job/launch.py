@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import ConfigError, JobConfig, load_config
+from harness.corpus.job import resolve_data
 from harness.job.progress import say
 from harness.job.protocol import Job
 from harness.job.site import prepare_site
@@ -90,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
         overrides.append(f"launcher={args.launcher}")
     try:
         cfg = load_config(args.config, overrides)
+        resolve_data(cfg, None if args.quiet else say)  # a bad corpus: refused before the run
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return 2

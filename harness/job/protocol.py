@@ -34,6 +34,8 @@ What happens after a group dies, step by step, and where:
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``). Groups that skip
    quorums (``recovery.quorum_every_steps``) are asked for one (:meth:`Job.ask_for_quorum`).
+   A group failed by the controller itself (a diverged replica, an ejected straggler:
+   ``harness.job.silent``) goes through the same steps from 2 on.
 7. **Participate.** The group commits a step with the others (``participating``); the survivors
    never stopped committing (``survivors_resumed`` marks their first commit after detection).
 
@@ -75,6 +77,7 @@ from harness.job.groups import GroupStarter, ReplicaGroup, TrainerGroups
 from harness.job.hosts import HostPool
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
+from harness.job.silent import SilentWatch
 from harness.job.site import Site, controller_spec
 from harness.quorum.backends import make_quorum_service
 from harness.quorum.service import QuorumService
@@ -135,6 +138,7 @@ class Job:
         self.faults = JobFaultContext(self)
         self.program: Any = None  # a program of the user's own: harness.job.programs.ProgramGroups
         self.job_supervisor: Supervisor | None = None
+        self.silent: SilentWatch | None = None
 
     @property
     def controller(self) -> Controller:
@@ -164,6 +168,7 @@ class Job:
             log_dir=str(self.run_dir / "logs"),
         )
         self._wire_failures()
+        self.silent = SilentWatch(self)  # diverged replicas and stragglers (harness.job.silent)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if self.cfg.program.enabled:
             from harness.job.programs import ProgramGroups
@@ -278,6 +283,8 @@ class Job:
                 JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
             )
             self.quorum.job_restarted()
+        if self.silent is not None:
+            self.silent.before_start(replicas)
         if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
             time.sleep(self.cfg.recovery.restart_delay_s)
         hosts = {r: self.hosts.place(r) for r in replicas}
@@ -388,6 +395,8 @@ class Job:
             with contextlib.suppress(Exception):
                 self.job_supervisor.stop()
         self.controller.shutdown(grace_s=1.0)
+        if self.silent is not None:
+            self.silent.close()
         # Workers are stopped by signals, without cleanup: their data-plane snapshots in
         # /dev/shm outlive them. Every process of the job is gone now: remove what they left.
         reap_orphans()

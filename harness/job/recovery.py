@@ -95,6 +95,12 @@ class RecoveryTracker:
                 self._stateless.add(replica)
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
+    def failed_by_controller(self, replica: int, cause: str, t: float) -> None:
+        """The controller itself fails ``replica`` (a diverged replica, an ejected straggler,
+        ``harness.job.silent``): its recovery opens with ``cause`` before the kill's failure
+        arrives, which then belongs to it."""
+        self._begin(replica, cause, t, None)
+
     def replacement_started(self, replica: int | None) -> None:
         self._phase(replica, "replacement_started")
 

@@ -12,6 +12,8 @@ derived, and why:
   starts as a process of its own, ``program.warm`` forks it instead).
 * ``launcher = "netns"``: test hosts in network namespaces get a network of their own, and the
   controller (with the stores and the quorum service it serves) binds its gateway address.
+* ``data.kind = "tokens"``: the corpus, prepared on first use if it is the default one, its
+  absolute path and its tokenizer's vocabulary (``harness.corpus.job.resolve_data``).
 * ``launcher = "slurm"``: the hosts are the allocation's nodes less ``slurm.spare_nodes``, and the
   controller binds an address the nodes reach (``harness.job.slurm``).
 """
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.config import JobConfig
+from harness.corpus.job import resolve_data
 from runtime.launchers import ExternalLauncher, Launcher, LocalLauncher
 from runtime.launchers.netns import NetnsLauncher, TestNetwork
 from runtime.launchers.slurm import SlurmLauncher
@@ -81,7 +84,7 @@ def prepare_site(
     """Resolve ``cfg`` (:func:`resolve`) and set up where it runs; ``say`` tells the user
     (None: nothing). Raises what the launcher raises (``SlurmError`` outside an allocation)."""
     say = say or (lambda _: None)
-    cfg = resolve(cfg)
+    cfg = resolve_data(resolve(cfg), say)
     if cfg.launcher == "local":
         return Site(cfg=cfg, launcher=LocalLauncher())
     if cfg.launcher == "external":

@@ -6,7 +6,9 @@ Preloaded by every host agent (with torch), so forking a replacement does not im
 
 from __future__ import annotations
 
+import collections
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +25,29 @@ class _ReportingTrainer(Trainer):
     handed to its Manager) when it loads a healthy peer's state into a group that is behind."""
 
     training = False  # False while __init__ resumes from a checkpoint: that is not a heal
+    _between: collections.deque[Callable[..., Any]] | None = None
+
+    def between_steps(self, fn: Callable[..., Any]) -> None:
+        """Run ``fn(tensors, step, emit)`` on the training thread before the next step: the
+        state as ``named_tensors()``, the steps committed so far, the journal. Thread-safe (a
+        fault hook: ``faults.bitflip``)."""
+        if self._between is None:
+            self._between = collections.deque()
+        self._between.append(fn)
+
+    def train_step(self) -> tuple[bool, float]:
+        while self._between:
+            self._between.popleft()(self.named_tensors(), self.manager.current_step(), self._emit)
+        return super().train_step()
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Weights (``model.<name>``) and optimizer state (``optim.<param>.<key>``), in place."""
+        out = {f"model.{k}": p.data for k, p in self.model.named_parameters()}
+        for idx, st in self.optimizer.state_dict()["state"].items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim.{idx}.{key}"] = v
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -95,6 +120,9 @@ class TrainerActor(Actor):
 
     def abort_collectives(self) -> None:
         self.trainer.abort_collectives()
+
+    def between_steps(self, fn: Callable[..., Any]) -> None:
+        self.trainer.between_steps(fn)
 
 
 def stop_training(after_step: int | None = None) -> None:

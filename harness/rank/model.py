@@ -68,8 +68,10 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def _build_llama3_debug() -> nn.Module:
-    """torchtitan's llama3 ``debugmodel`` (dim 256, 6 layers, vocab 2048) in float32 on CPU.
+def _build_llama3_debug(vocab_size: int = LLAMA3_DEBUG_VOCAB) -> nn.Module:
+    """torchtitan's llama3 ``debugmodel`` (dim 256, 6 layers, vocab 2048) in float32 on CPU,
+    its embedding and output head resized to ``vocab_size`` (a tokenizer's, ``data.kind =
+    "tokens"``) when that is not 2048.
 
     Built on the meta device, materialised with ``to_empty`` and initialised by torchtitan's own
     ``init_states``. Flex attention has no CPU backward, so every layer's inner attention is
@@ -78,9 +80,16 @@ def _build_llama3_debug() -> nn.Module:
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
 
-    spec = model_registry("debugmodel")
+    cfg = model_registry("debugmodel").model
+    if vocab_size != cfg.vocab_size:
+        cfg = dataclasses.replace(
+            cfg,
+            vocab_size=vocab_size,
+            tok_embeddings=dataclasses.replace(cfg.tok_embeddings, num_embeddings=vocab_size),
+            lm_head=dataclasses.replace(cfg.lm_head, out_features=vocab_size),
+        )
     with torch.device("meta"):
-        model = spec.model.build()
+        model = cfg.build()
     for layer in model.layers.values():
         layer.attention.inner_attention = ScaledDotProductAttention(
             ScaledDotProductAttention.Config()
@@ -134,9 +143,10 @@ def model_modules(cfg: JobConfig) -> tuple[str, ...]:
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
     """Build the model named by ``cfg.kind`` with weights drawn from ``seed``: the same arguments
-    give bitwise-identical parameters in every process. ``vocab_size`` must be the data's; the
-    llama3 debug model's is fixed at 2048. A model :func:`prebuild` made with these arguments
-    is handed out once (it is what this call would build: nothing has touched it since)."""
+    give bitwise-identical parameters in every process. ``vocab_size`` must be the data's (the
+    llama3 debug model's own is 2048; another resizes its embedding and head). A model
+    :func:`prebuild` made with these arguments is handed out once (it is what this call would
+    build: nothing has touched it since)."""
     model = _prebuilt.pop((cfg, vocab_size, seed), None)
     return model if model is not None else _build(cfg, vocab_size, seed)
 
@@ -147,12 +157,7 @@ def _build(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
         if cfg.kind == "tiny":
             return TinyLM(vocab_size=vocab_size, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads)
         if cfg.kind == "llama3_debug":
-            if vocab_size != LLAMA3_DEBUG_VOCAB:
-                raise ValueError(
-                    f"data.vocab_size = {vocab_size}: the llama3_debug model needs "
-                    f"{LLAMA3_DEBUG_VOCAB}"
-                )
-            return _build_llama3_debug()
+            return _build_llama3_debug(vocab_size)
     raise ValueError(f"model.kind = {cfg.kind!r}: must be 'tiny' or 'llama3_debug'")
 
 

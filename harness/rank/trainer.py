@@ -68,15 +68,22 @@ import xxhash
 
 from harness.config import JobConfig, config_from_dict
 from harness.rank import checkpoint
-from harness.rank.data import TokenStream
 from harness.rank.model import build_model, loss_fn
+from harness.rank.token_data import HeldOut, make_stream
 from harness.rank.torchft_glue import (
     close_communicator,
     forget_failed_quorum,
     host_store,
     make_manager,
 )
-from runtime.journal import CHECKPOINT_LOAD, CHECKPOINT_SAVE, PROC_START, STEP_ABORT, STEP_COMMIT
+from runtime.journal import (
+    CHECKPOINT_LOAD,
+    CHECKPOINT_SAVE,
+    EVAL,
+    PROC_START,
+    STEP_ABORT,
+    STEP_COMMIT,
+)
 
 #: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
 #: gives up and lets its supervisor restart the group.
@@ -133,6 +140,7 @@ class Trainer:
         self._stop_after: float = float("inf")
         self._checkpoint_asked = threading.Event()  # checkpoint_next_step (a time limit)
         self._step_delay = 0.0
+        self._compute_s = 0.0  # this step's own forward/backward time (stragglers: compute_s)
         self._quorum_failures = 0
         # Overlapping the quorum with the pass (``_quorum_overlapped``): a heal takes the lock.
         self._state_lock = threading.RLock()
@@ -159,7 +167,7 @@ class Trainer:
             weight_decay=o.weight_decay,
             eps=o.eps,
         )
-        self.data = TokenStream(
+        self.data = make_stream(
             cfg.data,
             shard=replica_id * cfg.ranks + rank,
             num_shards=cfg.replicas * cfg.ranks,
@@ -184,6 +192,7 @@ class Trainer:
             load_state_dict=self.load_state_dict,
             member_id=member_id,
         )
+        self._heldout = HeldOut(cfg.data) if cfg.data.eval_every else None
         self._ckpt_dir = self._checkpoint_root(run_dir)
         self._resume()
 
@@ -199,6 +208,8 @@ class Trainer:
         last_loss = float("nan")
         t0 = time.perf_counter()
         try:
+            if self.manager.current_step() == 0 and self.replica_id == 0:
+                self._maybe_eval(0)  # the held-out loss of the initial weights
             while self.manager.current_step() < min(target, self._stop_after):
                 committed, last_loss = self.train_step()
                 commits += committed
@@ -224,6 +235,7 @@ class Trainer:
     def train_step(self) -> tuple[bool, float]:
         """One attempt at the next step; returns (committed, loss)."""
         t0 = time.perf_counter()
+        self._compute_s = 0.0
         with_quorum = self._quorum_next  # True for a trainer's first step
         self._quorum_next = True  # until this step commits and says otherwise
         joined: tuple[int, int | None, int, torch.Tensor] | None
@@ -236,6 +248,10 @@ class Trainer:
         if joined is None:
             return False, float("nan")
         step, slot, pos, loss = joined
+        if not torch.isfinite(loss):
+            # A corrupted replica's NaN must not reach the other groups through the allreduce:
+            # it contributes nothing, commits, and is healed (harness.job.divergence).
+            self.optimizer.zero_grad(set_to_none=False)
 
         # 3. Average gradients within the group, then across participating groups.
         flag = self._average_gradients()
@@ -270,6 +286,7 @@ class Trainer:
                 "loss": loss.item(),
                 "checksum": self.checksum() if self._checksum_due(committed) else None,
                 "step_time_s": time.perf_counter() - t0,
+                "compute_s": self._compute_s,  # without waits for other groups (stragglers)
                 "samples": self.cfg.data.batch_size,
                 "tokens": self.cfg.data.batch_size * self.cfg.data.seq_len,
                 "participants": participants,
@@ -282,8 +299,20 @@ class Trainer:
             },
         )
         self._maybe_checkpoint(committed)
+        self._maybe_eval(committed)
         self._quorum_next = self._quorum_every <= 1 or flag or committed % self._quorum_every == 0
         return True, loss.item()
+
+    def _maybe_eval(self, step: int) -> None:
+        """Held-out loss every ``data.eval_every`` committed steps (harness.rank.token_data),
+        by one group (replica rank 0 of the quorum; all hold the same weights), on rank 0."""
+        if self._heldout is None or step % self.cfg.data.eval_every or self.rank != 0:
+            return
+        if step and self.manager.participating_rank() != 0:
+            return
+        with self._state_lock:
+            record = self._heldout.record(self.model, step=step, replica=self.replica_id, rank=0)
+        self._emit(EVAL, record)
 
     def _checksum_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every_steps
@@ -346,12 +375,14 @@ class Trainer:
         return slot
 
     def _forward_backward(self, slot: int | None) -> torch.Tensor:
+        t0 = time.perf_counter()
         inputs, targets = self.data.batch(slot)
         self.optimizer.zero_grad(set_to_none=False)
         loss = loss_fn(self.model(inputs), targets)
         loss.backward()
         if self._step_delay > 0:
             time.sleep(self._step_delay)  # fault hook: a straggler
+        self._compute_s += time.perf_counter() - t0
         return loss
 
     def _join_quorum(self) -> bool:

@@ -185,6 +185,11 @@ class FakeController:
         self._queue.put((failure, proc.owner))
         return failure
 
+    def report_hung(self, proc_id: str, silent_s: float, t_last: float, detail: str) -> None:
+        """As the real one: a failure (missed heartbeat) and the process is killed."""
+        if not self.procs[proc_id].stopped:
+            self.kill(proc_id, cause=Cause.MISSED_HEARTBEAT)
+
     def deliver(self, failure: Failure, owner: Owner | None) -> None:
         self._queue.put((failure, owner))
 

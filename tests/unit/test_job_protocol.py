@@ -13,18 +13,21 @@ from typing import Any
 
 import pytest
 
-from harness.config import JobConfig, RecoveryConfig, config_to_dict
+from harness.config import JobConfig, RecoveryConfig, StragglerConfig, config_to_dict
 from harness.job.protocol import Job
 from harness.job.site import Site, prepare_site
 from harness.quorum import rule
 from harness.rank.actors import TrainerActor, stop_training
 from runtime.journal import (
+    BITFLIP,
     FAILURE,
     HEALED,
     JOB_RESTART,
     JOB_START,
     RECOVERY_PHASE,
+    SILENT_DIVERGENCE,
     STEP_COMMIT,
+    STRAGGLER,
     Journal,
 )
 from tests.unit.fake_plane import FakeController, FakeProc
@@ -152,7 +155,16 @@ def test_a_killed_rank_goes_through_every_step_of_the_protocol_and_only_its_grou
 
     plane.kill(first[1][1])  # rank 1 of group 1 dies (a SIGKILL, as its agent reports it)
 
-    _until(lambda: len(run.ranks_of(1)) == 2 and run.ranks_of(1)[0].proc_id not in first[1])
+    def replaced() -> bool:  # the new ranks exist, train, and the phase is journaled
+        new = run.ranks_of(1)
+        return (
+            len(new) == 2
+            and new[0].proc_id not in first[1]
+            and all("train" in p.calls for p in new)
+            and "replacement_started" in run.phases(1)
+        )
+
+    _until(replaced)
     # detect -> fence -> stop -> place + spawn (its home host, forked warm) -> admit
     assert run.steps[:2] == [("fence", 1), ("stop", first[1][0])]
     assert run.steps[2:4] == [("admit", (1, 1)), ("spawn", (1, "host1", False))] or run.steps[
@@ -244,3 +256,103 @@ def test_stop_asks_every_rank_to_stop_after_the_same_step(start: Callable[..., R
     assert len(stops) == 6 and len({c[2] for c in stops}) == 1  # one step for all
     assert stops[0][1] == f"{stop_training.__module__}:{stop_training.__qualname__}"
     assert stops[0][2][0] >= 8
+
+
+# -- silent failures (harness.job.silent): the controller fails a group nobody saw die ------------
+def _commit_with(run: Run, step: int, values: dict[int, Any], **extra: Any) -> None:
+    for r, v in values.items():
+        for rank in range(run.job.ranks):
+            run.journal.emit(
+                STEP_COMMIT,
+                replica=r,
+                rank=rank,
+                step=step,
+                participants=len(values),
+                checksum=v,
+                loss=1.0,
+                **extra,
+            )
+
+
+def test_a_diverged_group_is_fenced_killed_and_restarted_to_heal_from_the_majority(
+    start: Callable[..., Run],
+) -> None:
+    run = start()
+    first = {r: [p.proc_id for p in run.ranks_of(r)] for r in range(3)}
+    _commit_with(run, 10, {0: "a", 1: "a", 2: "a"})
+    run.journal.emit(BITFLIP, replica=1, rank=0, step=12, tensor="model.w", index=3, bit=5)
+    run.steps.clear()
+    _commit_with(run, 20, {0: "b", 1: "x", 2: "b"})
+
+    _until(lambda: len(run.ranks_of(1)) == 2 and run.ranks_of(1)[0].proc_id not in first[1])
+    (alarm,) = run.events(SILENT_DIVERGENCE)
+    assert (alarm["suspects"], alarm["majority"], alarm["action"]) == ([1], [0, 2], "heal")
+    assert alarm["latency_steps"] == 8 and alarm["latency_s"] >= 0
+    assert run.steps[0] == ("fence", 1)  # out of the quorum before its processes die
+    assert run.job.groups[1].incarnation == 1 and run.job.groups[0].incarnation == 0
+    assert {r: [p.proc_id for p in run.ranks_of(r)] for r in (0, 2)} == {
+        r: first[r] for r in (0, 2)
+    }
+    recs = [r for r in run.events(RECOVERY_PHASE) if r["replica"] == 1]
+    assert recs[0]["phase"] == "detected" and recs[0]["cause"] == "divergence"
+    assert len({r["recovery_id"] for r in recs}) == 1  # the kill's failures joined it
+
+
+def test_two_groups_that_differ_both_go_back_to_the_last_agreed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    run = Run(JobConfig(replicas=2, ranks=1, hosts=1, steps=1000), tmp_path)
+    try:
+        ckpts = tmp_path / "checkpoints" / "replica_0_rank_0"
+        ckpts.mkdir(parents=True)
+        for step in (10, 20):
+            (ckpts / f"step_{step:08d}.json").write_text("{}")
+            (ckpts / f"step_{step:08d}.pt").write_text("")
+        first = {r: [p.proc_id for p in run.ranks_of(r)] for r in range(2)}
+        _commit_with(run, 10, {0: "a", 1: "a"})
+        _commit_with(run, 20, {0: "b", 1: "c"})
+        _until(
+            lambda: all(
+                run.ranks_of(r) and run.ranks_of(r)[0].proc_id not in first[r] for r in range(2)
+            )
+        )
+        (alarm,) = run.events(SILENT_DIVERGENCE)
+        assert (alarm["action"], alarm["suspects"], alarm["rollback_to"]) == (
+            "rollback",
+            [0, 1],
+            10,
+        )
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000010.json", "step_00000010.pt"]
+        assert (tmp_path / "checkpoints" / "quarantine" / "replica_0_rank_0").is_dir()
+        _until(lambda: run.events(JOB_RESTART))  # no group holds state: resume from checkpoint
+        # once both restarted, checkpoints written from then on are no longer quarantined
+        _until(lambda: run.job.silent is not None and run.job.silent._rollback_after is None)
+    finally:
+        run.close()
+
+
+def test_an_ejected_straggler_leaves_and_comes_back_as_a_new_incarnation(
+    start: Callable[..., Run],
+) -> None:
+    run = start(recovery=RecoveryConfig(stragglers=StragglerConfig(policy="eject", window=5)))
+    first = [p.proc_id for p in run.ranks_of(2)]
+    for step in range(1, 12):
+        for r in range(3):
+            for rank in range(2):
+                proc = run.ranks_of(r)[rank].proc_id if run.ranks_of(r) else None
+                slow = 0.1 if proc == first[1] else 0.01  # rank 1 of group 2, until restarted
+                run.journal.emit(
+                    STEP_COMMIT,
+                    replica=r,
+                    rank=rank,
+                    step=step,
+                    participants=3,
+                    compute_s=slow,
+                    proc=proc,
+                )
+    _until(lambda: run.ranks_of(2) and run.ranks_of(2)[0].proc_id not in first)
+    assert [e["action"] for e in run.events(STRAGGLER)] == ["flagged", "ejected"]
+    assert run.events(STRAGGLER)[0]["replica"] == 2 and run.job.groups[2].incarnation == 1
+    assert run.job.groups[0].incarnation == 0 and run.job.groups[1].incarnation == 0
+    causes = [r["cause"] for r in run.events(RECOVERY_PHASE) if r["replica"] == 2]
+    assert causes[0] == "straggler"

@@ -55,9 +55,11 @@ def test_llama3_debug_builds_and_trains_on_cpu() -> None:
     assert math.isfinite(_step(a, LLAMA3_DEBUG_VOCAB))
 
 
-def test_llama3_debug_rejects_other_vocab() -> None:
-    with pytest.raises(ValueError, match="2048"):
-        build_model(ModelConfig(kind="llama3_debug"), vocab_size=256, seed=0)
+def test_llama3_debug_takes_a_tokenizers_vocab() -> None:
+    """data.kind = "tokens": the embedding and the head are resized to the tokenizer's."""
+    m = build_model(ModelConfig(kind="llama3_debug"), vocab_size=300, seed=0)
+    assert m(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 300)
+    assert math.isfinite(_step(m, 300))
 
 
 @pytest.mark.parametrize("kind", ["tiny", "llama3_debug"])

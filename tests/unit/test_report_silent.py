@@ -1,0 +1,110 @@
+"""The report's and dashboard's view of silent failures (experiments.report_silent,
+dashboards.html), from a hand-written journal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dashboards.html import render_dashboard
+from experiments.report import _replicas_equal
+from experiments.report_silent import render_silent, silent_summary, without_healed_divergence
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _journal() -> list[dict[str, Any]]:
+    base = {"job": "j", "policy": "in_place"}
+    recs: list[dict[str, Any]] = [{"t": 0.0, "event": "job.start", **base}]
+
+    def commit(t: float, r: int, step: int, checksum: str | None = None, **kw: Any) -> None:
+        recs.append(
+            {
+                "t": t,
+                "event": "step.commit",
+                "replica": r,
+                "rank": 0,
+                "step": step,
+                "checksum": checksum,
+                "loss": 1.0,
+                "compute_s": 0.02,
+                **base,
+                **kw,
+            }
+        )
+
+    for r in range(3):
+        commit(1.0, r, 10, "a")
+    recs.append({"t": 1.2, "event": "fault.bitflip", "replica": 1, "rank": 0, "step": 12, **base})
+    for r, c in enumerate("bxb"):
+        commit(2.0, r, 20, c)
+    recs.append(
+        {
+            "t": 2.1,
+            "event": "silent.divergence",
+            "step": 20,
+            "suspects": [1],
+            "majority": [0, 2],
+            "cause": "checksum",
+            "action": "heal",
+            "latency_steps": 8,
+            "latency_s": 0.9,
+            **base,
+        }
+    )
+    recs.append(
+        {
+            "t": 2.1,
+            "event": "recovery.phase",
+            "replica": 1,
+            "phase": "detected",
+            "cause": "divergence",
+            **base,
+        }
+    )
+    commit(2.15, 1, 21, None)  # the condemned incarnation, before it dies
+    recs.append({"t": 2.2, "event": "failure", "replica": 1, **base})
+    recs.append({"t": 2.8, "event": "trainer.healed", "replica": 1, "rank": 0, **base})
+    recs.append(
+        {
+            "t": 2.8,
+            "event": "recovery.phase",
+            "replica": 1,
+            "phase": "healed",
+            "cause": "divergence",
+            **base,
+        }
+    )
+    for r in range(3):
+        commit(3.0, r, 30, "c")
+    recs.append(
+        {
+            "t": 3.5,
+            "event": "straggler",
+            "replica": 2,
+            "action": "ejected",
+            "ratio": 3.1,
+            "step": 31,
+            "group_s": 0.06,
+            "others_s": 0.02,
+            **base,
+        }
+    )
+    return recs
+
+
+def test_a_healed_divergence_is_reported_with_its_figures_and_does_not_fail_replicas_equal():
+    recs = _journal()
+    assert not _replicas_equal("in_place", recs)["passed"]  # the raw journal: step 20 differs
+    assert _replicas_equal("in_place", without_healed_divergence(recs))["passed"]
+    observed = [dict(r, action="observe") if r["event"] == "silent.divergence" else r for r in recs]
+    assert not _replicas_equal("in_place", without_healed_divergence(observed))["passed"]
+    (d,) = silent_summary(recs)["in_place"]["divergences"]
+    assert (d["latency_steps"], d["heal_s"], d["committed_after_detection"]) == (8, 0.7, 1)
+    assert d["heals_while_corrupted"] == 0
+    text = "\n".join(render_silent(silent_summary(recs)))
+    assert "| 20 | checksum | heal | [1] | [0, 2] | 8 | 0.9 | 0.7 |" in text
+    assert "| 2 | ejected | 31 | 3.1 |" in text
+    page = render_dashboard(recs, {"policies": {}})
+    assert 'id="panel-step-time"' in page and "g2 ejected at 3.5 s" in page
