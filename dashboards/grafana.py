@@ -334,6 +334,15 @@ def build_dashboard() -> dict[str, Any]:
             unit="percentunit",
             custom=ts,
         ),
+        _panel(
+            15,
+            "timeseries",
+            "Held-out loss",
+            (0, 51, 24, 7),
+            [_target(f"min by ({pol}) ({_sel(N.HELDOUT_LOSS.prom)})", f"{{{{{pol}}}}}")],
+            custom=ts,
+            description=N.HELDOUT_LOSS.description + ' (data.kind = "tokens").',
+        ),
     ]
 
     def query_var(name: str, label: str, metric: str, multi: bool) -> dict[str, Any]:

@@ -160,6 +160,15 @@ LAST_STEP = MetricName(
     kind="gauge",
     description="Latest committed step number, per replica group",
 )
+HELDOUT_LOSS = MetricName(
+    otel="ftharness.train.heldout_loss",
+    unit="1",
+    kind="gauge",
+    description=(
+        "Held-out loss at the latest evaluation (data.eval_every): the mean next-token loss "
+        "on the corpus's fixed held-out batches"
+    ),
+)
 # The recovery figures: each is one quantity of dashboards/metrics.py (``quantity`` names its key
 # in a recovery of ``summarize``; the module docstring there has the full definition), computed
 # by its code; ``label`` is what every surface (report, HTML, Grafana) calls it.
@@ -226,6 +235,7 @@ ALL_METRICS: tuple[MetricName, ...] = (
     SAMPLES,
     PARTICIPANTS,
     LAST_STEP,
+    HELDOUT_LOSS,
     DETECTION,
     SURVIVOR_STALL,
     PARTICIPATE,

@@ -175,6 +175,7 @@ class Telemetry:
         self._state: dict[str, RunState] = {}
         self._groups: dict[tuple[str, Any], _Group] = {}
         self._participants_now: dict[str, int] = {}
+        self._heldout_now: dict[str, float] = {}  # policy -> its latest held-out loss
         self._last_step: dict[str, int] = {}
         self._last_t = 0.0
         self._attr_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -212,6 +213,7 @@ class Telemetry:
         for m, callback in (
             (N.PARTICIPANTS, self._observe_participants),
             (N.LAST_STEP, self._observe_last_step),
+            (N.HELDOUT_LOSS, self._observe_heldout),
         ):
             meter.create_observable_gauge(
                 m.otel, callbacks=[callback], unit=m.unit, description=m.description
@@ -353,6 +355,11 @@ class Telemetry:
         if participants is not None:
             n = participants if isinstance(participants, int) else len(participants)
             self._participants_now[policy] = n
+
+    def _on_eval(self, r: Mapping[str, Any], t: float) -> None:
+        loss = r.get("heldout_loss")
+        if isinstance(loss, (int, float)):
+            self._heldout_now[policy_of(r)] = float(loss)
 
     def _on_fault_inject(self, r: Mapping[str, Any], t: float) -> None:
         policy = policy_of(r)
@@ -502,6 +509,10 @@ class Telemetry:
                 Observation(n, self._metric_attrs(p)) for p, n in self._participants_now.items()
             ]
 
+    def _observe_heldout(self, _options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            return [Observation(v, self._metric_attrs(p)) for p, v in self._heldout_now.items()]
+
     def _observe_goodput(self, _options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
             values = [
@@ -513,6 +524,7 @@ class Telemetry:
 
 _HANDLERS = {
     J.STEP_COMMIT: Telemetry._on_step,
+    J.EVAL: Telemetry._on_eval,
     J.FAULT_INJECT: Telemetry._on_fault_inject,
     J.FAULT_HEAL: Telemetry._on_fault_heal,
     J.PROC_START: Telemetry._on_proc_start,

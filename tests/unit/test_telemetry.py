@@ -120,6 +120,31 @@ def test_metrics_match_the_journal_summary():
     tel.shutdown()
 
 
+def test_the_latest_held_out_loss_of_each_policy_is_a_gauge():
+    def evaluation(policy: str, step: int, loss: float) -> dict:
+        return {
+            "t": 1.7e9 + step,
+            "event": "eval",
+            "job": "unit",
+            "policy": policy,
+            "step": step,
+            "replica": 0,
+            "rank": 0,
+            "heldout_loss": loss,
+        }
+
+    records = [
+        evaluation("control", 0, 7.6),
+        evaluation("in_place", 0, 7.6),
+        evaluation("control", 50, 5.2),
+        evaluation("in_place", 50, 5.25),
+    ]
+    tel, _, reader = _feed(records)
+    losses = {p.attributes[N.ATTR_POLICY]: p.value for p in _points(reader)[N.HELDOUT_LOSS.otel]}
+    assert losses == {"control": 5.2, "in_place": 5.25}  # the latest, not the first
+    tel.shutdown()
+
+
 def test_shutdown_ends_open_spans_marked_incomplete():
     records = scenario(job="unit")
     cut = next(
