@@ -16,7 +16,12 @@ a rotated order) so every configuration sees the same machine:
   own process) and the Prometheus endpoint on, scraped every 2 s by that process;
 * ``ftharness_lighthouse`` — the default config with ``recovery.quorum = "torchft"``: torchft's
   Lighthouse (Rust, in a supervised worker process) serves the quorum instead of the tree quorum
-  (Python gRPC, in the controller). The price of the tree's faster failover, side by side.
+  (Python gRPC, in the controller). The price of the tree's faster failover, side by side;
+* ``ftharness_tokens``    — the default config training on real text (``data.kind = "tokens"``,
+  the default corpus, ``harness.rank.token_data``), and its peer ``ftharness_vocab2048``: the
+  synthetic stream at the same vocabulary (the tokenizer's 2048), so that
+  ``ratio_to_synthetic`` (tokens over vocab2048, per repetition, median) is what reading the
+  token file costs, not the larger output layer.
 
 Figures per configuration (all over the steady-state window: steps ``warmup`` .. end):
 
@@ -71,6 +76,8 @@ from experiments.bench.models import MODELS
 VARIANTS = {
     "ftharness_lighthouse": ["recovery.quorum=torchft"],
     "ftharness_every_step": ["recovery.quorum_every_steps=1"],
+    "ftharness_vocab2048": ["data.vocab_size=2048"],
+    "ftharness_tokens": ["data.kind=tokens"],
 }
 CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry", *VARIANTS]
 #: (steps per run, steady-state window starts after this many commits, repetitions)
@@ -554,6 +561,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
             "rss_mb": round(max(r["rss_mb"] for r in reps), 1),
             "processes": max(r["processes"] for r in reps),
         }
+    if runs.get("ftharness_tokens") and runs.get("ftharness_vocab2048"):
+        pairs = zip(runs["ftharness_tokens"], runs["ftharness_vocab2048"], strict=False)
+        to_synthetic = [
+            statistics.median(t["gaps"]) / statistics.median(v["gaps"]) for t, v in pairs
+        ]
+        rows["ftharness_tokens"]["ratio_to_synthetic"] = round(statistics.median(to_synthetic), 3)
     return rows
 
 

@@ -85,3 +85,15 @@ def _args() -> dict:
         "step_s": 1.0,
         "mtbf_min": [10.0],
     }
+
+
+def test_the_token_file_is_compared_with_the_synthetic_stream_at_its_vocabulary() -> None:
+    runs = {
+        "plain": [_run([1.0] * 3), _run([1.0] * 3)],
+        "ftharness_vocab2048": [_run([2.0] * 3), _run([4.0] * 3)],
+        "ftharness_tokens": [_run([2.02] * 3), _run([4.0] * 3)],
+    }
+    rows = summarize(runs)
+    # per repetition: 1.01 and 1.0; the larger output layer (2.0 vs plain's 1.0) is not counted
+    assert rows["ftharness_tokens"]["ratio_to_synthetic"] == pytest.approx(1.005)
+    assert "ratio_to_synthetic" not in rows["ftharness_vocab2048"]
