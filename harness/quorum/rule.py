@@ -73,6 +73,17 @@ class QuorumOpts:
     #: steps or when told that someone waits; a quorum issued without them would let a newcomer
     #: train on its own while they go on without it (two copies of the model, both committing).
     wait_for_members: bool = False
+    #: Not in torchft: the job's first quorum waits for this many participants (0: off), up to
+    #: ``first_quorum_timeout_s`` after the earliest join. Without it the first group to ask
+    #: trains alone for a few steps (a group not heartbeating yet is no straggler to the rule).
+    first_quorum_replicas: int = 0
+    first_quorum_timeout_s: float = 0.0
+
+
+def _first_quorum_wait(state: QuorumState, opts: QuorumOpts) -> bool:
+    """At the job's first quorum (none issued, every member at step 0), some group missing."""
+    first = state.prev_quorum is None and state.highest_step <= 0
+    return first and len(state.participants) < opts.first_quorum_replicas  # 0: never
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,6 +359,12 @@ def compute(
         if all(rid in participants for rid in prev_ids):
             return tuple(candidates), f"Fast quorum found! {meta}"
 
+    first_joined = min((j.joined for j in participants.values()), default=now)
+    if _first_quorum_wait(state, opts) and now - first_joined < opts.first_quorum_timeout_s:
+        return None, (
+            f"First quorum: {len(participants)} of {opts.first_quorum_replicas} replica groups "
+            f"joined, waiting for the others {meta}"
+        )
     if opts.wait_for_members:
         missing = [rid for rid in prev_ids if rid in healthy and rid not in participants]
         if missing:
@@ -363,7 +380,6 @@ def compute(
             f"New quorum not ready, only have {len(participants)} participants, need at least "
             f"half of {len(healthy)} healthy workers {meta}"
         )
-    first_joined = min((j.joined for j in participants.values()), default=now)
     if len(participants) != len(healthy) and now - first_joined < opts.join_timeout_s:
         return None, (
             f"Valid quorum with {len(participants)} participants, waiting for "
@@ -440,6 +456,8 @@ def next_change(state: QuorumState, opts: QuorumOpts) -> float | None:
     first_joined = min(j.joined for j in state.participants.values())
     oldest_beat = min(state.heartbeats.values(), default=None)
     join_deadline = first_joined + opts.join_timeout_s
+    if _first_quorum_wait(state, opts):
+        join_deadline = min(join_deadline, first_joined + opts.first_quorum_timeout_s)
     if oldest_beat is None:
         return join_deadline
     return min(join_deadline, oldest_beat + opts.heartbeat_timeout_s)

@@ -122,6 +122,10 @@ class TreeQuorumService:
             reported=old.reported if old is not None else None,
             quorum_id=old.quorum_id + 1 if old is not None else 0,
             on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
+            # every group in the first step (rule.QuorumOpts), bounded well inside a trainer's
+            # own quorum timeout so that no request times out waiting for a group that is late
+            first_quorum_replicas=cfg.replicas,
+            first_quorum_timeout_s=t.quorum_timeout / 2,
         )
 
     def _newcomer(self, replica_id: str) -> None:

@@ -95,6 +95,8 @@ class TreeQuorum:
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
         on_newcomer: Callable[[str], None] | None = None,
+        first_quorum_replicas: int = 0,
+        first_quorum_timeout_s: float = 0.0,
     ) -> None:
         self.opts = rule.QuorumOpts(
             min_replicas=min_replicas,
@@ -103,6 +105,8 @@ class TreeQuorum:
             max_step=max_step,
             max_step_lead=max_step_lead,
             wait_for_members=on_newcomer is not None,
+            first_quorum_replicas=first_quorum_replicas,
+            first_quorum_timeout_s=first_quorum_timeout_s,
         )
         #: The job's secret: whoever holds it can name members (keep it in the controller).
         self.secret = secret if secret is not None else secrets.token_bytes(32)

@@ -74,6 +74,39 @@ def test_join_timeout_waits_for_healthy_stragglers_then_issues() -> None:
     assert ids(members) == ["a", "b"], reason
 
 
+def test_the_first_quorum_waits_for_every_group_until_its_timeout() -> None:
+    """The job's first step: a group whose Manager is not heartbeating yet is not a straggler to
+    torchft's rule, so without the wait the first group to ask would train alone."""
+    opts = dataclasses.replace(OPTS, first_quorum_replicas=3, first_quorum_timeout_s=5.0)
+    state = joined(rule.QuorumState(), "a", step=0)
+    members, reason = rule.compute(state, T, opts)
+    assert members is None and "First quorum: 1 of 3" in reason
+    assert rule.next_change(state, opts) == T + 5.0  # the ticker wakes when the wait ends
+    members, _ = rule.compute(state, T, OPTS)
+    assert ids(members) == ["a"]  # torchft's rule alone: a trains by itself
+    state = joined(state, "b", "c", now=T + 1.0, step=0)
+    members, reason = rule.compute(state, T + 1.0, opts)
+    assert ids(members) == ["a", "b", "c"], reason  # all there: at once
+    # a group that never comes is waited for only until the timeout
+    late = joined(rule.QuorumState(), "a", "b", step=0)
+    for rid in ("a", "b"):
+        late = rule.heartbeat(late, rid, T + 4.0)  # alive, still waiting
+    assert rule.compute(late, T + 4.9, opts)[0] is None
+    assert ids(rule.compute(late, T + 5.0, opts)[0]) == ["a", "b"]
+
+
+def test_the_first_quorum_wait_ends_with_the_first_quorum() -> None:
+    """Mid-run (a quorum was issued, or members report steps past 0: a restarted quorum service)
+    a missing group is torchft's business: no wait for it."""
+    opts = dataclasses.replace(OPTS, first_quorum_replicas=3, first_quorum_timeout_s=5.0)
+    state = rule.tick(joined(rule.QuorumState(), "a", "b", "c", step=0), T, opts)[0]
+    state, _ = rule.drop_failed(joined(state, "a", "b", step=1), "c")  # c's group died
+    members, reason = rule.compute(state, T, opts)
+    assert ids(members) == ["a", "b"], reason
+    restarted = joined(rule.QuorumState(highest_step=40), "a", step=41)
+    assert ids(rule.compute(restarted, T, opts)[0]) == ["a"]
+
+
 def test_expired_heartbeat_is_not_a_participant() -> None:
     state = joined(rule.QuorumState(), "a")
     members, reason = rule.compute(state, T, OPTS)
