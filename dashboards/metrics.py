@@ -79,9 +79,11 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   (a record without a rank counts as rank 0).
 * **steps_lost** (per fault): with m = the smallest step committed after the fault (and before the
   next fault), first committed at t_m, and M = the largest step committed before t_m:
-  max(0, M - m + 1). In place: 0. Full restart: the steps since the checkpoint. Every recovery of
-  a fault shows its fault's figure; a kind's ``steps_lost`` is the sum over its faults (a fault
-  counted once however many groups it took down).
+  max(0, M - m + 1). In place: 0. Full restart: the steps since the checkpoint. A semi-synchronous
+  program's commits (``sync_every`` on the record: each covers that many inner steps, its step
+  counts inner steps) use ``+ sync_every`` for ``+ 1``: a sync done again costs its inner steps.
+  Every recovery of a fault shows its fault's figure; a kind's ``steps_lost`` is the sum over its
+  faults (a fault counted once however many groups it took down).
 * **per kind**: ``count`` = faults of that kind; ``recovered`` = those whose every recovery reached
   ``participating``; detection_s, stall_s and participate_s = mean/p50/p95 over the kind's
   recoveries (one value per recovery, so a host fault that took down two groups adds two).
@@ -410,7 +412,9 @@ def steps_lost(records: Sequence[Record], fault_t: float, next_fault_t: float | 
     before = [r["step"] for r in commits if r["t"] < t_m]
     if not before:
         return 0
-    return max(0, max(before) - m + 1)
+    # a commit covers one step, or a semi-synchronous program's sync_every inner steps
+    width = int(next(r for r in after if r["step"] == m).get("sync_every") or 1)
+    return max(0, max(before) - m + width)
 
 
 def _phases(records: Sequence[Record]) -> dict[str, dict[str, Any]]:

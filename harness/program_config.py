@@ -75,7 +75,16 @@ class ProgramConfig:
     of a fresh interpreter: a replacement skips the imports. Unset (the default): warm where it
     is safe (:func:`cold_reason` says when it is not, and the job says so at start); ``true``:
     warm, or the config is refused; ``false``: always a fresh interpreter. What a warm rank sees
-    differently: ``runtime.program_proc.fork_program``."""
+    differently: ``runtime.program_proc.fork_program``.
+
+    ``sync_every``: the program's inner steps per quorum request: 1 for a program that asks every
+    step (torchft's DDP), torchft's ``sync_every`` for ``LocalSGD`` and ``DiLoCo`` (with N
+    Streaming DiLoCo fragments, ``sync_every / N``). The tap sees only the Manager's step, which
+    counts syncs; ftharness journals it as inner steps (Manager step x ``sync_every``), so the
+    job's ``steps``, ``schedule.at_steps`` and every report's steps (steps lost among them) count
+    inner steps, and ``steps`` must be a multiple of it. The tap cannot tell inner steps from
+    syncs: a wrong value shows as a group done before the job's last step or asking past it, and
+    the job says so. ``progress_timeout_s`` must cover ``sync_every`` inner steps plus a sync."""
 
     command: tuple[str, ...] = ()
     kind: Literal["torchft", "torchtitan"] = "torchft"
@@ -85,10 +94,17 @@ class ProgramConfig:
     progress_timeout_s: float = 30.0
     hooks: bool = False
     warm: bool | None = None  # unset: warm where safe (python SCRIPT, python -m MODULE), else cold
+    sync_every: int = 1  # inner steps per quorum: 1 (DDP), or LocalSGD's/DiLoCo's sync_every
 
     @property
     def enabled(self) -> bool:
         return bool(self.command)
+
+    @property
+    def steps_per_quorum(self) -> int:
+        """Inner steps per quorum request: ``sync_every`` for a program, 1 for the built-in
+        trainer (whose journal counts its own steps)."""
+        return self.sync_every if self.enabled else 1
 
     @property
     def starts_warm(self) -> bool:
@@ -161,6 +177,17 @@ def program_problem(cfg: Any) -> str | None:
     for key in ("start_timeout_s", "progress_timeout_s"):
         if getattr(p, key) <= 0:
             return f"program.{key} = {getattr(p, key)}: must be > 0 seconds"
+    if isinstance(p.sync_every, bool) or not isinstance(p.sync_every, int) or p.sync_every < 1:
+        return (
+            f"program.sync_every = {p.sync_every!r}: must be a whole number >= 1 (the program's "
+            "inner steps per quorum request: 1 for DDP, torchft's sync_every for LocalSGD/DiLoCo)"
+        )
+    if cfg.steps % p.sync_every:
+        return (
+            f"steps = {cfg.steps} is not a multiple of program.sync_every = {p.sync_every}: with a "
+            "semi-synchronous program, steps counts inner steps and the job ends at a sync (e.g. "
+            f"steps = {max(1, cfg.steps // p.sync_every) * p.sync_every})"
+        )
     pg = cfg.timeouts.process_group_timeout
     if p.progress_timeout_s <= pg:
         return (

@@ -21,10 +21,14 @@ full_restart also ``full_restart_back_s`` (kill -> the job commits its next step
 the median time from the kill to it: where the replacement's time goes.
 A second row set runs the llama3 debug model (not with ``--quick``).
 
-Two more configurations run a program of the user's own instead of the built-in trainer
+More configurations run a program of the user's own instead of the built-in trainer
 (``tests/programs/train_ddp.py``, a plain torchft program; ``harness.job.programs``), under each
 quorum backend, started cold (a fresh interpreter: ``program/torchft``, ``program/tree``) and
-warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``).
+warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``), and
+the semi-synchronous ``train_diloco.py`` and ``train_localsgd.py`` (a sync every
+:data:`SYNC_EVERY` inner steps, warm: ``program_diloco/...``, ``program_localsgd/...``; their
+steps are inner steps). Every program runs with torchft's default 60 s process-group timeout, and
+program rows kill ``--reps`` times, else 10 (even with ``--quick``: p95 needs them).
 Their figures come from what the quorum tap observed (commits one request late, see
 ``harness.job.programs``), plus ``cold_start_to_first_commit_s``: from the program's first start to
 its group's first committed step, per group (same machine, same run). ``vs_builtin`` compares
@@ -40,6 +44,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -68,16 +73,33 @@ CONFIGS = {
     "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
 }
 #: A program of the user's own (harness.job.programs), run from a source checkout.
-PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "programs" / "train_ddp.py"
+PROGRAMS = Path(__file__).resolve().parents[2] / "tests" / "programs"
+PROGRAM = PROGRAMS / "train_ddp.py"
+#: The programs' trailing arguments: no extra time per step, and torchft's default 60 s
+#: process-group timeout (not a shortened one: a survivor left blocked would show it in full).
+PROGRAM_ARGS = '"0", "60"'
+#: The semi-synchronous programs' inner steps per sync (program.sync_every).
+SYNC_EVERY = 10
 PROGRAM_CONFIGS = {
     f"program{'_warm' if warm else ''}/{quorum}": [
         "recovery.policy=in_place",
         f"recovery.quorum={quorum}",
-        f'program.command=["python", "{PROGRAM}", "1000000"]',
+        f'program.command=["python", "{PROGRAM}", "1000000", {PROGRAM_ARGS}]',
         "program.progress_timeout_s=30",
         f"program.warm={str(warm).lower()}",
     ]
     for warm in (False, True)
+    for quorum in ("torchft", "tree")
+} | {
+    f"program_{name}/{quorum}": [  # semi-synchronous, warm (the default)
+        "recovery.policy=in_place",
+        f"recovery.quorum={quorum}",
+        f'program.command=["python", "{PROGRAMS / f"train_{name}.py"}", "1000000", '
+        f'"{SYNC_EVERY}", {PROGRAM_ARGS}]',
+        f"program.sync_every={SYNC_EVERY}",
+        "program.progress_timeout_s=30",
+    ]
+    for name in ("diloco", "localsgd")
     for quorum in ("torchft", "tree")
 }
 
@@ -95,14 +117,16 @@ def _stats(xs: list[float]) -> dict[str, float] | None:
 
 
 def _killer(job: Any, reps: int, seed: int, done: threading.Event, log: Any) -> None:
-    """Kill a group ``reps`` times, each after the last recovery finished plus 5-15 steps."""
+    """Kill a group ``reps`` times, each after the last recovery finished plus 5-15 steps (quorum
+    steps: a semi-synchronous program's journal counts ``program.sync_every`` inner steps each)."""
     from faults.fault import Target
 
     ctx = job.faults
     rng = random.Random(seed)
+    per = job.cfg.program.steps_per_quorum
     last = None
     for i in range(reps):
-        gap = rng.randint(5, 15)
+        gap = rng.randint(5, 15) * per
         target_step = ctx.committed_step() + gap
         deadline = time.monotonic() + 180
         while (
@@ -128,6 +152,10 @@ def _killer(job: Any, reps: int, seed: int, done: threading.Event, log: Any) -> 
         )
         os.kill(pids[0], signal.SIGKILL)
         log(f"kill {i + 1}/{reps}: replica {replica} at step {ctx.committed_step()}")
+        # the next kill waits for this recovery: let it open first (a sync can be quicker)
+        deadline = time.monotonic() + 2.0
+        while not job.tracker.open_count and time.monotonic() < deadline and not done.is_set():
+            time.sleep(0.005)
     # let the last recovery finish and a few steps commit
     target_step = ctx.committed_step() + 5
     deadline = time.monotonic() + 120
@@ -192,10 +220,26 @@ def run_config(
     row["phases_s"] = _phase_medians(records, recs)
     if cfg.program.enabled:
         row["cold_start_to_first_commit_s"] = _stats(_cold_starts(records))
-        return row  # weights are not observed: the program reports no checksums
+        if cfg.program.sync_every > 1:  # the semi-synchronous programs print a digest per sync
+            row["weights_match"] = _syncs_match(run_dir / "logs")
+        return row  # otherwise weights are not observed: the program reports no checksums
     hyp = evaluate_hypotheses(Hypotheses(replicas_equal_after_heal=True), {}, records)
     row["weights_match"] = all(h["passed"] for h in hyp)
     return row
+
+
+def _syncs_match(logs: Path) -> bool | None:
+    """Whether every sync that several groups' logs print (``sync S checksum H``, from
+    tests/programs/train_diloco.py and train_localsgd.py) has one digest; None: no sync seen by
+    two groups."""
+    seen: dict[int, set[str]] = {}
+    counts: dict[int, int] = {}
+    for log in logs.glob("replica*-rank0.log"):
+        for sync, digest in re.findall(r"^sync (\d+) checksum (\w+)", log.read_text(), re.M):
+            seen.setdefault(int(sync), set()).add(digest)
+            counts[int(sync)] = counts.get(int(sync), 0) + 1
+    shared = [s for s, n in counts.items() if n > 1]
+    return all(len(seen[s]) == 1 for s in shared) if shared else None
 
 
 def _phase_medians(records: list[dict], recs: list[dict]) -> dict[str, float]:
@@ -251,6 +295,11 @@ def default_reps(args: argparse.Namespace) -> int:
     return args.reps or (3 if args.quick else 10)
 
 
+def program_reps(args: argparse.Namespace) -> int:
+    """Kills per program configuration: ``--reps``, else 10 (with ``--quick`` too)."""
+    return args.reps or 10
+
+
 def main(args: argparse.Namespace) -> int:
     reps = default_reps(args)
     models = ["tiny"] if args.quick else ["tiny", "llama3_debug"]
@@ -261,13 +310,20 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[bench recovery] {msg}", file=sys.stderr, flush=True)
 
-    result: dict[str, Any] = {"replicas": 3, "ranks": 1, "reps": reps, "rows": {}}
+    result: dict[str, Any] = {
+        "replicas": 3,
+        "ranks": 1,
+        "reps": reps,
+        "program_reps": program_reps(args),
+        "rows": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ftharness-bench-") as tmp:
         for model in models:
             result["rows"][model] = {}
             for name in configs + (programs if model == "tiny" else []):
                 log(f"{model} / {name}: starting")
-                row = run_config(model, name, reps, seed=7, workdir=Path(tmp), log=log)
+                n = program_reps(args) if name in PROGRAM_CONFIGS else reps
+                row = run_config(model, name, n, seed=7, workdir=Path(tmp), log=log)
                 result["rows"][model][name] = row
                 log(f"{model} / {name}: {json.dumps(row)}")
     tiny = result["rows"]["tiny"]

@@ -53,3 +53,76 @@ def hung_for(
     silent = now - (last if last is not None else started)
     limit = progress_s if last is not None else start_s
     return silent if silent > limit else None
+
+
+def hung_detail(replica: int, silent: float, asked: bool, sync_every: int) -> str:
+    """The failure detail of a group judged hung (``asked``: it made a quorum request before)."""
+    what = "since its last quorum request" if asked else "since it started"
+    detail = (
+        f"replica group {replica} made no quorum request for {silent:.1f} s {what} "
+        "(hung or stopped; program.progress_timeout_s / start_timeout_s)"
+    )
+    if not asked:
+        return detail + (
+            "; it never asked for one: a torchft program's Manager reads the quorum service's "
+            "address from TORCHFT_LIGHTHOUSE"
+        )
+    if sync_every > 1:
+        detail += (
+            f"; it asks once per program.sync_every = {sync_every} inner steps: "
+            "progress_timeout_s must cover that many steps and a sync"
+        )
+    return detail
+
+
+# -- semi-synchronous programs (``program.sync_every``; pure) -----------------------------------
+
+
+def ended_early(last_step: int | None, steps: int, sync_every: int) -> str | None:
+    """Why a group whose ranks all exited with code 0 stopped short of the job's last step, or
+    None. ``last_step``: its last quorum request's Manager step (it then committed one more, and
+    asked no more); ``steps``: the job's, in inner steps. A program whose Manager step counts
+    syncs of more inner steps than ``sync_every`` says also shows up here: the message names the
+    ``sync_every`` that would make the job's steps match, when one does."""
+    syncs = 0 if last_step is None else last_step + 1  # committed syncs when it exited
+    if syncs * sync_every >= steps:
+        return None
+    if last_step is None:
+        return (
+            "exited with code 0 without ever asking for a quorum (not a torchft program, or its "
+            "Manager never started a quorum)"
+        )
+    why = (
+        f"exited with code 0 after {syncs} quorum steps (= inner step {syncs * sync_every} with "
+        f"program.sync_every = {sync_every}), before the job's last step {steps}"
+    )
+    if steps % syncs == 0 and steps // syncs != sync_every:
+        why += (
+            f"; if it syncs every {steps // syncs} inner steps (torchft's LocalSGD/DiLoCo "
+            f"sync_every), set program.sync_every = {steps // syncs}"
+        )
+    return why
+
+
+def past_last_step(step: int, steps: int, sync_every: int) -> str:
+    """What a group asking for a quorum at Manager step ``step`` past the job's last step is
+    told (the caller checked ``step * sync_every > steps``)."""
+    if sync_every == 1:
+        return f"asked for step {step}, past the job's last step {steps}"
+    return (
+        f"asked for quorum step {step} (= inner step {step * sync_every} with program.sync_every "
+        f"= {sync_every}), past the job's last step {steps}; if it syncs less often than every "
+        f"{sync_every} inner steps, lower program.sync_every"
+    )
+
+
+def gap_warning(gap_s: float, progress_s: float, sync_every: int) -> str | None:
+    """A warning when a group's quorum requests came ``gap_s`` apart, more than half of
+    ``program.progress_timeout_s`` (a longer gap would be taken for a hang), else None."""
+    if gap_s <= progress_s / 2:
+        return None
+    per = f"once per {sync_every} inner steps (program.sync_every)" if sync_every > 1 else "a step"
+    return (
+        f"asked for quorums {gap_s:.1f} s apart ({per}): program.progress_timeout_s = "
+        f"{progress_s} leaves less than twice that; a longer gap is taken for a hang"
+    )

@@ -22,7 +22,9 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
   unchanged: a request at a higher step than the group's last is a ``step.commit`` (at the time
   of the request: a few milliseconds after the real commit), a jump of more than one step is a
   heal (``trainer.healed``: the group loaded a peer's state, seen when it next asks; so it is
-  late by one step's time), a request at the same step is a ``step.abort``. Rank 0 stands for
+  late by one step's time), a request at the same step is a ``step.abort``. Steps are journaled
+  as inner steps, the Manager's step x ``program.sync_every`` (a LocalSGD or DiLoCo program asks
+  once per sync: ``harness.program_config``), so steps lost count inner steps too. Rank 0 stands for
   the group (only rank 0's Manager talks to the quorum service). Not observed: loss, samples,
   checksums, data positions (the records carry ``observed = "quorum"``).
 * **Stop, place, restart**: exactly as for the built-in trainer: the processes are supervised
@@ -46,7 +48,15 @@ from typing import Any, Protocol
 from harness.config import JobConfig
 from harness.job import peer_process, program_admission
 from harness.job.program_admission import GroupAdmission
-from harness.job.program_progress import hung_for, read_tail, step_events
+from harness.job.program_progress import (
+    ended_early,
+    gap_warning,
+    hung_detail,
+    hung_for,
+    past_last_step,
+    read_tail,
+    step_events,
+)
 from harness.job.program_unblock import RemoteUnblock
 from harness.program_config import TORCHTITAN_FLAGS, WARM_NEEDS, cold_reason
 from harness.quorum import rule
@@ -153,6 +163,7 @@ class _Group:
     waiting: int = 0
     participants: int = 1
     hung: bool = False
+    long_gaps: int = 0  # consecutive requests close to the progress timeout (-1: told once)
     admission: GroupAdmission = field(default_factory=GroupAdmission)  # the tap's rule's
 
 
@@ -318,12 +329,20 @@ class ProgramGroups:
                 left[0] -= 1
                 done = left[0] == 0 and self._groups.get(g.replica) is g
             if done and not g.training.done():
+                self._exited(g)
                 g.training.set_result(None)
                 self._check_all_done()
 
         for rec in g.procs:
             rec.finished.add_done_callback(one_finished)
         return g.training
+
+    def _exited(self, g: _Group) -> None:
+        """Every rank of ``g`` exited with code 0: say so if it stopped short of the job's last
+        step (the other groups train on; the job ends when every group is done)."""
+        why = ended_early(g.last_step, self.cfg.steps, self.cfg.program.steps_per_quorum)
+        if why is not None:
+            self.job.say(f"replica group {g.replica} {why}; it is done, the others train on")
 
     def _check_all_done(self) -> None:
         with self._lock:
@@ -379,35 +398,53 @@ class ProgramGroups:
         )
 
     def asked(self, req: Request) -> None:
+        every = self.cfg.program.steps_per_quorum
+        gap = None
         with self._lock:
             g = self._groups.get(req.replica)
             if g is None or req.replica_id not in g.ids:
                 return
             g.waiting += 1
-            g.last = time.monotonic()
+            now = time.monotonic()
+            if g.last is not None and g.long_gaps >= 0 and g.last_step is not None:
+                # twice in a row: the program's pace, not one stall behind a fault
+                gap = gap_warning(now - g.last, self.cfg.program.progress_timeout_s, every)
+                g.long_gaps = 0 if gap is None else g.long_gaps + 1
+                gap, g.long_gaps = (gap, -1) if g.long_gaps == 2 else (None, g.long_gaps)
+            g.last = now
             events = step_events(g.last_step, req.step)
             g.last_step = req.step if g.last_step is None else max(g.last_step, req.step)
             participants = g.participants
             host = g.procs[0].host.name
-        base = {"replica": req.replica, "rank": 0, "host": host, "observed": "quorum"}
+        if gap is not None:
+            self.job.say(f"replica group {req.replica} {gap}")
+        # Steps are journaled as inner steps: Manager step x program.sync_every (1 for DDP), so
+        # every report (steps lost, at_steps, the progress line) counts what a program trains.
+        base: dict[str, Any] = dict(replica=req.replica, rank=0, host=host, observed="quorum")
+        if every > 1:
+            base["sync_every"] = every
+        step = req.step * every
         emit = self.job.journal.emit
         for event in events:
             if event == "healed":
-                emit(HEALED, t=req.t, step=req.step, **base)
+                emit(HEALED, t=req.t, step=step, **base)
             elif event == "commit":
-                emit(STEP_COMMIT, t=req.t, step=req.step, participants=participants, **base)
+                emit(STEP_COMMIT, t=req.t, step=step, participants=participants, **base)
             elif event == "abort":
-                reason = f"asked for a quorum again at step {req.step} without committing"
-                emit(STEP_ABORT, t=req.t, step=req.step + 1, reason=reason, **base)
-        if req.step > self.cfg.steps and not g.training.done():
+                reason = f"asked for a quorum again at step {step} without committing"
+                if every > 1:
+                    reason += f" (the {every} inner steps since its last sync are discarded)"
+                emit(STEP_ABORT, t=req.t, step=step + every, reason=reason, **base)
+        if step > self.cfg.steps and not g.training.done():
             self._past_last_step(g, req.step)
 
     def _past_last_step(self, g: _Group, step: int) -> None:
         """``g`` trained the job's ``steps`` and asks for more, which the quorum service refuses
         (``rule.step_refusal``): it is done, not hung; the job ends when every group is."""
+        why = past_last_step(step, self.cfg.steps, self.cfg.program.steps_per_quorum)
         self.job.say(
-            f"replica group {g.replica} asked for step {step}, past the job's last step "
-            f"{self.cfg.steps}: it is done (set steps to the program's own step count to train on)"
+            f"replica group {g.replica} {why}: it is done (set steps to the program's own step "
+            "count to train on)"
         )
         g.training.set_result(None)
         self._check_all_done()
@@ -443,11 +480,7 @@ class ProgramGroups:
                 if silent is None:
                     continue
                 g.hung = True
-                what = "since its last quorum request" if g.last is not None else "since it started"
-                detail = (
-                    f"replica group {g.replica} made no quorum request for {silent:.1f} s {what} "
-                    "(hung or stopped; program.progress_timeout_s / start_timeout_s)"
-                )
+                detail = hung_detail(g.replica, silent, g.last is not None, p.steps_per_quorum)
                 rec = g.procs[0]
                 self.job.controller.report_hung(
                     rec.ref.proc_id, silent, time.time() - silent, detail

@@ -112,7 +112,7 @@ class TreeQuorumService:
             min_replicas=cfg.min_replica_size,
             join_timeout_s=t.lighthouse_join_timeout,
             heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
-            max_step=cfg.steps,
+            max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
             # each waiting quorum request holds a server thread: room for every group's request
             # and heartbeat, with margin (the service's docstring)
             max_requests=max(64, 4 * cfg.replicas + 16),
