@@ -143,8 +143,28 @@ def test_a_writer_that_keeps_publishing_never_yields_a_torn_state(backend: str) 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
-def test_a_source_killed_mid_transfer_fails_fast_and_another_peer_serves(backend: str) -> None:
+def test_a_source_killed_mid_transfer_fails_fast_and_another_peer_serves(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over TCP the source serves the bytes, so stopping it freezes the transfer. Shared memory
+    needs nothing from the source, so a copy can finish between the SIGSTOP and the SIGKILL (CI
+    saw it once); there the reader is held after its first chunk until the source is dead, which
+    is the case the check after the copy exists for."""
     big = 64 << 20  # 256 MiB: the transfer is still running when the source is stopped
+    first_chunk, source_dead = threading.Event(), threading.Event()
+    if backend == "shm":
+        import runtime.dataplane.shm as shm
+
+        copy = shm.copy_and_hash
+
+        def held_copy(dst: int, src: int, n: int) -> int:
+            digest = copy(dst, src, n)
+            if not first_chunk.is_set():
+                first_chunk.set()
+                source_dead.wait(30)
+            return digest
+
+        monkeypatch.setattr(shm, "copy_and_hash", held_copy)
     victim, healthy = Source(seed=1, big=big), Source(seed=1, big=big)
     try:
         want = mixed_state(1, big)
@@ -170,12 +190,16 @@ def test_a_source_killed_mid_transfer_fails_fast_and_another_peer_serves(backend
         assert t.is_alive(), "the read finished before the source could be stopped"
         killed_at = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGKILL)
+        if backend == "shm":
+            victim.proc.wait(timeout=30)
+            source_dead.set()
         t.join(timeout=30)
         assert not t.is_alive()
         err = outcome[0]
         assert isinstance(err, SourceGone), err
         assert time.monotonic() - killed_at < 10  # "fast": far inside the 60 s timeout
         victim.proc.wait()
+        monkeypatch.undo()
 
         dest = [torch.zeros_like(x) for x in want]
         res = read_from_any([victim.handle, healthy.handle], dest, backend=backend, timeout=30)
@@ -184,6 +208,7 @@ def test_a_source_killed_mid_transfer_fails_fast_and_another_peer_serves(backend
         with pytest.raises(TransferError, match="all 1 sources failed"):
             read_from_any([victim.handle], dest, backend=backend, timeout=5)
     finally:
+        source_dead.set()
         victim.stop()
         healthy.stop()
 
