@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
+from trainer_procs import read_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,17 +57,6 @@ time.sleep(600)  # a survivor: it lives on
 """
 
 
-def _line(proc: subprocess.Popen[str], deadline: float) -> str:
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line:
-            return line.strip()
-        if proc.poll() is not None:
-            raise AssertionError(f"worker exited with {proc.returncode} before printing")
-    raise AssertionError("worker printed nothing before the deadline")
-
-
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "left_open"])
 def test_blocked_peer_fails_at_once_when_the_survivor_closes(close: bool) -> None:
     # Closed: a generous timeout, so only the close can fail rank 1's receive. Left open: a
@@ -89,15 +79,15 @@ def test_blocked_peer_fails_at_once_when_the_survivor_closes(close: bool) -> Non
     try:
         deadline = time.monotonic() + 120
         for p in procs:
-            assert _line(p, deadline) == "posted"
+            assert read_line(p, deadline) == "posted"
         time.sleep(0.2)  # let both receives reach gloo
         procs[2].send_signal(signal.SIGKILL)
 
         deadline = time.monotonic() + 30
-        assert _line(procs[0], deadline).startswith("failed:")
+        assert read_line(procs[0], deadline).startswith("failed:")
         if close:
-            assert _line(procs[0], deadline) == "closed"
-        second = _line(procs[1], time.monotonic() + pg_timeout + 30)
+            assert read_line(procs[0], deadline) == "closed"
+        second = read_line(procs[1], time.monotonic() + pg_timeout + 30)
         assert second.startswith("failed:"), second
         if close:
             assert "Timed out" not in second, second

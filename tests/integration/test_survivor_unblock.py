@@ -20,6 +20,7 @@ import time
 
 import pytest
 from torch.distributed import TCPStore
+from trainer_procs import read_line
 
 from runtime import sockets
 
@@ -52,17 +53,6 @@ time.sleep(600)
 """
 
 
-def _line(proc: subprocess.Popen[str], deadline: float) -> str:
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line:
-            return line.strip()
-        if proc.poll() is not None:
-            raise AssertionError(f"rank exited with {proc.returncode} before printing")
-    raise AssertionError("rank printed nothing before the deadline")
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sockets.pidfd_getfd_supported(), reason="needs pidfd_getfd (Linux)")
 def test_a_blocked_survivor_fails_at_once_and_the_survivors_rebuild() -> None:
@@ -82,7 +72,7 @@ def test_a_blocked_survivor_fails_at_once_and_the_survivors_rebuild() -> None:
     try:
         deadline = time.monotonic() + 90
         for p in procs:
-            assert _line(p, deadline) == "posted"
+            assert read_line(p, deadline) == "posted"
         time.sleep(0.3)  # let both receives reach gloo
         procs[2].send_signal(signal.SIGKILL)
         procs[2].wait()
@@ -92,8 +82,8 @@ def test_a_blocked_survivor_fails_at_once_and_the_survivors_rebuild() -> None:
         done = sockets.unblock_survivors(fds, groups, dead=2)
         assert sum(done.values()) >= 1, done
 
-        first = _line(procs[0], time.monotonic() + 30)
-        second = _line(procs[1], time.monotonic() + 30)
+        first = read_line(procs[0], time.monotonic() + 30)
+        second = read_line(procs[1], time.monotonic() + 30)
         for line in (first, second):
             assert line.startswith("failed after"), line
             assert "Timed out" not in line, line
@@ -104,7 +94,7 @@ def test_a_blocked_survivor_fails_at_once_and_the_survivors_rebuild() -> None:
             p.stdin.write("go\n")
             p.stdin.flush()
         for p in procs[:2]:
-            assert _line(p, time.monotonic() + 60) == "rebuilt: [3.0, 3.0, 3.0, 3.0]"
+            assert read_line(p, time.monotonic() + 60) == "rebuilt: [3.0, 3.0, 3.0, 3.0]"
     finally:
         for p in procs:
             p.kill()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,16 @@ def commits(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [r for r in read_journal(path) if r["event"] == "step.commit"]
+
+
+def read_line(proc: subprocess.Popen[str], deadline: float) -> str:
+    """The next line ``proc`` prints (stripped), waiting until ``deadline`` (monotonic); fails
+    the test if the process exits or prints nothing before it."""
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            return line.strip()
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} before printing")
+    raise AssertionError("process printed nothing before the deadline")
