@@ -186,7 +186,7 @@ for _ in range(int(sys.argv[1])):
 PLAIN_SERVER = """
 import socket, sys
 n = int(sys.argv[2]) << 20
-buf = bytearray(b"\1" * n)  # touched, like the source's state
+buf = bytearray(bytes([1]) * n)  # touched, like the source's state
 srv = socket.create_server((sys.argv[1], 0))
 print(srv.getsockname()[1], flush=True)
 for _ in range(int(sys.argv[3])):
@@ -198,7 +198,7 @@ for _ in range(int(sys.argv[3])):
 PLAIN_CLIENT = """
 import socket, sys, time
 n = int(sys.argv[3]) << 20
-buf = bytearray(b"\0" * n)  # touched: a replacement's state exists before it heals
+buf = bytearray(bytes(n))  # touched: a replacement's state exists before it heals
 view = memoryview(buf)
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
 t0 = time.perf_counter()
