@@ -20,6 +20,9 @@ The timeout ordering, and why each rule exists (all values in seconds):
   checked here because step time is only known at run time.
 * ``process_group_timeout <= quorum_timeout``: a collective on a broken quorum fails (and the step
   aborts) before the next quorum request would time out.
+* ``no_progress > 2 x quorum_timeout`` and ``> 2 x manager_timeout``: a job that aborts steps
+  for ``no_progress`` without a commit is ended as stalled, and a healthy one may abort for a
+  quorum request that times out and then a step whose collective or heal times out.
 * ``host_timeout < controller_silence``: the controller declares a silent host lost (and
   re-places its groups) before that host's agent fences itself; the other order would make a
   short controller stall kill every worker of the job. Between the two, a cut-off host's stale
@@ -45,6 +48,7 @@ import copy
 import dataclasses
 import difflib
 import importlib
+import ipaddress
 import math
 import re
 import tomllib
@@ -157,6 +161,16 @@ class TimeoutConfig:
     host_timeout: float = 3.0  # a host agent silent this long is lost (its groups re-placed)
     controller_silence: float = 10.0  # an agent that hears nothing this long fences itself
     host_join: float = 300.0  # launcher = "external": how long to wait for every agent to dial in
+    # The preflight (`preflight = true`): how long each probe of the connectivity matrix may take
+    # to connect and get the other agent's answer before that path counts as timed out. The
+    # probes run in parallel, so the whole matrix takes about this long at most.
+    preflight: float = 1.5
+    # A job whose groups keep aborting steps and commit none for this long ends, failed, with a
+    # diagnosis naming the endpoint its errors name (harness/job/stall.py). Longer than any
+    # legitimate run of aborts: a quorum request timing out, then a step whose collective or heal
+    # times out (more than twice quorum_timeout and manager_timeout, checked); a first quorum
+    # waits at most half the quorum timeout, checkpoints are written off the training thread.
+    no_progress: float = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +207,13 @@ class RecoveryConfig:
     max_restarts: int = 10
     within_s: float = 600.0
     restart_delay_s: float = 0.0
+    # A lost host whose agent cannot be restarted (it fails to start or never dials in) is tried
+    # at most host_max_restarts times within host_within_s (restart intensity, as max_restarts /
+    # within_s for a group; a restart that succeeds starts the count again); then the host is
+    # given up, its groups go to the other hosts, and with no host left the job fails
+    # (harness/job/hosts.py).
+    host_max_restarts: int = 3
+    host_within_s: float = 600.0
     # The defaults are the fastest correct configuration measured (`ftharness bench recovery`):
     # the supervision tree's own quorum, which fences a dead group at once instead of waiting
     # out a heartbeat timeout, and one warm spare process per host, which a replacement adopts
@@ -227,6 +248,20 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NetworkConfig:
+    """Which address each host advertises to the others (runtime/netaddr.py): the address its
+    connection to the controller leaves from by default, never the machine's hostname. Set one
+    of the two, as NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME users expect; on a host where it
+    matches nothing the job stops with an error naming the host and its addresses. Workers and
+    programs get GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME set to the interface holding it."""
+
+    # An interface name, e.g. "ib0" or "eth1": each host advertises its address on it.
+    interface: str = ""
+    # A network, e.g. "10.0.0.0/8": each host advertises its address in it.
+    cidr: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TelemetryConfig:
     """Live exports besides the JSONL journal (None = off)."""
 
@@ -253,7 +288,14 @@ class JobConfig:
     # in its own network namespace with its own address (root only; runtime/launchers/netns.py); or
     # "external": agents started on other machines with `ftharness agent`, which dial in.
     launcher: Literal["local", "netns", "external", "slurm"] = "local"
+    # Before any group trains, every host agent checks that it reaches every other agent's
+    # advertised address, and the controller's (harness/job/preflight.py); a path that is
+    # refused, times out (timeouts.preflight), has no route or is another machine's loopback
+    # stops the job with a table of which host cannot reach which address, and why. Skipped
+    # with launcher = "local" (every host is this machine); false: never.
+    preflight: bool = True
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -370,6 +412,26 @@ def _check_optim(o: OptimConfig) -> None:
             raise ConfigError(f"optim.betas[{i}] = {beta!r}: must be in [0, 1)")
 
 
+def _check_network(n: NetworkConfig) -> None:
+    if n.interface and n.cidr:
+        raise ConfigError(
+            f"network.interface = {n.interface!r} and network.cidr = {n.cidr!r}: set one of them"
+        )
+    bad_name = any(c.isspace() or c in "/:" for c in n.interface) or len(n.interface) > 15
+    if n.interface and bad_name:
+        raise ConfigError(
+            f"network.interface = {n.interface!r}: not an interface name (at most 15 characters, "
+            'no spaces, "/" or ":"; a network goes in network.cidr)'
+        )
+    if n.cidr:
+        try:
+            ipaddress.ip_network(n.cidr, strict=False)
+        except ValueError as e:
+            raise ConfigError(
+                f"network.cidr = {n.cidr!r}: not a network ({e}); e.g. 10.0.0.0/8"
+            ) from None
+
+
 def _check_slurm(cfg: JobConfig) -> None:
     s = cfg.slurm
     _positive("slurm.spare_nodes", s.spare_nodes, 0)
@@ -428,6 +490,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, 0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("recovery.max_restarts", cfg.recovery.max_restarts, 0)
+    _positive("recovery.host_max_restarts", cfg.recovery.host_max_restarts, 0)
     _positive("recovery.spares_per_host", cfg.recovery.spares_per_host, 0)
     _check_stragglers(cfg.recovery.stragglers)
     _positive("recovery.quorum_every_steps", cfg.recovery.quorum_every_steps, 0)
@@ -444,12 +507,15 @@ def validate(cfg: JobConfig) -> None:
             "a program's own loop decides when it calls start_quorum; it applies only to the "
             "built-in trainer"
         )
+    if cfg.recovery.host_within_s <= 0:
+        raise ConfigError(f"recovery.host_within_s = {cfg.recovery.host_within_s}: must be > 0")
     if cfg.recovery.within_s <= 0 or cfg.recovery.restart_delay_s < 0:
         raise ConfigError(
             f"recovery.within_s = {cfg.recovery.within_s} must be > 0 and "
             f"recovery.restart_delay_s = {cfg.recovery.restart_delay_s} must be >= 0 (seconds)"
         )
     _check_slurm(cfg)
+    _check_network(cfg.network)
     port = cfg.telemetry.prometheus_port
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"telemetry.prometheus_port = {port}: must be 0..65535 (0 = any free)")
@@ -508,6 +574,14 @@ def validate(cfg: JobConfig) -> None:
         "request would time out",
         equal_ok=True,
     )
+    for key in ("quorum_timeout", "manager_timeout"):
+        if t.no_progress <= 2 * getattr(t, key):
+            raise ConfigError(
+                f"timeouts.no_progress ({t.no_progress}) must be > 2 x timeouts.{key} "
+                f"({getattr(t, key)}): a healthy job may abort steps for that long (a quorum "
+                "request that times out, then a step whose collective or heal times out), and "
+                "would be ended as stalled"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ one ``selectors`` loop:
 * the controller connection (frames in; frames out through a buffer, never blocking);
 * SIGCHLD through a wakeup pipe: ``waitpid`` reaps a dead worker the moment it dies;
 * one heartbeat socketpair per worker: a worker silent for ``heartbeat_timeout_s`` is hung;
+* the connectivity preflight's listener and probes, before training (``runtime.preflight``);
 * timers: SIGKILL after a stop's grace period, heartbeats to the controller, and the
   controller's silence: past ``controller_silence_s`` without a frame from it (a network
   partition, a dead controller) the agent fences itself: it stops every worker and exits, so a
@@ -49,7 +50,7 @@ from typing import Any
 import psutil
 import tenacity
 
-from runtime import channel, proctree, sockets
+from runtime import channel, netaddr, proctree, sockets
 from runtime.actor import resolve
 from runtime.channel import FrameError
 from runtime.messages import (
@@ -62,6 +63,7 @@ from runtime.messages import (
     Exited,
     HelloAgent,
     Hung,
+    PreflightCommand,
     Shutdown,
     Spawn,
     Spawned,
@@ -69,6 +71,7 @@ from runtime.messages import (
     StopProc,
     UnblockPeers,
 )
+from runtime.preflight import AgentPreflight
 
 log = logging.getLogger("ftharness.agent")
 
@@ -111,7 +114,9 @@ class Agent:
         self.wake_r, self.wake_w = socket.socketpair()
         self.next_agent_beat = 0.0
         self.last_heard = time.monotonic()
-        self.gloo_ifname = _interface_of(address)
+        # GLOO/NCCL_SOCKET_IFNAME and FTHARNESS_ADVERTISE for every worker and program
+        self.net_env = netaddr.worker_env(address)
+        self.preflight = AgentPreflight(self.host, address, self.secret, self.sel, self._send)
 
     # -- set-up ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -139,6 +144,8 @@ class Agent:
                             self._on_controller()
                     elif kind == "hb":
                         self._on_heartbeat(obj)
+                    elif kind == "preflight":
+                        obj.on_event(key.fileobj, mask)
                 except Exception:
                     log.exception("agent %s: error handling %s", self.host, kind)
             self._reap()
@@ -219,6 +226,8 @@ class Agent:
                         self._stop_worker(w, float(grace_s))
             case Shutdown(grace_s):
                 self._stop_all_and_exit(0, float(grace_s))
+            case PreflightCommand():
+                self.preflight.handle(msg)
             case _:
                 raise FrameError(f"unknown message {msg!r:.80}")
 
@@ -240,7 +249,8 @@ class Agent:
                 signal.set_wakeup_fd(-1)
                 for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
-                for sock in (self.conn.sock, self.wake_r, self.wake_w, parent_hb):
+                for sock in (self.conn.sock, self.wake_r, self.wake_w, parent_hb,
+                             *self.preflight.sockets()):  # fmt: skip
                     sock.close()
                 for w in self.workers.values():
                     if w.hb is not None:
@@ -250,8 +260,7 @@ class Agent:
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
                     os.close(fd)
-                if self.gloo_ifname:  # collectives between hosts use the advertised network
-                    os.environ["GLOO_SOCKET_IFNAME"] = self.gloo_ifname
+                os.environ.update(self.net_env)  # collectives use the advertised network
                 if cold:
                     self._exec_cold_worker(proc_id, coords, child_hb)
                 from runtime.worker import worker_main
@@ -282,10 +291,10 @@ class Agent:
     def _start_program(self, msg: SpawnProgram) -> None:
         from runtime import program_proc
 
-        extra = {"GLOO_SOCKET_IFNAME": self.gloo_ifname} if self.gloo_ifname else {}
+        extra = dict(self.net_env)
         group = msg.coords.get("replica")
         if msg.warm:
-            socks = [self.conn.sock, self.wake_r, self.wake_w]
+            socks = [self.conn.sock, self.wake_r, self.wake_w, *self.preflight.sockets()]
             socks += [w.hb for w in self.workers.values() if w.hb is not None]
             pid = program_proc.fork_program(msg, extra, [s.fileno() for s in socks])
             self.workers[pid] = _Worker(msg.proc_id, pid, None, 0.0, group=group)
@@ -431,6 +440,7 @@ class Agent:
 
     def _timers(self) -> None:
         now = time.monotonic()
+        self.preflight.tick(now)
         for w in list(self.workers.values()):
             if w.kill_at is not None and now >= w.kill_at:
                 w.kill_at = None
@@ -513,6 +523,23 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
         raise channel.ChannelError(f"the controller refused this agent: {cfg.reason}")
     if not isinstance(cfg, AgentConfig):
         raise channel.ChannelError(f"the controller answered {cfg!r:.80}")
+    # The address other hosts reach us at: --advertise, else the job's network.interface or
+    # network.cidr, else the one our connection to the controller leaves from (the interface
+    # that routes to the job's network): runtime.netaddr.
+    try:
+        address = netaddr.choose(
+            host=boot.name,
+            default=conn.sock.getsockname()[0],
+            advertise=boot.advertise,
+            interface=cfg.network_interface,
+            cidr=cfg.network_cidr,
+        )
+    except netaddr.NoAddress as exc:  # the controller fails the job with it (host_registry)
+        print(f"ftharness agent: {exc}", file=sys.stderr, flush=True)
+        with contextlib.suppress(channel.ChannelError, OSError):
+            conn.send(channel.Refused(str(exc)))
+        conn.close()
+        os._exit(2)
     for mod in cfg.preload:
         importlib.import_module(mod)
     for target, kwargs in cfg.warmup:
@@ -522,23 +549,10 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
     # full collection in it (torchft's failure path runs one) would walk them all: 0.2-0.6 s
     # idle, over 2 s on a loaded machine, long enough to miss heartbeats and be killed as hung.
     gc.freeze()
-    # The address other hosts reach us at: the one our connection to the controller leaves
-    # from (the interface that routes to the job's network), unless configured.
-    address = boot.advertise or conn.sock.getsockname()[0]
     agent = Agent(boot, conn, cfg, address)
     agent.install()
     agent._send(AgentReady(boot.name, os.getpid(), address))
     agent.serve()
-
-
-def _interface_of(address: str) -> str | None:
-    """The network interface holding ``address`` (for GLOO_SOCKET_IFNAME); None on loopback."""
-    if address.startswith("127.") or address == "::1":
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addrs):
-            return name
-    return None
 
 
 def read_secret(path: str) -> bytes:

@@ -51,6 +51,7 @@ from runtime.messages import (
     HelloAgent,
     HelloWorker,
     Hung,
+    PreflightReply,
     Request,
     Result,
     Spawn,
@@ -60,6 +61,7 @@ from runtime.messages import (
     SysCall,
 )
 from runtime.plane import Owner
+from runtime.preflight_matrix import PreflightBoard
 from runtime.proc_handle import CallTable, ProcFailedError, ProcRecord
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
@@ -95,6 +97,7 @@ class Controller:
         self.fatal_event = threading.Event()
         self._failure_listeners: list[Callable[[Failure], None]] = []
         self._calls = CallTable()
+        self.preflight = PreflightBoard()  # the agents' answers (runtime.preflight_matrix)
         self._lock = threading.RLock()
         # (failure, its owner or None for the root, the failed process if any)
         self._queue: queue.Queue[tuple[Failure, Owner | None, ProcRecord | None] | None] = (
@@ -197,6 +200,8 @@ class Controller:
                 self._on_exit(proc_id, status, t)
             case Hung(proc_id, _pid, silent_s, t_last):
                 self._on_hung(proc_id, silent_s, t_last)
+            case PreflightReply():
+                self.preflight.deliver(h.name, msg)
             case _:
                 raise channel.FrameError(f"agent {h.name} sent {msg!r:.80}")
 

@@ -39,6 +39,11 @@ from runtime.spec import ControllerSpec
 log = logging.getLogger("ftharness.controller")
 
 
+class AgentRefused(channel.ChannelError):
+    """A host agent answered its configuration with ``channel.Refused``: it cannot serve this
+    job (``runtime.agent.run``: no address where ``network.interface``/``cidr`` says)."""
+
+
 class HostOwner(Protocol):
     """What the table needs of its controller."""
 
@@ -99,6 +104,9 @@ class HostTable:
         after ``timeout_s``."""
         futs = self.expect([n for n in names if n not in self.hosts or self.hosts[n].lost])
         cf.wait(list(futs.values()), timeout=timeout_s)
+        for f in futs.values():  # an agent that said it cannot serve this job (_configure)
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
         missing = sorted(n for n, f in futs.items() if not f.done())
         if missing:
             host, port = self._owner.address
@@ -144,7 +152,15 @@ class HostTable:
             self._refuse(conn, refusal)
             return
         try:
-            h = self._configure(conn, hello)
+            try:
+                h = self._configure(conn, hello)
+            except AgentRefused as exc:  # fails its start now, not after the dial-in timeout
+                with self._lock:
+                    fut = self._expected.pop(name, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                conn.close()
+                return
             with self._lock:
                 old = self.hosts.get(name)
                 self.hosts[name] = h
@@ -202,11 +218,15 @@ class HostTable:
                 controller_silence_s=spec.controller_silence_s,
                 connect_timeout_s=spec.connect_timeout_s,
                 start_timeout_s=spec.spawn_timeout_s,
+                network_interface=spec.network_interface,
+                network_cidr=spec.network_cidr,
             )
         )
         conn.sock.settimeout(spec.connect_timeout_s + 30.0)
         ready = conn.recv()
         conn.sock.settimeout(None)
+        if isinstance(ready, channel.Refused):  # e.g. no address where network.* says
+            raise AgentRefused(f"host agent {hello.host} cannot serve this job: {ready.reason}")
         if not isinstance(ready, AgentReady):
             raise channel.FrameError(f"agent {hello.host} answered {ready!r:.80}")
         pool = self._owner.make_spare_pool(lambda: h)

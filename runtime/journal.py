@@ -59,6 +59,11 @@ Event names and their extra fields:
                           ``rollback_to`` (harness/job/silent.py)
 ``straggler``             ``replica``, ``action`` (``flagged`` | ``cleared`` | ``ejected``),
                           ``ratio``, ``group_s``, ``others_s``, ``step``
+``preflight``             ``status`` (``ok`` | ``failed`` | ``skipped``), ``reason``, ``seconds``
+                          (the matrix's wall time), ``hosts``, ``paths``, ``failed`` (paths),
+                          ``matrix`` (one dict per path: ``src``, ``dst``, ``address``,
+                          ``port``, ``outcome``, ``detail``, ``seconds``), written before any
+                          group starts (harness/job/preflight.py)
 ========================  =====================================================================
 """
 
@@ -93,6 +98,7 @@ HEALED = "trainer.healed"
 BITFLIP = "fault.bitflip"
 SILENT_DIVERGENCE = "silent.divergence"
 STRAGGLER = "straggler"
+PREFLIGHT = "preflight"
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")

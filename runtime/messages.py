@@ -4,10 +4,12 @@ Three links carry them (``runtime.channel`` frames each message as one pickle, a
 authenticated handshake):
 
 * host agent -> controller: :class:`HelloAgent` (the agent dials in: its first frame), then
-  :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`;
+  :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`,
+  and the preflight's :class:`PreflightReply` kinds;
 * controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
   :class:`SpawnProgram`, :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`,
-  :class:`DropConnections`, :class:`UnblockPeers`;
+  :class:`DropConnections`, :class:`UnblockPeers`, and the preflight's
+  :class:`PreflightCommand` kinds (``runtime.preflight``);
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame),
   :class:`SpawnActor`, :class:`CallEndpoint` and :class:`SysCall` (requests, each with a
   ``call_id``), and back :class:`Result` and :class:`Event` (a journal record).
@@ -49,6 +51,10 @@ class AgentConfig:
     # Called once after the preload imports, before any fork: ("module:function", kwargs).
     # What they build (a model, say) every worker forked from the agent inherits, copy-on-write.
     warmup: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # The job's network.interface / network.cidr: the agent advertises its address there
+    # (runtime.netaddr.choose); empty: the address its connection to the controller leaves from.
+    network_interface: str = ""
+    network_cidr: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,3 +230,89 @@ class Event:
 
     event: str
     fields: dict[str, Any]
+
+
+# -- the connectivity preflight (runtime.preflight: the agent's side; runtime.preflight_matrix) --
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightCommand:
+    """controller -> host agent: one step of the preflight round ``nonce``."""
+
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightListen(PreflightCommand):
+    """Listen on the advertised address (port 0) for at most ``window_s``, each peer for at most
+    ``timeout_s``; answered with :class:`PreflightListening`."""
+
+    timeout_s: float
+    window_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightTarget:
+    """An address to probe: another agent's preflight listener (``token``: it must answer the
+    job's token) or a service of the controller (a connection is enough). ``place``: where the
+    target runs (``runtime.preflight.place_identity``), to tell a loopback address that cannot
+    work from one that does."""
+
+    name: str
+    address: str
+    port: int
+    place: str
+    token: bool
+    bound: str = ""  # the IP the target listens on: its own resolution of ``address``
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightProbe(PreflightCommand):
+    """Connect to every target at once, each within ``timeout_s``; answered with
+    :class:`PreflightReport`."""
+
+    targets: tuple[PreflightTarget, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightClose(PreflightCommand):
+    """The round is over: close the preflight listener."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightReply:
+    """host agent -> controller: an answer of ``host`` in preflight round ``nonce``."""
+
+    nonce: bytes
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightListening(PreflightReply):
+    """Listening on ``port`` (0, with ``error`` saying why, if it could not); ``place`` as in
+    :class:`PreflightTarget`."""
+
+    port: int
+    place: str
+    error: str
+    bound: str = ""  # the IP it listens on (its advertised address, resolved where it runs)
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightResult:
+    """One probe: ``outcome`` (a ``runtime.preflight.Outcome`` value), why, and how long it took."""
+
+    target: str
+    address: str
+    port: int
+    outcome: str
+    detail: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightReport(PreflightReply):
+    """Every probe of a :class:`PreflightProbe`."""
+
+    results: tuple[PreflightResult, ...]

@@ -58,3 +58,20 @@ def decide(
     if spec.strategy is Strategy.ONE_FOR_ALL:
         return Decision(Action.RESTART_ALL, f"one_for_all: restart {n + 1}/{spec.max_restarts}")
     return Decision(Action.RESTART_ONE, f"one_for_one: restart {n + 1}/{spec.max_restarts}")
+
+
+def host_restart(
+    history: Sequence[float], now: float, max_restarts: int, within_s: float
+) -> Decision:
+    """Whether a lost host's agent is started again (``RESTART_ONE``) or the host is given up
+    (``ESCALATE``): restart intensity for hosts, as :func:`decide` has for a supervisor's
+    children. ``history``: when the restarts of this host's agent since the last one that
+    succeeded began (an agent that never dials in is the case this bound exists for)."""
+    n = recent(history, now, within_s)
+    if n >= max_restarts:
+        return Decision(
+            Action.ESCALATE,
+            f"host restart intensity exceeded: {n} restarts within {within_s:g} s "
+            f"(recovery.host_max_restarts = {max_restarts})",
+        )
+    return Decision(Action.RESTART_ONE, f"host restart {n + 1}/{max_restarts}")

@@ -79,9 +79,10 @@ def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int])
       by hand, then the agent's path (which can reach ftharness);
     * ``sys.orig_argv`` is ``program.command`` with this interpreter; ``sys.argv[0]`` is the
       script (``-m``: the module's file), as in a fresh interpreter;
-    * ftharness's hook (``program.hooks``) is run explicitly (no interpreter start-up runs
-      ``sitecustomize``), and no other ``sitecustomize``/``usercustomize`` or ``.pth`` file of
-      the program's ``PYTHONPATH`` is run."""
+    * ftharness's hooks (``$FTHARNESS_SITE``: its address patch, and the fault hook with
+      ``program.hooks``) are run explicitly (no interpreter start-up runs ``sitecustomize``),
+      and no other ``sitecustomize``/``usercustomize`` or ``.pth`` file of the program's
+      ``PYTHONPATH`` is run."""
     agent_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -170,12 +171,13 @@ def _run_warm(msg: SpawnProgram, extra_env: dict[str, str]) -> int:
 
 
 def _run_hook(paths: list[str]) -> None:
-    """What interpreter start-up would have done with ftharness's hook on PYTHONPATH."""
-    for p in paths:
-        hook = os.path.join(p, "sitecustomize.py")
-        if os.environ.get("FTHARNESS_HOOK_DIR") and os.path.isfile(hook):
-            runpy.run_path(hook, run_name="sitecustomize")
-            return
+    """What interpreter start-up would have done with ftharness's hooks on PYTHONPATH: the
+    ``sitecustomize`` of each directory ``$FTHARNESS_SITE`` names that is on it, in order (at a
+    cold start each runs the next itself; here none runs another: ``FTHARNESS_CHAIN``)."""
+    for d in os.environ.get("FTHARNESS_SITE", "").split(os.pathsep):
+        hook = os.path.join(d, "sitecustomize.py")
+        if d and d in paths and os.path.isfile(hook):
+            runpy.run_path(hook, {"FTHARNESS_CHAIN": False}, run_name="sitecustomize")
 
 
 def _child_setup(agent_pid: int) -> None:

@@ -82,6 +82,9 @@ class ControllerSpec:
     # ("module:function", kwargs) called once by each agent after its preload, before it forks
     # workers (runtime.messages.AgentConfig.warmup)
     warmup: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # Where agents advertise their address: an interface name or a CIDR (runtime.netaddr.choose)
+    network_interface: str = ""
+    network_cidr: str = ""
     # An agent that hears nothing from the controller this long fences itself (stops its
     # workers, exits): a partitioned host must not train on alone.
     controller_silence_s: float = 10.0

@@ -4,7 +4,9 @@ A run ends normally when a group trains to the last step (the others are at most
 and are asked to stop after the same step), when every group of a program of the user's own has
 exited 0, when it has run for its duration, or when its caller stops it. It fails when a failure
 reaches the root of the supervision tree, when its journal cannot be written (every report is
-computed from the journal), or when it exceeds its timeout.
+computed from the journal), when it exceeds its timeout, or when a watch of the job gives up on it
+(:meth:`Completion.fail`: steps that only abort, ``harness.job.stall``; a SLURM allocation that
+ended, or no host left to run on, ``harness.job.hosts``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,24 @@ class Completion:
         self._fatal = fatal
         self._done = threading.Event()
         self._journal_error: OSError | None = None
+        self._failed: str | None = None
 
     def journal_failed(self, exc: OSError) -> None:
         """The journal could not be written: the run ends (``Journal.on_error``)."""
         self._journal_error = exc
         self._done.set()
+
+    def fail(self, reason: str) -> None:
+        """The run cannot go on, for ``reason`` (what the user reads): it ends as failed. The
+        first reason given stands."""
+        if self._failed is None:
+            self._failed = reason
+        self._done.set()
+
+    @property
+    def given_up(self) -> str | None:
+        """Why :meth:`fail` ended the run (None: it did not)."""
+        return self._failed
 
     def groups_changed(self, training: Iterable[cf.Future]) -> None:
         """A group's training ended: once one reached the last step, the run is over."""
@@ -59,6 +74,8 @@ class Completion:
                     f"({self._journal_error}); the run stopped, since every report is computed "
                     "from it"
                 )
+            if self._failed is not None:
+                return "failed", self._failed
             if self._done.is_set():
                 return "ok", "trained to the last step"
             fatal = self._fatal()

@@ -6,10 +6,20 @@ find it ready (with its warm spares forked). Respawns never run on a group's res
 group that needs a host waits in :meth:`HostPool.place` until one is ready. Under SLURM a node
 that SLURM shows down, drained or gone is never used again, and with ``slurm.replace =
 "new_job"`` a replacement node is asked for in a new job.
+
+Restarts of a host's agent are bounded, for every launcher (``runtime.policy.host_restart``): a
+host whose agent cannot be restarted (it fails to start, or never dials in) is tried at most
+``recovery.host_max_restarts`` times within ``recovery.host_within_s``, then *given up*, treated
+as gone. A restart that succeeds starts the count again: a host that is evicted and comes back
+(a chaos run's evictions, every few minutes for hours) is never given up for that. When no host
+is left (all gone or given up), or the SLURM allocation has ended, the job fails at once with
+the reason (``fail``) instead of waiting for a host that cannot come.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import os
 import threading
 import time
@@ -21,13 +31,21 @@ from harness.job.site import Site
 from runtime.controller import Controller
 from runtime.failure import Cause, Failure
 from runtime.host_handle import HostAgentHandle
+from runtime.policy import Action, host_restart
 
 
 class HostPool:
-    """The hosts of one job on ``controller``. Thread-safe; ``say`` tells the user."""
+    """The hosts of one job on ``controller``. Thread-safe; ``say`` tells the user; ``fail``
+    ends the job with a reason (no host left, the allocation ended)."""
 
     def __init__(
-        self, site: Site, controller: Controller, run_dir: Path, say: Callable[[str], None]
+        self,
+        site: Site,
+        controller: Controller,
+        run_dir: Path,
+        say: Callable[[str], None],
+        *,
+        fail: Callable[[str], None] | None = None,
     ) -> None:
         self.site = site
         self.cfg = site.cfg
@@ -37,6 +55,11 @@ class HostPool:
         self._change = threading.Condition(threading.RLock())  # guards the fields below
         self._cooldown: dict[str, float] = {}  # host -> monotonic end of its cooldown
         self._respawning: set[str] = set()  # hosts whose agent is restarted in the background
+        self._restarts: dict[str, list[float]] = {}  # host -> its restarts since one succeeded
+        self._last_error: dict[str, str] = {}  # host -> why its last restart failed
+        self.given_up: dict[str, str] = {}  # host -> why it is never restarted again
+        self._fail = fail or (lambda _: None)
+        self._failed = False
         self._closed = False
         site.node_events.listener = self._on_node_gone
 
@@ -54,10 +77,28 @@ class HostPool:
             self.spawn(name)
 
     def close(self) -> None:
-        """The job is stopping: no more respawns."""
+        """The job is stopping: no more respawns, and none in flight is waited for."""
         with self._change:
             self._closed = True
             self._change.notify_all()
+        self._abandon_respawns("the job is stopping")
+
+    def _abandon_respawns(self, why: str) -> None:
+        """Stop waiting for the agents being restarted to dial in (an agent that cannot come,
+        its allocation gone, would hold the controller's spawner, and the exit, for the whole
+        dial-in timeout)."""
+        from runtime.channel import ChannelError
+
+        with self._change:
+            names = list(self._respawning)
+        table = getattr(self.controller, "host_table", None)
+        if table is None:
+            return
+        for name in names:
+            with contextlib.suppress(cf.InvalidStateError):
+                table.expect([name])[name].set_exception(
+                    ChannelError(f"not waiting for the agent of {name}: {why}")
+                )
 
     # -- place ----------------------------------------------------------------------------------
     def place(self, replica: int) -> HostAgentHandle:
@@ -80,7 +121,7 @@ class HostPool:
                 cooling_until=self._cooldown.get(n, 0.0),
                 respawning=n in self._respawning,
                 spare=slurm is not None and n in slurm.spares,
-                gone=slurm is not None and n in slurm.gone,
+                gone=(slurm is not None and n in slurm.gone) or n in self.given_up,
             )
             for n in self.names()
         ]
@@ -112,22 +153,59 @@ class HostPool:
             self._respawn(host)
 
     def _respawn(self, name: str) -> None:
-        """Start a fresh agent on ``name`` on a background thread (lock held)."""
-        if name in self._respawning:
+        """Start a fresh agent on ``name`` on a background thread (lock held), within the
+        host restart intensity (module doc)."""
+        if name in self._respawning or name in self.given_up or self._closed or self._failed:
             return
+        r = self.cfg.recovery
+        history = self._restarts.setdefault(name, [])
+        decision = host_restart(history, time.monotonic(), r.host_max_restarts, r.host_within_s)
+        if decision.action is Action.ESCALATE:
+            last = self._last_error.get(name)
+            self._give_up(name, decision.reason + (f"; last error: {last}" if last else ""))
+            return
+        history.append(time.monotonic())
         self._respawning.add(name)
+        attempt = f"{len(history)}/{r.host_max_restarts} within {r.host_within_s:g} s"
 
         def run() -> None:
             try:
                 self.spawn(name)
+                with self._change:
+                    self._restarts[name] = []  # it came back: the count starts again
             except Exception as exc:
-                self._say(f"could not restart the agent of {name}: {exc}")
+                with self._change:
+                    self._last_error[name] = str(exc)
+                    closed = self._closed or self._failed
+                if not closed:
+                    self._say(f"could not restart the agent of {name} (restart {attempt}): {exc}")
             finally:
                 with self._change:
                     self._respawning.discard(name)
                     self._change.notify_all()
 
         threading.Thread(target=run, daemon=True, name=f"ftharness-respawn-{name}").start()
+
+    def _give_up(self, name: str, why: str) -> None:
+        """Never restart ``name`` again (lock held); with no host left the job fails."""
+        self.given_up[name] = why
+        self._say(f"giving up on host {name}: {why}; no group goes there again")
+        self._change.notify_all()
+        self._fail_if_no_host()
+
+    def _fail_if_no_host(self) -> None:
+        """(lock held) Every host gone or given up: no group can ever run again."""
+        slurm = self.site.slurm
+        why = {
+            n: self.given_up.get(n) or (slurm.gone.get(n) if slurm else None) for n in self.names()
+        }
+        if self._closed or self._failed or not all(why.values()):
+            return
+        self._failed = True
+        self._fail(
+            "no host left to run a replica group on: "
+            + "; ".join(f"{n}: {w}" for n, w in why.items())
+        )
 
     # -- agents ---------------------------------------------------------------------------------
     def spawn(self, name: str) -> HostAgentHandle:
@@ -159,10 +237,28 @@ class HostPool:
     # -- SLURM ----------------------------------------------------------------------------------
     def _on_node_gone(self, node: str, why: str) -> None:
         """SLURM shows a node down or drained, or it left the job: never place or respawn
-        there again (the placement rule reads ``gone``)."""
+        there again (the placement rule reads ``gone``). The allocation itself ended: the job
+        stops now (its steps, the agents with their workers, are gone with it)."""
+        ended = self.site.slurm.ended if self.site.slurm is not None else None
+        if ended is not None:
+            with self._change:
+                if self._failed or self._closed:
+                    return
+                self._failed = True
+                self._change.notify_all()
+            self._say(f"{ended}: the allocation is over, stopping")
+            self._abandon_respawns(ended)
+            self._fail(
+                f"{ended}: the allocation ended under the job, so its job steps (the host agents "
+                "and their workers) are gone and none can start; the last checkpoint written "
+                "is the one to resume from"
+            )
+            return
         self._say(f"{why}: no group goes there again")
         with self._change:
             self._change.notify_all()
+            if self.cfg.slurm.replace != "new_job":  # (else a new node is on its way)
+                self._fail_if_no_host()
             closed = self._closed
         if self.cfg.slurm.replace == "new_job" and not closed:
             threading.Thread(target=self._replace_node, args=(node,), daemon=True).start()

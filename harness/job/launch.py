@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.config import ConfigError, JobConfig, load_config
 from harness.corpus.job import resolve_data
+from harness.job.preflight import PreflightFailed
 from harness.job.progress import say
 from harness.job.protocol import Job
 from harness.job.site import prepare_site
@@ -58,6 +59,8 @@ def run_job(
         outcome = job.wait(timeout, duration_s, stop_event)
     except SupervisionError as exc:
         outcome = {"status": "failed", "reason": exc.failure.report(), "steps": 0}
+    except PreflightFailed as exc:  # a network path does not work: nothing trained
+        outcome = {"status": "failed", "reason": str(exc), "steps": 0}
     except Exception as exc:
         steps = job.tracker.committed_step if job is not None else 0
         outcome = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}", "steps": steps}

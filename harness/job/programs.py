@@ -70,6 +70,8 @@ from runtime.messages import SpawnProgram
 
 #: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
 HOOKS_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_hooks"
+#: First on every program's PYTHONPATH: its sitecustomize makes torchft advertise the host address.
+SITE_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_site"
 #: The signal that tells the hook a fault command is waiting (harness/rank/program_hooks).
 HOOK_SIGNAL = signal.SIGUSR2
 
@@ -87,8 +89,8 @@ def launcher_env(
     (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
     they take precedence over the program's own, so the ordering ``harness.config`` checks
     holds for the program too; the quorum timeout outlasts a hung group's fencing:
-    :func:`program_quorum_timeout`), then ``program.env``; with ``program.hooks``, ftharness's
-    hook first on ``PYTHONPATH`` and where it finds its commands (``hook_dir``)."""
+    :func:`program_quorum_timeout`), then ``program.env``; first on ``PYTHONPATH``
+    :data:`SITE_DIR`, then with ``program.hooks`` the fault hook (commands in ``hook_dir``)."""
     host, port = store_addr.rsplit(":", 1)
     t = cfg.timeouts
     env = {
@@ -108,10 +110,11 @@ def launcher_env(
         "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
     }
     env = {**env, **cfg.program.env}
-    if cfg.program.hooks:
-        path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HOOKS_DIR), path) if p)
-        env["FTHARNESS_HOOK_DIR"] = hook_dir or ""
+    site = [str(SITE_DIR), *([str(HOOKS_DIR)] if cfg.program.hooks else [])]
+    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*site, path) if p)
+    env["FTHARNESS_SITE"] = os.pathsep.join(site)
+    env.update({"FTHARNESS_HOOK_DIR": hook_dir or ""} if cfg.program.hooks else {})
     return env
 
 

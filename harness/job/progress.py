@@ -1,4 +1,6 @@
-"""A plain, log-friendly progress display: one line per second while a job trains."""
+"""A plain, log-friendly progress display: one line per second while a job trains, and while
+its steps abort (the aborted steps since the last commit and the last error, read from
+``harness.job.stall``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ class Progress:
         self._participants = 0
         self._t0 = time.monotonic()
         self._steps_at_t0 = 0
+        #: ``summary() -> "N aborted (last: ...)" | None``: aborted steps since the last commit
+        #: (``harness.job.stall.StallWatch.summary``); None: not shown.
+        self.aborts: Any = None
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -57,17 +62,23 @@ class Progress:
                 f"({r.get('recovery_id')})"
             )
 
+    def tick(self) -> None:
+        """The line again, while nothing commits (steps abort): called about once a second."""
+        self._maybe_print()
+
     def _maybe_print(self) -> None:
         now = time.monotonic()
         if self.quiet or now - self._last_print < self.every_s:
             return
+        aborted = self.aborts() if self.aborts is not None else None
         with self._lock:
             self._last_print = now
             rate = (self._step - self._steps_at_t0) / max(1e-9, now - self._t0)
             line = (
                 f"step {self._step}/{self.cfg.steps} | loss {self._loss:.3f} | "
                 f"groups {self._participants}/{self.cfg.replicas} | "
-                f"recoveries {self.tracker.completed} (open {self.tracker.open_count}) | "
+                + (f"{aborted} | " if aborted else "")
+                + f"recoveries {self.tracker.completed} (open {self.tracker.open_count}) | "
                 f"{rate:.1f} steps/s"
             )
         print(f"[ftharness] {line}", file=sys.stderr, flush=True)

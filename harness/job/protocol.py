@@ -75,10 +75,12 @@ from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
 from harness.job.groups import GroupStarter, ReplicaGroup, TrainerGroups
 from harness.job.hosts import HostPool
+from harness.job.preflight import check_network
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
 from harness.job.silent import SilentWatch
 from harness.job.site import Site, controller_spec
+from harness.job.stall import StallWatch
 from harness.quorum.backends import make_quorum_service
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
@@ -135,6 +137,15 @@ class Job:
         journal.add_sink(self.progress.on_record)
         self.completion = Completion(str(journal.path), lambda: self.controller.fatal)
         journal.on_error(self.completion.journal_failed)  # ends the run: reports come from it
+        # Steps that only abort end the run with a diagnosis (harness.job.stall).
+        self.stall = StallWatch(
+            cfg.timeouts.no_progress,
+            journal,
+            say=self.say,
+            fail=self.completion.fail,
+            tick=self.progress.tick,
+        )
+        self.progress.aborts = self.stall.summary
         self.faults = JobFaultContext(self)
         self.program: Any = None  # a program of the user's own: harness.job.programs.ProgramGroups
         self.job_supervisor: Supervisor | None = None
@@ -159,7 +170,9 @@ class Job:
     def start(self) -> None:
         spec, launcher = controller_spec(self.cfg), self.site.launcher
         self._controller = self._make_controller(spec, journal=self.journal, launcher=launcher)
-        self._hosts = HostPool(self.site, self.controller, self.run_dir, self.say)
+        self._hosts = HostPool(
+            self.site, self.controller, self.run_dir, self.say, fail=self.completion.fail
+        )
         self._quorum = make_quorum_service(
             self.cfg,
             self,
@@ -183,8 +196,10 @@ class Job:
         )
         self.hosts.start()
         self.quorum.start()
+        check_network(self)  # every host reaches every other, or no group starts (PreflightFailed)
         self.job_supervisor = self._build_tree()
         self._started = True
+        self.stall.start()
         self.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
         )
@@ -379,6 +394,7 @@ class Job:
         """Let trainers finish their step, then stop every process and agent."""
         from harness.rank.actors import stop_training
 
+        self.stall.close()
         if self._controller is None:
             self.site.close()
             return
@@ -388,9 +404,11 @@ class Job:
         if self.program is not None:
             self.program.stop()  # before waiting on the groups' training below
         self.in_every_trainer(stop_training, self.tracker.stop_step())  # one step for all
+        # Given up on (steps that only abort, an allocation gone): no step will finish.
+        patience = 0.0 if self.completion.given_up else 10.0
         for g in groups:
             with contextlib.suppress(Exception):
-                g.training.result(timeout=10)
+                g.training.result(timeout=patience)
         if self.job_supervisor is not None:
             with contextlib.suppress(Exception):
                 self.job_supervisor.stop()

@@ -126,4 +126,6 @@ def controller_spec(cfg: JobConfig) -> ControllerSpec:
         # model code, the first optimizer's dynamo import (~1-3 s each on this machine).
         preload=("torch", "torch._dynamo", "harness.rank.actors", *model_modules(cfg)),
         warmup=() if cfg.program.enabled else (prebuild_call(cfg),),
+        network_interface=cfg.network.interface,
+        network_cidr=cfg.network.cidr,
     )

@@ -9,6 +9,11 @@ address
   checkpoint at its next committed step, waits for that checkpoint (at most ``save_timeout_s``),
   and then stops the job the normal way: the run ends ``ok`` with the reason "stopped by its
   caller", the journal says why (``slurm.time_limit``), and the report is written from it.
+  SIGTERM (what SLURM sends every process of a job it ends: ``scancel``, a time limit without
+  ``--signal``) ends the run at once instead, failed, with that reason: nothing is waited for,
+  since SLURM kills what is left after its ``KillWait``. (An allocation that ends under a
+  controller that SLURM does not signal, as ``salloc``'s command, is seen by the launcher:
+  ``runtime.launchers.slurm``, ``harness.job.hosts``.)
 
 Not guaranteed: a checkpoint needs ``checkpoint.every_steps > 0`` (a checkpoint folder); without
 one the job only stops cleanly. A step that takes longer than the time left is not waited for
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.config import JobConfig
+from harness.job.completion import Completion
 from runtime.journal import CHECKPOINT_SAVE, Journal, Record
 from runtime.launchers.slurm import SlurmLauncher, allocation_from_env, controller_address
 
@@ -37,6 +43,7 @@ class StoppableJob(Protocol):
 
     cfg: JobConfig
     journal: Journal
+    completion: Completion
 
     def say(self, text: str) -> None: ...
 
@@ -83,21 +90,44 @@ class TimeLimit:
     """SIGUSR1 -> checkpoint at the next committed step -> stop (see the module docstring).
     Construct it on the main thread (signal handlers are installed there)."""
 
-    def __init__(self, signum: int = signal.SIGUSR1, save_timeout_s: float = 90.0) -> None:
+    def __init__(
+        self,
+        signum: int = signal.SIGUSR1,
+        save_timeout_s: float = 90.0,
+        end_signum: int = signal.SIGTERM,
+    ) -> None:
         self.stop_event = threading.Event()
         self.signalled = threading.Event()
+        self.ended: str | None = None  # why SLURM is ending the job (SIGTERM)
         self.save_timeout_s = save_timeout_s
         self._job: StoppableJob | None = None
-        self._signum = signum
+        self._signum, self._end_signum = signum, end_signum
         self._previous = signal.signal(signum, self._on_signal)
+        self._previous_end = signal.signal(end_signum, self._on_end)
 
     def on_started(self, job: StoppableJob) -> None:
         self._job = job
-        if self.signalled.is_set():  # the signal came while the job was starting
+        if self.ended is not None:  # SLURM's SIGTERM came while the job was starting
+            job.completion.fail(self.ended)
+        elif self.signalled.is_set():  # the signal came while the job was starting
             self._start_thread()
 
     def restore(self) -> None:
         signal.signal(self._signum, self._previous)
+        signal.signal(self._end_signum, self._previous_end)
+
+    def _on_end(self, signum: int, frame: Any) -> None:
+        if self.ended is not None:
+            return
+        self.ended = (
+            f"{signal.Signals(signum).name}: SLURM is ending the job (scancel, or its time limit "
+            "without --signal); the run stops now, and the last checkpoint written is the one to "
+            "resume from"
+        )
+        self.signalled.set()  # no checkpoint on a later SIGUSR1; a chaos run runs no more policies
+        if self._job is not None:
+            self._job.completion.fail(self.ended)
+        self.stop_event.set()  # a job still starting stops as soon as it has started
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signalled.is_set():

@@ -15,18 +15,25 @@ Roles (torchft's, unchanged):
   which talks to the Lighthouse.
 * Each replica group has its **own TCPStore**, hosted by its rank 0 (or its supervisor) on port 0.
 
+Addresses. Every address a rank gives a peer is its host's advertised address
+(``runtime.actor.host_address()``, chosen by the host agent: ``runtime.netaddr``), never the
+machine's hostname, which on real clusters often resolves to loopback or to another network.
+torchft advertises ``socket.gethostname()`` in three places, each overridden here: the process
+group's rendezvous store (:class:`ProcessGroupGloo`), the ManagerServer's address (the Manager's
+``hostname``) and the HTTP checkpoint server's (:class:`HTTPAddressTransport`). A user's own
+torchft program gets the same through ``harness/rank/program_site``.
+
 Listeners. The Lighthouse and each group's TCPStore listen on ``bind_host`` only (torch's
 TCPStore server binds every interface unless handed a bound socket: :func:`host_store` hands it
-one). Three listeners of torchft's cannot be told an address, and listen on every interface
-(``[::]``, dual-stack) whatever ``bind_host`` says; ``tests/integration/test_listeners.py``
-lists them and checks that nothing else does:
+one), each rank's process-group rendezvous store on its host's advertised address only
+(:class:`ProcessGroupGloo`). Two listeners of torchft's cannot be told an address, and listen on
+every interface (``[::]``, dual-stack) whatever ``bind_host`` says;
+``tests/integration/test_listeners.py`` lists them and checks that nothing else does:
 
 * the **ManagerServer** of each group's rank 0: ``torchft.manager.Manager`` binds
   ``f"[::]:{port}"``; only the port is configurable (``TORCHFT_MANAGER_PORT``);
 * the **HTTP checkpoint server** of every rank (``transport = "torchft_http"`` only):
-  ``HTTPTransport`` binds ``("", 0)`` and takes no address;
-* the **process group's rendezvous store** of every rank: torchft's ``ProcessGroup`` creates
-  ``TCPStore(socket.gethostname(), 0, is_master=True)`` without a listening socket.
+  ``HTTPTransport`` binds ``("", 0)`` and takes no address.
 
 Trust. Nothing torchft serves is authenticated. torchft's Lighthouse (Rust) admits any
 ``replica_id`` that reaches its port (``recovery.quorum = "tree"`` admits only members the job
@@ -78,15 +85,29 @@ class ProcessGroupGloo(_TorchftProcessGroupGloo):
     id from the same quorum, and no two rendezvous on a store share one: whoever wrote keys under
     an id has renewed its nonce since, so the id cannot recur. torchft's Lighthouse compares only
     replica ids to decide whether a quorum changed, so a renewed nonce triggers no reconfiguration.
+
+    And the rendezvous store (the first member's hosts each reconfiguration) listens on
+    ``address``, this host's advertised address, and the handle names it there. torchft's own
+    creates it at ``socket.gethostname()`` and advertises that name: where it resolves to
+    loopback (Debian's ``127.0.1.1``), every other host's members dial themselves and each
+    reconfiguration times out (``tests/e2e/test_addresses.py``).
     """
 
-    def __init__(self, timeout: timedelta) -> None:
+    def __init__(self, timeout: timedelta, address: str = "127.0.0.1") -> None:
         super().__init__(timeout=timeout)
         self._nonce = secrets.token_hex(8)
+        self.address = address
 
     def get_reconfigure_handle(self) -> str:
-        handle = json.loads(super().get_reconfigure_handle())
-        handle["nonce"] = self._nonce
+        store: TCPStore | None = self._rendezvous_store  # type: ignore[has-type]
+        if store is None:  # torchft's default timeout: torch's (the store only serves)
+            store = self._rendezvous_store = _bound_store(self.address, None)
+        handle = {
+            "id": self._handle_id(),
+            "store": f"{_url_host(self.address)}:{store.port}",
+            "global_rank": self._global_rank,
+            "nonce": self._nonce,
+        }
         return json.dumps(handle, sort_keys=True)
 
     def reconfigure(self, opts: Any) -> Any:
@@ -106,8 +127,21 @@ def communicator_id(quorum_id: int, handles: list[str]) -> int:
 TransportFactory = Callable[[ProcessGroupGloo, timedelta, Callable[[], Any]], CheckpointTransport]
 
 
+class HTTPAddressTransport(HTTPTransport):
+    """torchft's HTTP checkpoint transport, naming its server by this host's advertised address
+    (torchft's names it ``socket.gethostname()``, which a healing peer may resolve to itself)."""
+
+    def __init__(self, advertise: str, timeout: timedelta) -> None:
+        self._advertise = advertise  # first: torchft's __init__ logs address()
+        super().__init__(timeout=timeout, num_chunks=0)
+
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]
+        return f"http://{_url_host(self._advertise)}:{port}/checkpoint/"
+
+
 def http_transport(pg: ProcessGroupGloo, timeout: timedelta, sd: Callable[[], Any]) -> Any:
-    return HTTPTransport(timeout=timeout, num_chunks=0)
+    return HTTPAddressTransport(pg.address, timeout)
 
 
 def pg_transport(pg: ProcessGroupGloo, timeout: timedelta, sd: Callable[[], Any]) -> Any:
@@ -171,32 +205,45 @@ class Lighthouse:
 
 def host_store(bind_host: str, timeouts: TimeoutConfig) -> tuple[TCPStore, str]:
     """Start a replica group's TCPStore on a free port of ``bind_host``; returns it (keep it
-    alive as long as the group runs) and its ``host:port`` for the group's other ranks.
+    alive as long as the group runs) and its ``host:port`` for the group's other ranks."""
+    store = _bound_store(bind_host, _s(timeouts.connect_timeout))
+    return store, f"{bind_host}:{store.port}"
+
+
+def _bound_store(host: str, timeout: timedelta | None) -> TCPStore:
+    """A TCPStore server listening on ``host`` only, on a free port (``timeout``: None for
+    torch's default).
 
     torch's TCPStore server listens on every interface whatever ``host_name`` says; handed a
     socket already bound (``master_listen_fd``), it listens on that one. The store owns the
     descriptor from then on (libuv closes it with the store)."""
     family, kind, proto, _, addr = socket.getaddrinfo(
-        bind_host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
+    extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     try:
         sock.bind(addr)
         sock.listen(socket.SOMAXCONN)
         store = TCPStore(
-            host_name=bind_host,
+            host_name=host,
             port=sock.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
-            timeout=_s(timeouts.connect_timeout),
             master_listen_fd=sock.fileno(),
             use_libuv=True,
+            **extra,
         )
     except BaseException:
         sock.close()
         raise
     sock.detach()
-    return store, f"{bind_host}:{store.port}"
+    return store
+
+
+def _url_host(address: str) -> str:
+    """``address`` as the host part of ``host:port`` (an IPv6 address in brackets)."""
+    return f"[{address}]" if ":" in address else address
 
 
 def make_manager(
@@ -223,7 +270,10 @@ def make_manager(
     """
     t = cfg.timeouts
     factory = transport_factory(cfg.transport)
-    pg = ProcessGroupGloo(timeout=_s(t.process_group_timeout))
+    # Where this rank's peers reach it (its rendezvous store, ManagerServer and HTTP checkpoint
+    # server): its host's advertised address (the controller's bind address without an agent).
+    address = host_address(cfg.bind_host)
+    pg = ProcessGroupGloo(timeout=_s(t.process_group_timeout), address=address)
     transport = factory(pg, _s(t.manager_timeout), state_dict)
     host, port = store_addr.rsplit(":", 1)
     manager = Manager(
@@ -241,9 +291,8 @@ def make_manager(
         store_port=int(port),
         lighthouse_addr=lighthouse_addr,
         replica_id=member_id or f"replica_{replica_id}",
-        # Where the other groups reach this rank's ManagerServer (and heal from it): this
-        # worker's host address (the controller's bind address when there is no host agent).
-        hostname=host_address(cfg.bind_host),
+        # Where the other groups reach this rank's ManagerServer (and heal from it).
+        hostname=address,
         # Four beats per timeout, so a live group is never dropped. Not more: each beat is an
         # RPC the quorum service serves (the tree quorum's Python gRPC: ~0.5 ms of CPU each).
         heartbeat_interval=_s(t.lighthouse_heartbeat_timeout / 4),

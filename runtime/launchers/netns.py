@@ -4,9 +4,16 @@
 host, a namespace with a veth pair whose inside end is ``eth0`` with the host's own address
 (``10.251.X.11``, ``.12``, ...), ``lo`` up. Everything it creates carries one short prefix and
 is removed by :meth:`TestNetwork.down` (also after a crash of an earlier run, by prefix).
-:class:`NetnsLauncher` starts each host's agent inside its namespace and, in its own UTS
-namespace, with the host's address as its hostname: torchft advertises ``gethostname()`` for
-its process-group stores, and on a real cluster that name resolves to the host's address.
+:class:`NetnsLauncher` starts each host's agent inside its namespace, in UTS and mount
+namespaces of its own, named as :data:`HOSTNAMES` says. By default (``"loopback"``) the hosts
+look like real nodes whose name does not say where their peers reach them: every host is called
+:data:`NODE_HOSTNAME`, and a private ``/etc/hosts`` (bind-mounted over the machine's, in the
+agent's mount namespace only) maps that name to ``127.0.1.1``, as Debian's default
+``/etc/hosts`` does. Anything that advertises ``gethostname()`` (torchft does, for its
+process-group stores, its Manager and its HTTP checkpoint server) then sends its peers to
+their own loopback: only addresses chosen as ``runtime.netaddr`` chooses them work.
+``"address"`` names each host by its address (what this launcher did before: it hides such
+bugs, and is kept to show the difference).
 
 Network faults act on a host's link, as a switch would: :meth:`partition` takes the host-side
 veth down (nothing in or out), :meth:`impair` adds delay (``tc netem``, where the kernel has
@@ -18,6 +25,7 @@ Only addresses inside namespaces this module created are ever used.
 from __future__ import annotations
 
 import contextlib
+import glob
 import ipaddress
 import os
 import secrets
@@ -25,15 +33,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from runtime.launchers import LocalLauncher
 
 SUBNET_BASE = "10.251"  # 10.251.X.0/24, X chosen free at creation
 PREFIX = "fth"
+#: How test hosts are named: "loopback" (one shared name resolving to 127.0.1.1 on every host,
+#: the default) or "address" (each host's address as its name).
+HOSTNAMES = ("loopback", "address")
+#: Every host's hostname in the "loopback" mode.
+NODE_HOSTNAME = "ftharness-node"
 
 
 class NetnsError(RuntimeError):
@@ -104,6 +118,18 @@ class TestNetwork:
         self._lock = threading.Lock()
         self.partitioned: set[str] = set()
         self._up = False
+        self._etc: str | None = None  # a directory with the hosts' private /etc/hosts
+
+    @property
+    def hosts_file(self) -> str:
+        """The ``/etc/hosts`` every host sees in the "loopback" mode (made on first use,
+        removed by :meth:`down`): Debian's default for a machine named :data:`NODE_HOSTNAME`."""
+        if self._etc is None:
+            self._etc = tempfile.mkdtemp(prefix=f"{self.tag}-etc-")
+            with open(os.path.join(self._etc, "hosts"), "w") as f:
+                f.write(f"127.0.0.1\tlocalhost\n127.0.1.1\t{NODE_HOSTNAME}\n")
+            os.chmod(self._etc, 0o755)  # readable by all, as /etc/hosts is
+        return os.path.join(self._etc, "hosts")
 
     @staticmethod
     def _free_subnet() -> str:
@@ -192,6 +218,9 @@ class TestNetwork:
             _ip("netns", "del", h.netns, check=False)
             _ip("link", "del", h.veth, check=False)
         _ip("link", "del", self.bridge, check=False)
+        if self._etc is not None:
+            shutil.rmtree(self._etc, ignore_errors=True)
+            self._etc = None
         self._up = False
 
     def __enter__(self) -> TestNetwork:
@@ -202,9 +231,12 @@ class TestNetwork:
 
 
 def remove_leftovers() -> list[str]:
-    """Delete namespaces and bridges an earlier, crashed run of this module left behind
-    (everything named with the ``fth`` prefix and a 4-hex tag). Returns what it removed."""
+    """Delete namespaces, bridges and hosts files an earlier, crashed run of this module left
+    behind (everything named with the ``fth`` prefix and a 4-hex tag). Returns what it removed."""
     removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}????-etc-*")):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     for line in _ip("netns", "list", check=False).splitlines():
         ns = line.split()[0] if line.strip() else ""
         if ns.startswith(PREFIX) and "-" in ns:
@@ -219,22 +251,32 @@ def remove_leftovers() -> list[str]:
 
 
 class NetnsLauncher(LocalLauncher):
-    """Each host's agent inside its namespace, named (hostname) by its address. ``kill`` is
-    out-of-band (every process of the namespace, and its link goes down until the host is
-    started again), except while the host is partitioned: then it is unreachable, like a real
-    host behind a cut link, and only the agent's own fencing stops its workers."""
+    """Each host's agent inside its namespace, named as ``hostnames`` says (:data:`HOSTNAMES`).
+    ``kill`` is out-of-band (every process of the namespace, and its link goes down until the
+    host is started again), except while the host is partitioned: then it is unreachable, like
+    a real host behind a cut link, and only the agent's own fencing stops its workers."""
 
-    def __init__(self, net: TestNetwork) -> None:
+    def __init__(
+        self, net: TestNetwork, hostnames: Literal["loopback", "address"] = "loopback"
+    ) -> None:
         super().__init__()
+        if hostnames not in HOSTNAMES:
+            raise ValueError(f"hostnames={hostnames!r}: expected one of {', '.join(HOSTNAMES)}")
         self.net = net
+        self.hostnames = hostnames
 
     def command(self, name: str) -> list[str]:
         h = self.net.hosts[name]
-        script = 'hostname "$1" && shift && exec "$@"'
-        return [
-            "ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", script, "sh",
-            h.address, sys.executable, "-m", "runtime.agent",
-        ]  # fmt: skip
+        agent = [sys.executable, "-m", "runtime.agent"]
+        if self.hostnames == "address":
+            script = 'hostname "$1" && shift && exec "$@"'
+            return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", script, "sh",
+                    h.address, *agent]  # fmt: skip
+        # unshare's mount namespace is private (no propagation): the bind mount is the agent's
+        # and its children's only, and goes when the last of them exits.
+        script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+        return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "sh", "-c", script,
+                "sh", self.net.hosts_file, NODE_HOSTNAME, *agent]  # fmt: skip
 
     def start(self, name: str, boot: Mapping[str, Any]) -> None:
         if name not in self.net.partitioned:

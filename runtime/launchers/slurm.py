@@ -20,6 +20,13 @@ node list, and a node that is down, drained or draining, not responding, or no l
 job (SLURM drops a failed node from a ``--no-kill`` job) is *gone*: never chosen for a group,
 never started again (:attr:`SlurmLauncher.gone`).
 
+The allocation itself is watched the same way: once SLURM says the job has ended (``squeue``
+shows it cancelled, timed out, completing..., or no longer knows it) or an agent's ``srun`` says
+the job expired or is invalid, :attr:`SlurmLauncher.ended` says why, every node is gone, and no
+step is started again: the run stops instead of retrying ``srun`` in a job that no longer exists.
+A step's ``srun`` exiting wakes the watch at once (``scancel`` of the allocation kills every step
+first); otherwise it polls every ``poll_s``.
+
 The last ``spare_nodes`` nodes of the allocation are spares: they run an agent (with its warm
 spare processes) but no group until a node is lost (``harness.job.placement``).
 """
@@ -39,16 +46,16 @@ from pathlib import Path
 from typing import Any
 
 from runtime.launchers import ChildAgents
-
-STEP_PREFIX = "ftharness-agent-"
-#: Node states (``sinfo %T``, lower case, flags stripped) that mean: never use this node.
-UNUSABLE = frozenset(
-    {"down", "drain", "drained", "draining", "fail", "failing", "future", "unknown", "inval"}
+from runtime.launchers.slurm_text import (
+    SRUN_JOB_GONE,
+    SlurmError,
+    allocation_end,
+    expand_nodelist,
+    parse_node_states,
+    unusable,
 )
 
-
-class SlurmError(RuntimeError):
-    """Not inside an allocation, a SLURM command failed, or a node cannot be used."""
+STEP_PREFIX = "ftharness-agent-"
 
 
 def _run(cmd: list[str], timeout: float = 20.0) -> str:
@@ -83,28 +90,6 @@ class Allocation:
     this_node: str | None  # the node this process runs on (in a batch script), else None
 
 
-def expand_nodelist(text: str) -> list[str]:
-    """``n[1-3],gpu07`` -> ``[n1, n2, n3, gpu07]``, as ``scontrol show hostnames`` does (the
-    zero padding of a range is kept)."""
-    out: list[str] = []
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
-        if m is None:
-            out.append(item)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                out.append(f"{prefix}{lo}{suffix}")
-                continue
-            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                raise SlurmError(f"node list {text!r}: bad range {part!r}")
-            for i in range(int(lo), int(hi) + 1):
-                out.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
-    return out
-
-
 def allocation_from_env(
     env: Mapping[str, str] | None = None, hostnames: Callable[[str], list[str]] | None = None
 ) -> Allocation:
@@ -137,24 +122,6 @@ def scontrol_hostnames(nodelist: str) -> list[str]:
 # -- SLURM's view of the nodes --------------------------------------------------------------------
 
 
-def parse_node_states(text: str) -> dict[str, str]:
-    """``sinfo -h -N -o '%N %T'`` output -> {node: state}, lower case. A trailing ``*`` (not
-    responding) and other flag characters are kept: :func:`unusable` reads them."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 2:
-            out[parts[0]] = parts[1].lower()
-    return out
-
-
-def unusable(state: str) -> bool:
-    """Whether a node in this state must not get a group: down, drained/draining, failing...,
-    or not responding (``*``: slurmctld has missed its pings; DOWN follows)."""
-    base = state.rstrip("*~#!%$@^-")
-    return state.endswith("*") or base in UNUSABLE or "drain" in base
-
-
 def node_states(nodes: list[str] | tuple[str, ...]) -> dict[str, str]:
     return parse_node_states(_run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"]))
 
@@ -163,6 +130,19 @@ def job_nodes(job_id: str) -> list[str]:
     """The nodes the job holds now (a ``--no-kill`` job loses a failed node)."""
     text = _run(["squeue", "-h", "-j", job_id, "-o", "%N"]).strip()
     return expand_nodelist(text) if text else []
+
+
+def job_state(job_id: str) -> str | None:
+    """The job's state (``RUNNING``, ``CANCELLED``...), None when SLURM no longer knows it (a
+    finished job is purged after ``MinJobAge``). SlurmError when SLURM cannot be asked."""
+    try:
+        text = _run(["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"])
+    except SlurmError as exc:
+        if "Invalid job id" in str(exc):
+            return None
+        raise
+    parts = text.split()
+    return parts[0].upper() if parts else None
 
 
 def node_address(node: str) -> str:
@@ -228,11 +208,13 @@ class SlurmLauncher(ChildAgents):
         self.spares = set(self.nodes[len(self.nodes) - spare_nodes :])
         self.active = [n for n in self.nodes if n not in self.spares]
         self.gone: dict[str, str] = {}  # node -> why
+        self.ended: str | None = None  # why the allocation is over (None: it is not)
         self.node_job: dict[str, str] = {}  # replacement node -> its own single-node job
         super().__init__()
         self._on_gone = on_gone
         self._poll_s = poll_s
         self._closed = threading.Event()
+        self._wake = threading.Event()  # a step's srun exited: look at the job now
         self._extra_jobs: list[str] = []  # replacement jobs (request_node), cancelled on close
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="ftharness-sinfo")
         self._monitor.start()
@@ -242,6 +224,13 @@ class SlurmLauncher(ChildAgents):
         """Mark nodes SLURM says are unusable, or that left the job, as gone."""
         with self._lock:
             nodes, node_job = list(self.nodes), dict(self.node_job)
+        try:
+            why = allocation_end(self.alloc.job_id, job_state(self.alloc.job_id))
+        except SlurmError:
+            return  # slurmctld busy or restarting: keep the last view
+        if why is not None:
+            self._end(why)
+            return
         try:
             states = node_states(nodes)
             held = set(job_nodes(self.alloc.job_id))
@@ -265,9 +254,41 @@ class SlurmLauncher(ChildAgents):
         if self._on_gone is not None:
             self._on_gone(node, why)
 
+    def _end(self, why: str) -> None:
+        """The allocation is over: say why once, and every node is gone (with that reason)."""
+        with self._lock:
+            if self.ended is not None:
+                return
+            self.ended = why
+            nodes = list(self.nodes)
+        for node in nodes:
+            self._mark_gone(node, f"{why}: node {node} is gone with it")
+
     def _watch(self) -> None:
-        while not self._closed.wait(self._poll_s):
-            self.refresh()
+        while not self._closed.is_set() and self.ended is None:
+            self._wake.wait(self._poll_s)
+            self._wake.clear()
+            if not self._closed.is_set():
+                self.refresh()
+
+    def _on_step_exit(self, name: str, popen: subprocess.Popen, log: Path, offset: int) -> None:
+        """``name``'s ``srun`` exited: if what it wrote (``log`` from ``offset``) says its job is
+        gone, the allocation is over (a replacement node's job: that node is gone); either way
+        SLURM is asked now rather than at the next poll."""
+        popen.wait()
+        if self._closed.is_set():
+            return
+        with contextlib.suppress(OSError), open(log, "rb") as f:
+            f.seek(max(offset, os.fstat(f.fileno()).st_size - 4096))
+            said = SRUN_JOB_GONE.findall(f.read().decode("utf-8", "replace"))
+        if said and name in self.node_job:
+            self._mark_gone(name, f"job {self.node_job[name]} of node {name} is gone ({said[-1]})")
+        elif said:
+            why = f"SLURM job {self.alloc.job_id} is gone"
+            with contextlib.suppress(SlurmError):  # what SLURM says of it, if it can
+                why = allocation_end(self.alloc.job_id, job_state(self.alloc.job_id)) or why
+            self._end(f"{why} (srun for {name}: {said[-1].strip()})")
+        self._wake.set()
 
     # -- Launcher ----------------------------------------------------------------------------
     def secret_file(self, boot: Mapping[str, Any]) -> Path:
@@ -280,7 +301,7 @@ class SlurmLauncher(ChildAgents):
 
     def start(self, name: str, boot: Mapping[str, Any]) -> None:
         with self._lock:
-            why = self.gone.get(name)
+            why = self.ended or self.gone.get(name)
         if why is not None:
             raise SlurmError(f"not starting an agent on {name}: {why}")
         controller = f"{boot['controller_host']}:{boot['controller_port']}"
@@ -296,11 +317,17 @@ class SlurmLauncher(ChildAgents):
             p for p in (project_root(), env.get("PYTHONPATH", "")) if p
         )
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "logs" / f"agent-{name}.log", "ab") as log:
+        log_path = self.run_dir / "logs" / f"agent-{name}.log"
+        with open(log_path, "ab") as log:
+            offset = os.fstat(log.fileno()).st_size  # what this step's srun writes starts here
             popen = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         self._track(name, popen)
+        threading.Thread(
+            target=self._on_step_exit, args=(name, popen, log_path, offset), daemon=True,
+            name=f"ftharness-srun-{name}",
+        ).start()  # fmt: skip
 
     def step_ids(self, name: str | None = None) -> list[str]:
         """Our agent steps (``JOB.STEP``), of node ``name`` or all."""

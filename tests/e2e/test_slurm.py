@@ -354,3 +354,90 @@ def test_chaos_with_launcher_slurm_reports_the_node_failure_recovery(cluster, tm
     failures = [r for r in recoveries if r["kind"] == "node_failure"]
     assert len(failures) == 1 and failures[0]["participate_s"] is not None, recoveries
     assert report["passed"], report["hypotheses"]
+
+
+def _ftharness_processes(run: Path) -> list[str]:
+    """Processes of the run still alive anywhere on this machine (every node is a namespace of
+    it): the controller, and each agent and its forks, whose command lines name the run dir."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if str(run) in cmd and "pytest" not in cmd:
+            left.append(f"{p.info['pid']}: {cmd[:200]}")
+    return left
+
+
+def test_a_cancelled_allocation_ends_the_run_within_seconds(cluster, tmp_path, monkeypatch):
+    """`scancel` of the allocation under a running `ftharness run --launcher slurm` (as an
+    salloc that is revoked: salloc signals nothing to its command): ftharness sees the job gone,
+    says so, exits with rc 1 within seconds, leaves no process on any node, and its last
+    checkpoint is on disk and loads."""
+    from harness.rank.checkpoint import load_latest
+
+    config = _tiny_toml(tmp_path, "cancel", name="cancel", steps=1000000, replicas=2, every_steps=5)
+    run = tmp_path / "run"
+    journal = run / "journal.jsonl"
+    sets = [a for kv in FAST for a in ("--set", kv)]
+    with allocation(monkeypatch, 2) as job_id:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness", "run", str(config), "--launcher", "slurm",
+             "--out", str(run), *sets],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            wait_until(
+                lambda: journal.exists() and journal.read_text().count('"checkpoint.save"') >= 2,
+                time.monotonic() + 150,
+                poll_s=0.5,
+            )
+            t0, t_cancel = time.monotonic(), time.time()
+            subprocess.run(["scancel", job_id], check=True, timeout=30)
+            _, err = proc.communicate(timeout=60)
+            seconds = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert seconds < 30, (seconds, err[-3000:])
+    assert f"SLURM job {job_id} is" in err and "the allocation ended" in err, err[-3000:]
+    assert "could not restart the agent" not in err, err[-3000:]
+    records = events(run)
+    end = [r for r in records if r["event"] == "job.end"]
+    assert end and end[0]["status"] == "failed" and f"SLURM job {job_id}" in end[0]["reason"]
+    print(f"scancel -> job.end {end[0]['t'] - t_cancel:.1f} s, -> exit {seconds:.1f} s")
+    saves = [r for r in records if r["event"] == "checkpoint.save"]
+    assert saves, "no checkpoint was written before the cancel"
+    latest = load_latest(Path(saves[-1]["path"]).parent)
+    assert latest is not None, "the last checkpoint does not load"
+    assert latest[0] >= saves[-1]["step"], (latest[0], saves[-1])
+    deadline = time.monotonic() + 10  # SLURM's KillWait is 5 s on the test cluster
+    wait_until(lambda: not _ftharness_processes(run), deadline, poll_s=0.5)
+    assert not _ftharness_processes(run), _ftharness_processes(run)
+
+
+def test_a_cancelled_batch_job_ends_its_run_with_the_reason(cluster, tmp_path):
+    """`scancel` of a job submitted with `ftharness slurm submit`: SLURM sends SIGTERM to the
+    batch script and the controller; the run stops within SLURM's KillWait with the reason in
+    the journal (job.end failed), and nothing of it is left running."""
+    config = _tiny_toml(tmp_path, "bcancel", name="bcancel", steps=1000000, replicas=2)
+    run = tmp_path / "run"
+    job_id = _submit(tmp_path, config, run)
+    journal = run / "run" / "journal.jsonl"
+    assert wait_until(
+        lambda: journal.exists() and journal.read_text().count('"step.commit"') >= 20,
+        time.monotonic() + 150,
+        poll_s=0.5,
+    ), f"job {job_id} never trained"
+    subprocess.run(["scancel", job_id], check=True, timeout=30)
+    state = _wait_state(job_id, ("CANCELLED", "FAILED", "COMPLETED", "TIMEOUT"), 60)
+    assert state == "CANCELLED", state
+    end = [r for r in events(run / "run") if r["event"] == "job.end"]
+    assert end and end[0]["status"] == "failed", end
+    # SLURM's SIGTERM, or the launcher seeing the job gone first: either names the cause
+    reason = end[0]["reason"]
+    assert "SLURM is ending the job" in reason or f"SLURM job {job_id} is" in reason, reason
+    wait_until(lambda: not _ftharness_processes(run), time.monotonic() + 10, poll_s=0.5)
+    assert not _ftharness_processes(run), _ftharness_processes(run)

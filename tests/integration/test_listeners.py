@@ -11,6 +11,9 @@ a user's own program (tests/programs/train_ddp.py under ``[program]``) trains be
 tap: the tap listens on ``bind_host``, its only clients are the groups' rank-0 processes, a
 stranger's calls (this process: its own sockets) are refused there and at the tree quorum, and
 every quorum member is a tagged incarnation's.
+
+(The host agents listen only for the preflight, with hosts on several machines or namespaces and
+before training: ``tests/integration/test_preflight_listener.py`` checks that listener.)
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ UNFIXABLE = {
     "configurable (TORCHFT_MANAGER_PORT), not the address",
     "torchft HTTP checkpoint server": "torchft.checkpointing.http_transport.HTTPTransport binds "
     "('', 0) on an AF_INET6 server and takes no address",
-    "torchft process-group rendezvous store": "torchft.process_group.ProcessGroup creates "
-    "TCPStore(socket.gethostname(), 0, is_master=True); torch's store listens on every "
-    "interface unless handed a bound socket (master_listen_fd), which torchft does not do",
 }
+# (torchft's process-group rendezvous store listens on every interface too, but ftharness's
+# subclass creates it on the host's advertised address: harness.rank.torchft_glue.)
 
 _ANY = {"00000000", "00000000000000000000000000000000", "0000000000000000FFFF000000000000"}
 

@@ -1,0 +1,128 @@
+"""The preflight: before any group trains, every host reaches every other host, or the job stops.
+
+Once the host agents have dialled in and the quorum service serves, :func:`check_network` runs
+one connectivity matrix (``runtime.preflight_matrix``): every agent listens for a moment at its
+advertised address, and connects to every other agent's and to the controller's services (the
+listener workers and agents dial, the stores' and the quorum service's address), all in parallel,
+each within ``timeouts.preflight``. Any path that does not work (refused, timed out, no route, an
+address that is another machine's loopback, not the job's agent answering) stops the job before
+training with a table naming both ends (:class:`PreflightFailed`, which ``run_job`` turns into a
+failed outcome and rc 1); the journal's ``preflight`` record holds the whole matrix and its time
+either way.
+
+Why before training and not when a group first fails: a path that does not work shows up in a
+run as a process group's rendezvous or a heal that times out, step after step, far from its cause
+(issue #30: a rendezvous store at a hostname that resolves to loopback on the other node).
+
+Skipped (journalled as such) with ``preflight = false`` and with ``launcher = "local"``: every host
+is then this machine, reached over loopback. Not covered: agents that join later (a lost host's
+new agent, a SLURM replacement node) are not checked again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+from runtime.journal import PREFLIGHT
+from runtime.preflight import Outcome
+from runtime.preflight_matrix import Cell, run_matrix
+
+#: What to look at, per outcome: printed under the table for the outcomes it holds.
+HINTS = {
+    Outcome.REFUSED: "refused: nothing listens at that address and port on the target (is the "
+    "address another machine's?), or a firewall rejects the connection",
+    Outcome.TIMED_OUT: "timed out: the packets are dropped on the way (a firewall, a security "
+    "group) or the address belongs to no machine the prober can reach",
+    Outcome.UNREACHABLE: "unreachable: the prober has no route to that network or host",
+    Outcome.LOOPBACK: "loopback: the target advertises a loopback address (its hostname "
+    "resolves to 127.x, say), which the other hosts cannot reach it at; make it advertise an "
+    "address of the job's network",
+    Outcome.WRONG_PEER: "wrong peer: something else answers at that address (another "
+    "machine's port, a NAT or proxy)",
+    Outcome.UNRESOLVED: "unresolved: the advertised name does not resolve on the prober",
+    Outcome.NOT_LISTENING: "not listening: the host could not listen at its own advertised "
+    "address (it is not one of its addresses)",
+    Outcome.NO_ANSWER: "no answer: the agent did not take part in time (overloaded, or gone)",
+}
+
+
+class PreflightFailed(RuntimeError):
+    """The preflight found paths that do not work; the message is the table."""
+
+
+def services(controller: Any, quorum_address: str) -> list[tuple[str, str, int]]:
+    """The controller's services the hosts' processes dial: its listener (workers and agents)
+    and the quorum service (the Managers), as (name, address, port)."""
+    host, port = controller.address
+    out = [("controller", str(host), int(port))]
+    if quorum_address:
+        rest = quorum_address.split("://", 1)[-1]
+        addr, _, qport = rest.rpartition(":")
+        if qport.isdigit():
+            out.append(("quorum", addr.strip("[]"), int(qport)))
+    return out
+
+
+def check_network(job: Any) -> None:
+    """Run the preflight for a started ``job`` (``harness.job.protocol.Job``: its hosts up, its
+    quorum service serving) and journal it; :class:`PreflightFailed` if a path does not work."""
+    cfg = job.cfg
+    if not cfg.preflight or cfg.launcher == "local":
+        why = "preflight = false" if not cfg.preflight else 'launcher = "local": one machine'
+        job.journal.emit(PREFLIGHT, status="skipped", reason=why, seconds=0.0)
+        return
+    controller = job.controller
+    hosts = [controller.hosts[n] for n in job.host_names() if n in controller.hosts]
+    hosts = [h for h in hosts if not h.lost]
+    t0 = time.monotonic()
+    cells = run_matrix(
+        controller.preflight,
+        hosts,
+        services(controller, job.quorum.address),
+        cfg.timeouts.preflight,
+    )
+    seconds = time.monotonic() - t0
+    failed = [c for c in cells if not c.ok]
+    table = render(cells, seconds) if failed else ""
+    job.journal.emit(
+        PREFLIGHT,
+        status="failed" if failed else "ok",
+        reason=table,
+        seconds=round(seconds, 4),
+        hosts=[h.name for h in hosts],
+        paths=len(cells),
+        failed=len(failed),
+        matrix=[asdict(c) for c in cells],
+    )
+    if failed:
+        raise PreflightFailed(table)
+    job.say(f"preflight: {len(cells)} network path(s) of {len(hosts)} hosts ok in {seconds:.2f} s")
+
+
+def render(cells: Iterable[Cell], seconds: float) -> str:
+    """The failed paths of ``cells`` as a table, with what to look at for each kind of failure."""
+    cells = list(cells)
+    failed = sorted((c for c in cells if not c.ok), key=lambda c: (c.src, c.dst))
+    rows = [("from", "to", "address", "result", "why")] + [
+        (c.src, c.dst, f"{c.address}:{c.port}" if c.port else c.address, c.outcome, c.detail)
+        for c in failed
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [
+        f"preflight failed: {len(failed)} of {len(cells)} network path(s) do not work "
+        f"(checked in {seconds:.2f} s); training was not started",
+        *("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[4]
+          for r in rows),
+    ]  # fmt: skip
+    seen = {Outcome(c.outcome) for c in failed if c.outcome in Outcome._value2member_map_}
+    lines += ["", *(f"  {HINTS[o]}" for o in Outcome if o in seen and o in HINTS)]
+    lines.append("  (preflight = false skips this check; timeouts.preflight sets its timeout)")
+    return "\n".join(lines)
+
+
+def cells_from_journal(record: dict[str, Any]) -> list[Cell]:
+    """The matrix of a ``preflight`` journal record, as cells (reports, tests)."""
+    return [Cell(**c) for c in record.get("matrix", ())]

@@ -1,0 +1,116 @@
+"""Restart intensity for hosts (``runtime.policy.host_restart``, ``harness.job.hosts``): a host
+whose agent cannot be restarted is retried a bounded number of times, then given up; with no
+host left the job fails with the reason, instead of retrying forever."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from harness.config import load_config
+from harness.job.hosts import HostPool
+from harness.job.site import Site
+from runtime.launchers import ExternalLauncher
+from runtime.policy import Action, host_restart
+
+
+def test_host_restart_intensity():
+    assert host_restart([], 100.0, 3, 60.0).action is Action.RESTART_ONE
+    assert host_restart([50.0, 60.0], 100.0, 3, 60.0).action is Action.RESTART_ONE
+    d = host_restart([50.0, 60.0, 70.0], 100.0, 3, 60.0)
+    assert d.action is Action.ESCALATE and "3 restarts within 60 s" in d.reason
+    assert host_restart([10.0, 20.0, 70.0], 100.0, 3, 60.0).action is Action.RESTART_ONE  # old
+    assert host_restart([], 100.0, 0, 60.0).action is Action.ESCALATE  # 0: never restarted
+
+
+class _Handle:
+    def __init__(self, name: str, lost: bool) -> None:
+        self.name, self.lost = name, lost
+
+
+class _Controller:
+    """What HostPool uses of a controller: its hosts, and spawn_host, which here fails the way
+    an agent that never dials in does (after a short wait)."""
+
+    def __init__(self, up: list[str], down: list[str]) -> None:
+        self.hosts = {n: _Handle(n, False) for n in up} | {n: _Handle(n, True) for n in down}
+        self.spawns: list[str] = []
+
+    def spawn_host(self, name: str) -> _Handle:
+        self.spawns.append(name)
+        time.sleep(0.01)
+        raise RuntimeError(f"host agent {name} did not dial in within 40 s")
+
+
+def _pool(tmp_path, controller: _Controller, hosts: int, said: list[str], failed: list[str]):
+    cfg = load_config(
+        "experiments/tiny.toml",
+        [f"hosts={hosts}", "recovery.host_max_restarts=3", "recovery.spares_per_host=0"],
+    )
+    site = Site(cfg=cfg, launcher=ExternalLauncher())
+    return HostPool(site, controller, tmp_path, said.append, fail=failed.append)  # type: ignore[arg-type]
+
+
+def test_a_host_that_cannot_be_restarted_is_given_up_and_its_groups_go_elsewhere(tmp_path):
+    controller = _Controller(up=["host0"], down=["host1"])
+    said: list[str] = []
+    failed: list[str] = []
+    pool = _pool(tmp_path, controller, 2, said, failed)
+    deadline = time.monotonic() + 10
+    while "host1" not in pool.given_up and time.monotonic() < deadline:
+        assert pool.place(1).name == "host0"  # a restart of group 1, again and again
+        time.sleep(0.02)
+    assert controller.spawns == ["host1"] * 3  # three restarts, then no more
+    assert "restart intensity exceeded: 3 restarts within 600 s" in pool.given_up["host1"]
+    assert "did not dial in within 40 s" in pool.given_up["host1"]  # the last error
+    assert any(s.startswith("giving up on host host1:") for s in said), said
+    assert not failed  # host0 is still there
+    for _ in range(5):
+        pool.place(1)
+    assert controller.spawns == ["host1"] * 3
+
+
+def test_with_no_host_left_the_job_fails_instead_of_waiting(tmp_path):
+    controller = _Controller(up=[], down=["host0", "host1"])
+    said: list[str] = []
+    failed: list[str] = []
+    pool = _pool(tmp_path, controller, 2, said, failed)
+    threading.Thread(target=pool.place, args=(0,), daemon=True).start()  # waits for a host
+    deadline = time.monotonic() + 10
+    while not failed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(failed) == 1, said
+    assert failed[0].startswith("no host left to run a replica group on: host0: host restart")
+    assert "host1: host restart intensity exceeded" in failed[0]
+    assert sorted(controller.spawns) == ["host0"] * 3 + ["host1"] * 3
+    pool.close()
+
+
+def test_a_restart_that_succeeds_starts_the_count_again(tmp_path):
+    """A host that is evicted and comes back (a chaos run's evictions) is never given up for
+    that: only restarts since the last one that succeeded count."""
+    controller = _Controller(up=["host0"], down=["host1"])
+    outcomes = iter(["fail", "fail", "ok", "fail", "fail", "fail", "fail"])
+
+    def spawn_host(name: str) -> _Handle:
+        controller.spawns.append(name)
+        if next(outcomes) == "fail":
+            raise RuntimeError(f"host agent {name} did not dial in within 40 s")
+        controller.hosts[name].lost = False
+        return controller.hosts[name]
+
+    controller.spawn_host = spawn_host  # type: ignore[method-assign]
+    said: list[str] = []
+    pool = _pool(tmp_path, controller, 2, said, [])
+
+    def restarts_until(cond, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond() and time.monotonic() < deadline:
+            pool.place(1)
+            time.sleep(0.02)
+
+    restarts_until(lambda: not controller.hosts["host1"].lost)  # back after two failures
+    assert len(controller.spawns) == 3 and not pool.given_up
+    controller.hosts["host1"].lost = True  # evicted again
+    restarts_until(lambda: "host1" in pool.given_up)
+    assert len(controller.spawns) == 6  # three more failures, not one: the count started again
