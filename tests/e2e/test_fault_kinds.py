@@ -54,7 +54,7 @@ def experiment(case: str) -> str:
         f"""
         name = "kind-{kind}"
         seed = 3
-        duration_s = 22
+        duration_s = 18
         policies = ["in_place"]
 
         [job]
@@ -69,7 +69,7 @@ def experiment(case: str) -> str:
 
         [schedule]
         kind = "at_times"
-        at_times = [5]
+        at_times = [4]
 
         [faults]
         mix = {{ {kind} = 1 }}
