@@ -28,6 +28,7 @@ from typing import Any
 from dashboards import names as N
 from dashboards.metrics import CONTROL, split_by_policy, summarize
 from experiments import postrun as postrun_files
+from experiments.report_outcome import outcome_summary, render_outcome
 from experiments.report_quality import heldout_hypothesis, heldout_summary, render_heldout
 from experiments.report_silent import render_silent, silent_summary, without_healed_divergence
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
@@ -477,8 +478,9 @@ def _throughput_lines(policy: str, p: Mapping[str, Any]) -> list[str]:
 
 
 def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result]) -> str:
-    """The report as Markdown: hypotheses, then per policy the throughput, a per-fault-kind table
-    and every recovery, then the comparison."""
+    """The report as Markdown: hypotheses, how each run ended (a stall's diagnosis, a failed
+    preflight), then per policy the throughput, a per-fault-kind table and every recovery, then
+    the comparison."""
     lines = ["# Chaos experiment report", ""]
     if hypotheses_results:
         ok = all(h["passed"] for h in hypotheses_results)
@@ -487,6 +489,7 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
         for h in hypotheses_results:
             lines.append(f"| {'✅' if h['passed'] else '❌'} | {h['name']} | {h['detail']} |")
         lines.append("")
+    lines += render_outcome(summary.get("outcome") or {})  # how each run ended, and why
     for policy, p in summary["policies"].items():
         lines += [
             f"## Policy `{policy}`",
@@ -556,6 +559,7 @@ def write_report(
     summary = summarize(records)
     summary["silent"] = silent_summary(records)
     summary["heldout"] = heldout_summary(records)
+    summary["outcome"] = outcome_summary(records)  # experiments/report_outcome.py
     results = evaluate_hypotheses(
         hypotheses,
         summary,

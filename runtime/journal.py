@@ -63,7 +63,8 @@ Event names and their extra fields:
                           (the matrix's wall time), ``hosts``, ``paths``, ``failed`` (paths),
                           ``matrix`` (one dict per path: ``src``, ``dst``, ``address``,
                           ``port``, ``outcome``, ``detail``, ``seconds``), written before any
-                          group starts (harness/job/preflight.py)
+                          group starts (harness/job/preflight.py); with ``host``: the round of
+                          an agent that joined later (that host; ``failed``: it is kept out)
 ========================  =====================================================================
 """
 

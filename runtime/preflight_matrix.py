@@ -7,8 +7,15 @@ parallel on every agent at once. The answer is one :class:`Cell` per (prober, ta
 a cell for an agent that could not listen at its own advertised address or did not answer.
 Judging the matrix (stop the job or not, what to say) is the caller's (``harness.job.preflight``).
 
+A round of one host (``subject``: an agent that joined later, a lost host's new agent or a
+replacement node) has every host listen as well, but only ``subject`` probes every other host and
+the services, and every other host probes only ``subject``: the paths to and from it, not the
+matrix of the hosts already checked.
+
 :class:`PreflightBoard` is where the controller's agent threads put the agents' answers
-(``Controller.on_agent_message``); only the round in progress is kept.
+(``Controller.on_agent_message``); only the round in progress is kept, so rounds run one at a
+time (:attr:`PreflightBoard.round`: a second one waits for the first; an agent holds one round's
+listener and probes at a time too).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class PreflightBoard:
     """The agents' preflight answers for the round in progress (thread-safe)."""
 
     def __init__(self) -> None:
+        self.round = threading.Lock()  # held by the round in progress (rounds run one at a time)
         self._cond = threading.Condition()
         self._nonce = b""
         self._replies: dict[tuple[type, str], PreflightReply] = {}
@@ -108,12 +116,33 @@ def run_matrix(
     hosts: Sequence[HostAgentHandle],
     services: Sequence[tuple[str, str, int]],
     timeout_s: float,
+    *,
+    subject: str | None = None,
 ) -> list[Cell]:
     """One preflight round: every host in ``hosts`` probes every other one and every service
-    (name, address, port) of the controller, each probe within ``timeout_s``. Returns within
-    about ``timeout_s`` + 2 x :data:`ANSWER_SLACK_S`, whatever the agents do."""
+    (name, address, port) of the controller, each probe within ``timeout_s``; with ``subject``
+    (one of ``hosts``), only the paths from and to it (module doc). Returns within about
+    ``timeout_s`` + 2 x :data:`ANSWER_SLACK_S` of its start, whatever the agents do (after a
+    round already in progress, which it waits for)."""
+    with board.round:
+        return _round(board, hosts, services, timeout_s, subject)
+
+
+def _round(
+    board: PreflightBoard,
+    hosts: Sequence[HostAgentHandle],
+    services: Sequence[tuple[str, str, int]],
+    timeout_s: float,
+    subject: str | None,
+) -> list[Cell]:
     nonce = os.urandom(16)
     names = [h.name for h in hosts]
+
+    def probes(src: str, targets: list[PreflightTarget]) -> tuple[PreflightTarget, ...]:
+        if subject is None or src == subject:  # the whole matrix, or the joining host's
+            return tuple(t for t in targets if t.name != src)
+        return tuple(t for t in targets if t.name == subject)  # the others: only to it
+
     board.begin(nonce)
     try:
         window = timeout_s + 3 * ANSWER_SLACK_S  # the listeners' backstop if we never close them
@@ -131,10 +160,7 @@ def run_matrix(
             h
             for h in hosts
             if h.name in listening
-            and _send(
-                h,
-                PreflightProbe(nonce, tuple(t for t in targets if t.name != h.name), timeout_s),
-            )
+            and _send(h, PreflightProbe(nonce, probes(h.name, targets), timeout_s))
         ]
         reports: dict[str, PreflightReport] = board.collect(
             PreflightReport,

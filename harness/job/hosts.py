@@ -14,6 +14,13 @@ as gone. A restart that succeeds starts the count again: a host that is evicted 
 (a chaos run's evictions, every few minutes for hours) is never given up for that. When no host
 is left (all gone or given up), or the SLURM allocation has ended, the job fails at once with
 the reason (``fail``) instead of waiting for a host that cannot come.
+
+Once the job's first preflight has passed (:meth:`HostPool.arm_preflight`), an agent that joins
+later (a respawn, a replacement node, an agent dialled in by hand for a lost host) is no group's
+host until its own round (``harness.job.preflight.check_host``) has passed: the round runs on a
+thread of its own as soon as the agent is up (a group that needs a host meanwhile goes to a ready
+one, as while the agent starts). A host whose round fails is kept out while that agent runs; its
+next agent (after a loss) is checked again. A host kept out counts as no host left above.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from harness.job.placement import HostState, place
@@ -32,6 +39,10 @@ from runtime.controller import Controller
 from runtime.failure import Cause, Failure
 from runtime.host_handle import HostAgentHandle
 from runtime.policy import Action, host_restart
+
+#: The preflight of an agent that joined later: ``check(name, peers)`` -> None if it passed, else
+#: why not (``harness.job.preflight.check_host``); ``peers()``: the hosts to check it with.
+Check = Callable[[str, Callable[[], list[str]]], str | None]
 
 
 class HostPool:
@@ -61,6 +72,14 @@ class HostPool:
         self._fail = fail or (lambda _: None)
         self._failed = False
         self._closed = False
+        # The per-host preflight (module doc): None until the job's first round has passed.
+        self._check: Check | None = None
+        self._passed: dict[str, HostAgentHandle] = {}  # host -> its agent that passed a round
+        self._unfit: dict[str, tuple[HostAgentHandle, str]] = {}  # host -> (agent, why) failed
+        self._checking: set[str] = set()  # hosts whose round is under way
+        # One round at a time, its verdict recorded before the next starts: two agents that join
+        # at once check each other in the second one.
+        self._rounds = threading.Lock()
         site.node_events.listener = self._on_node_gone
 
     def names(self) -> list[str]:
@@ -114,6 +133,8 @@ class HostPool:
 
     def _states(self) -> list[HostState]:
         hosts, slurm = self.controller.hosts, self.site.slurm
+        for n in self.names():
+            self._maybe_check(n)  # an agent that joined and is not checked yet: check it now
         return [
             HostState(
                 name=n,
@@ -122,9 +143,78 @@ class HostPool:
                 respawning=n in self._respawning,
                 spare=slurm is not None and n in slurm.spares,
                 gone=(slurm is not None and n in slurm.gone) or n in self.given_up,
+                checked=self._checked(n),
             )
             for n in self.names()
         ]
+
+    # -- the preflight of agents that join later ------------------------------------------------
+    def arm_preflight(self, check: Check, passed: Iterable[HostAgentHandle]) -> None:
+        """From now on an agent that joins is placed on only once ``check(name, peers)`` passed
+        (its round with ``peers()``, the other checked live hosts as the round starts: of two
+        agents that join at once, the second checks the first); ``passed``: the agents the
+        job's first round checked."""
+        with self._change:
+            self._check = check
+            self._passed = {h.name: h for h in passed}
+
+    def _checked(self, name: str) -> bool:
+        """(lock held) ``name``'s current agent may hold groups, as far as the preflight goes."""
+        if self._check is None:
+            return True
+        h = self.controller.hosts.get(name)
+        return h is not None and self._passed.get(name) is h
+
+    def _maybe_check(self, name: str) -> None:
+        """(lock held) Start the round of ``name``'s agent if it is up and neither checked, being
+        checked, nor found unfit already (that agent: a new one is checked again)."""
+        check = self._check
+        h = self.controller.hosts.get(name)
+        if check is None or h is None or h.lost or self._closed or self._failed:
+            return
+        unfit = self._unfit.get(name)
+        if name in self._checking or self._passed.get(name) is h or (unfit and unfit[0] is h):
+            return
+        self._checking.add(name)
+
+        def peers() -> list[str]:
+            with self._change:
+                return [n for n in self.names() if n != name and self._checked(n) and self._live(n)]
+
+        def run() -> None:
+            with self._rounds:
+                try:
+                    why = "the job is stopping" if self._closed else check(name, peers)
+                except Exception as exc:  # a round that cannot run proves nothing: kept out
+                    why = f"the preflight of {name} could not run: {type(exc).__name__}: {exc}"
+                    self._say(why)
+                self._judged(name, h, why)
+
+        threading.Thread(target=run, daemon=True, name=f"ftharness-preflight-{name}").start()
+
+    def _judged(self, name: str, h: HostAgentHandle, why: str | None) -> None:
+        """The round of ``name``'s agent ``h`` is over: None, it passed; else why not."""
+        with self._change:
+            self._checking.discard(name)
+            if self.controller.hosts.get(name) is h and not h.lost:
+                if why is None:
+                    self._passed[name] = h
+                    self._unfit.pop(name, None)
+                else:
+                    first = why.splitlines()[0] if why else "failed"
+                    self._unfit[name] = (h, f"kept out by its preflight ({first})")
+                    self._fail_if_no_host()
+            self._change.notify_all()
+
+    def _live(self, name: str) -> bool:
+        h = self.controller.hosts.get(name)
+        return h is not None and not h.lost
+
+    def kept_out(self) -> dict[str, str]:
+        """Hosts whose current agent (live) failed its preflight, with why."""
+        with self._change:
+            hosts = self.controller.hosts
+            return {n: w for n, (h, w) in self._unfit.items() if hosts.get(n) is h and not h.lost}
 
     # -- cooldowns and lost hosts ---------------------------------------------------------------
     def set_cooldown(self, host: str, seconds: float) -> None:
@@ -173,6 +263,7 @@ class HostPool:
                 self.spawn(name)
                 with self._change:
                     self._restarts[name] = []  # it came back: the count starts again
+                    self._maybe_check(name)  # its preflight, before a group goes there
             except Exception as exc:
                 with self._change:
                     self._last_error[name] = str(exc)
@@ -195,9 +286,10 @@ class HostPool:
 
     def _fail_if_no_host(self) -> None:
         """(lock held) Every host gone or given up: no group can ever run again."""
-        slurm = self.site.slurm
+        slurm, kept_out = self.site.slurm, self.kept_out()
         why = {
-            n: self.given_up.get(n) or (slurm.gone.get(n) if slurm else None) for n in self.names()
+            n: self.given_up.get(n) or (slurm.gone.get(n) if slurm else None) or kept_out.get(n)
+            for n in self.names()
         }
         if self._closed or self._failed or not all(why.values()):
             return
@@ -276,4 +368,5 @@ class HostPool:
             self._say(f"no replacement for {lost}: {exc}")
             return
         with self._change:
+            self._maybe_check(node)  # its preflight, before a group goes there
             self._change.notify_all()

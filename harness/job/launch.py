@@ -18,8 +18,20 @@ from harness.job.preflight import PreflightFailed
 from harness.job.progress import say
 from harness.job.protocol import Job
 from harness.job.site import prepare_site
+from runtime.channel import ChannelError
 from runtime.failure import SupervisionError
 from runtime.journal import JOB_END, Journal
+from runtime.launchers.netns import NetnsError
+from runtime.launchers.slurm_text import SlurmError
+
+#: What starting a job raises when a host cannot serve it, said as it is (no traceback): an agent
+#: that refuses the job (``runtime.host_registry.AgentRefused``: no address where ``network.*``
+#: says) or never dials in, a launcher that cannot start one.
+CANNOT_START = (ChannelError, NetnsError, SlurmError)
+
+
+class CannotStart(RuntimeError):
+    """The job's hosts could not be started; the message says why (a failed outcome, rc 1)."""
 
 
 def run_job(
@@ -51,15 +63,18 @@ def run_job(
     try:
         # The config as it will run: resolved here, once, before anything starts
         # (harness.job.site); a launcher that cannot start (no allocation) fails the run.
-        site = prepare_site(cfg, run_dir, say=None if quiet else say)
-        job = Job(site, run_dir, journal, quiet=quiet)
-        job.start()
+        try:
+            site = prepare_site(cfg, run_dir, say=None if quiet else say)
+            job = Job(site, run_dir, journal, quiet=quiet)
+            job.start()
+        except CANNOT_START as exc:  # said plainly: no traceback for a host that cannot serve
+            raise CannotStart(f"the job could not start: {exc}") from exc
         if on_started is not None:
             before_stop = on_started(job)
         outcome = job.wait(timeout, duration_s, stop_event)
     except SupervisionError as exc:
         outcome = {"status": "failed", "reason": exc.failure.report(), "steps": 0}
-    except PreflightFailed as exc:  # a network path does not work: nothing trained
+    except (PreflightFailed, CannotStart) as exc:  # a network path, a host: nothing trained
         outcome = {"status": "failed", "reason": str(exc), "steps": 0}
     except Exception as exc:
         steps = job.tracker.committed_step if job is not None else 0
@@ -80,8 +95,7 @@ def run_job(
         )
         if own:
             journal.close()
-    assert job is not None  # (an exception above was raised)
-    outcome["recoveries"] = job.tracker.completed
+    outcome["recoveries"] = job.tracker.completed if job is not None else 0
     outcome["run_dir"] = str(run_dir)
     return outcome
 

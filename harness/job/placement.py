@@ -2,8 +2,9 @@
 
 The rule, for replica ``r`` on hosts ``h0 .. h(n-1)``:
 
-1. Its home host ``h(r % n)`` if that host is *ready* (its agent is up, it is not lost and not
-   cooling down after an eviction).
+1. Its home host ``h(r % n)`` if that host is *ready* (its agent is up, it is not lost, not
+   cooling down after an eviction, and *checked*: an agent that joined after the job's first
+   preflight has passed a round of its own, ``harness.job.preflight.check_host``).
 2. Otherwise the first ready host after home, in ring order: groups of an evicted host spread
    over the others instead of piling onto one.
 3. No ready host: wait, at most until the earliest cooldown ends (or ``poll_s`` when a host is
@@ -35,6 +36,7 @@ class HostState:
     respawning: bool = False  # a fresh agent is being started there
     spare: bool = False  # holds no group until another host is lost
     gone: bool = False  # never to be used again (e.g. its node is down in SLURM)
+    checked: bool = True  # its agent passed the preflight (False: its round runs, or it failed)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def place(replica: int, hosts: Sequence[HostState], now: float, poll_s: float = 
     home = homes[replica % len(homes)]
 
     def ready(h: HostState) -> bool:
-        return h.up and not h.gone and h.cooling_until <= now
+        return h.up and h.checked and not h.gone and h.cooling_until <= now
 
     if ready(hosts[home]):
         return Placement(hosts[home].name, respawn, 0.0, "home host")

@@ -14,15 +14,24 @@ Why before training and not when a group first fails: a path that does not work 
 run as a process group's rendezvous or a heal that times out, step after step, far from its cause
 (issue #30: a rendezvous store at a hostname that resolves to loopback on the other node).
 
+An agent that joins later (a lost host's agent restarted in the background, a SLURM replacement
+node) gets a round of its own (:func:`check_host`, run by ``harness.job.hosts.HostPool`` on a
+thread of its own, never on a group's restart path) before any group is placed on it: it probes
+every other checked live host and the controller's services, and every such host probes it. A
+failure does not stop the job, which is training: the host is kept out of placement until its
+agent is restarted next (and passes), the console shows the table, and the journal a ``preflight``
+record with ``host`` naming it. Only the paths from and to that host count: a peer that dies
+during the round is not held against it.
+
 Skipped (journalled as such) with ``preflight = false`` and with ``launcher = "local"``: every host
-is then this machine, reached over loopback. Not covered: agents that join later (a lost host's
-new agent, a SLURM replacement node) are not checked again.
+is then this machine, reached over loopback; so are the per-host rounds (not journalled).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -100,10 +109,64 @@ def check_network(job: Any) -> None:
     if failed:
         raise PreflightFailed(table)
     job.say(f"preflight: {len(cells)} network path(s) of {len(hosts)} hosts ok in {seconds:.2f} s")
+    # From now on an agent that joins is checked on its own before a group goes there.
+    job.hosts.arm_preflight(functools.partial(check_host, job), hosts)
 
 
-def render(cells: Iterable[Cell], seconds: float) -> str:
-    """The failed paths of ``cells`` as a table, with what to look at for each kind of failure."""
+def check_host(job: Any, name: str, peers: Callable[[], Sequence[str]]) -> str | None:
+    """The round of ``name``, an agent that joined after the job's first round (module doc), with
+    the live hosts ``peers()`` (already checked: asked as the round starts) of the started
+    ``job``: journalled as ``preflight`` with ``host``, and said. None if every path from and to
+    ``name`` works; else the table: ``name`` is to be kept out."""
+    controller = job.controller
+    subject = controller.hosts.get(name)
+    if subject is None or subject.lost:
+        return f"the agent of {name} is gone"
+    others = [h for n in peers() if (h := controller.hosts.get(n)) is not None and not h.lost]
+    t0 = time.monotonic()
+    cells = run_matrix(
+        controller.preflight,
+        [subject, *others],
+        services(controller, job.quorum.address),
+        job.cfg.timeouts.preflight,
+        subject=name,
+    )
+    seconds = time.monotonic() - t0
+    if controller.closed:  # the job stopped meanwhile: nothing to say
+        return None
+    died = {h.name for h in others if h.lost}  # a peer lost meanwhile: not this host's fault
+    failed = [
+        c
+        for c in cells
+        if not c.ok and name in (c.src, c.dst) and not {c.src, c.dst} & died
+    ]  # fmt: skip
+    shown = [c for c in cells if c.ok or c in failed]
+    outcome = f"host {name} is not used (its agent joined late; the job trains on without it)"
+    table = render(shown, seconds, outcome) if failed else ""
+    job.journal.emit(
+        PREFLIGHT,
+        status="failed" if failed else "ok",
+        reason=table,
+        seconds=round(seconds, 4),
+        host=name,
+        hosts=[name, *(h.name for h in others)],
+        paths=len(cells),
+        failed=len(failed),
+        matrix=[asdict(c) for c in cells],
+    )
+    if not failed:
+        job.say(
+            f"preflight of host {name} (joined late): {len(cells)} network path(s) from and to "
+            f"{len(others)} other host(s) and the controller ok in {seconds:.2f} s"
+        )
+        return None
+    job.say(f"{table}\n  {name} is kept out of placement until its agent is restarted next")
+    return table
+
+
+def render(cells: Iterable[Cell], seconds: float, outcome: str = "training was not started") -> str:
+    """The failed paths of ``cells`` as a table, with what to look at for each kind of failure;
+    ``outcome``: what the failure means for the job (the headline's end)."""
     cells = list(cells)
     failed = sorted((c for c in cells if not c.ok), key=lambda c: (c.src, c.dst))
     rows = [("from", "to", "address", "result", "why")] + [
@@ -113,7 +176,7 @@ def render(cells: Iterable[Cell], seconds: float) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [
         f"preflight failed: {len(failed)} of {len(cells)} network path(s) do not work "
-        f"(checked in {seconds:.2f} s); training was not started",
+        f"(checked in {seconds:.2f} s); {outcome}",
         *("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[4]
           for r in rows),
     ]  # fmt: skip

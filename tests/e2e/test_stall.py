@@ -8,12 +8,15 @@ aborts with torch's own connection error, and nothing dies: the job must end on 
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import pytest
 from e2e_helpers import after_step, events, tiny_cfg
 from stall_hooks import advertise_a_refusing_store, closed_port
 
+from experiments.report import main as report_main
 from harness.job.launch import run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -69,3 +72,12 @@ def test_a_job_whose_groups_cannot_rendezvous_ends_with_a_diagnosis(tmp_path, ca
     assert any("aborted (last: " in ln and "groups " in ln for ln in lines), err[-3000:]
     assert any("warning: no step committed for" in ln for ln in lines), err[-3000:]
     assert any(ln.startswith("[ftharness] stalled: ") and f":{port}" in ln for ln in lines)
+    # ... and the report says why the run failed, from the journal alone (text and JSON).
+    report_main(argparse.Namespace(run_dir=str(tmp_path), json=False, html=False))
+    text = capfd.readouterr().out
+    assert "- `in_place`: **failed**" in text, text
+    stalled = next(ln for ln in text.splitlines() if ln.startswith("  - stalled: "))
+    assert f"failing endpoint: `{stall[0]['endpoint']}`" in stalled, stalled
+    assert f"  - diagnosis: {out['reason']}" in text
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert summary["outcome"]["in_place"]["stall"]["endpoint"].endswith(f":{port}")
