@@ -3,18 +3,23 @@ would shadow the root one under pytest's default import mode)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from harness.config import load_config
+from runtime.controller import Controller
 from runtime.journal import JOB_RESTART, STEP_COMMIT, read_journal
+from runtime.launchers import netns
+from runtime.spec import ControllerSpec
 
 
 def tiny_cfg(*overrides: str):
@@ -109,3 +114,30 @@ def check_invariants(records: list[dict]) -> None:
         sums[(incarnation, r["step"], r["rank"])].add(r["checksum"])
     differing = {k: v for k, v in sums.items() if len(v) > 1}
     assert not differing, f"replicas disagree at {sorted(differing)[:3]}"
+
+
+@contextlib.contextmanager
+def bare_netns_hosts(names: list[str]) -> Iterator[tuple[netns.TestNetwork, Controller]]:
+    """Test hosts in network namespaces whose agents preload nothing (no torch: seconds), on
+    one controller at the gateway; all torn down afterwards (root only)."""
+    net = netns.TestNetwork(names).up()
+    controller = Controller(
+        ControllerSpec(bind_host=net.gateway, preload=()), launcher=netns.NetnsLauncher(net)
+    )
+    try:
+        for name in net.hosts:
+            controller.spawn_host(name)
+        yield net, controller
+    finally:
+        controller.shutdown(grace_s=0.5)
+        net.down()
+
+
+def iptables_out(net: netns.TestNetwork, host: str, *rule: str) -> None:
+    """Append ``rule`` to the OUTPUT chain inside ``host``'s namespace (gone with it)."""
+    subprocess.run(
+        ["ip", "netns", "exec", net.hosts[host].netns, "iptables", "-A", "OUTPUT", *rule],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )

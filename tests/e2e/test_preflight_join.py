@@ -14,7 +14,6 @@ Needs root (CI is root); skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,14 +22,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from e2e_helpers import events, kill_group, tiny_cfg, wait_until
+from e2e_helpers import bare_netns_hosts, events, iptables_out, kill_group, tiny_cfg, wait_until
 
 from harness.job.launch import run_job
 from harness.job.preflight import cells_from_journal, check_host
 from runtime.controller import Controller
 from runtime.journal import Journal, read_journal
 from runtime.launchers import netns
-from runtime.spec import ControllerSpec
 
 ok, why = netns.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.skipif(not ok, reason=why)]
@@ -39,26 +37,13 @@ TIMEOUT_S = 1.0
 
 
 def _drop_syn(net: netns.TestNetwork, host: str, to: str) -> None:
-    subprocess.run(
-        ["ip", "netns", "exec", net.hosts[host].netns, "iptables", "-A", "OUTPUT", "-p", "tcp",
-         "--syn", "-d", net.hosts[to].address, "-j", "DROP"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+    iptables_out(net, host, "-p", "tcp", "--syn", "-d", net.hosts[to].address, "-j", "DROP")
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[tuple[netns.TestNetwork, Controller]]:
-    net = netns.TestNetwork(["host0", "host1", "host2"]).up()
-    controller = Controller(
-        ControllerSpec(bind_host=net.gateway, preload=()), launcher=netns.NetnsLauncher(net)
-    )
-    try:
-        for name in net.hosts:
-            controller.spawn_host(name)
-        yield net, controller
-    finally:
-        controller.shutdown(grace_s=0.5)
-        net.down()
+    with bare_netns_hosts(["host0", "host1", "host2"]) as pair:
+        yield pair
 
 
 def test_a_joining_hosts_round_probes_only_its_paths_and_names_a_broken_one(

@@ -13,20 +13,18 @@ Needs root (CI is root); skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_helpers import events, tiny_cfg
+from e2e_helpers import bare_netns_hosts, events, iptables_out, tiny_cfg
 
 from harness.job.launch import run_job
 from harness.job.preflight import cells_from_journal, render
 from runtime.controller import Controller
 from runtime.launchers import netns
 from runtime.preflight_matrix import Cell, run_matrix
-from runtime.spec import ControllerSpec
 
 ok, why = netns.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120), pytest.mark.skipif(not ok, reason=why)]
@@ -34,28 +32,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120), pytest.mark.skipif(not 
 TIMEOUT_S = 1.0
 
 
-def _iptables(net: netns.TestNetwork, host: str, *rule: str) -> None:
-    subprocess.run(
-        ["ip", "netns", "exec", net.hosts[host].netns, "iptables", "-A", "OUTPUT", *rule],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-
-
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[tuple[netns.TestNetwork, Controller]]:
     """Three test hosts whose agents preload nothing, on one controller at the gateway."""
-    net = netns.TestNetwork(["host0", "host1", "host2"]).up()
-    spec = ControllerSpec(bind_host=net.gateway, preload=())
-    controller = Controller(spec, launcher=netns.NetnsLauncher(net))
-    try:
-        for name in net.hosts:
-            controller.spawn_host(name)
-        yield net, controller
-    finally:
-        controller.shutdown(grace_s=0.5)
-        net.down()
+    with bare_netns_hosts(["host0", "host1", "host2"]) as pair:
+        yield pair
 
 
 def _matrix(controller: Controller, names: list[str]) -> tuple[list[Cell], float]:
@@ -87,10 +68,10 @@ def test_broken_paths_are_named_with_both_ends_and_why(hosts) -> None:
     h2 = controller.hosts["host2"]
     real = h2.address
     try:
-        _iptables(net, "host1", "-p", "tcp", "--syn", "-d", a["host0"], "-j", "DROP")
-        _iptables(net, "host2", "-p", "tcp", "-d", a["host0"], "-j", "REJECT",
+        iptables_out(net, "host1", "-p", "tcp", "--syn", "-d", a["host0"], "-j", "DROP")
+        iptables_out(net, "host2", "-p", "tcp", "-d", a["host0"], "-j", "REJECT",
                   "--reject-with", "tcp-reset")  # fmt: skip
-        _iptables(net, "host2", "-p", "tcp", "-d", a["host1"], "-j", "REJECT",
+        iptables_out(net, "host2", "-p", "tcp", "-d", a["host1"], "-j", "REJECT",
                   "--reject-with", "icmp-host-unreachable")  # fmt: skip
         h2.address = "127.0.0.1"  # as if host2's hostname resolved to loopback
         cells, took = _matrix(controller, ["host0", "host1", "host2"])
@@ -121,8 +102,8 @@ class _CutHost1(netns.TestNetwork):
 
     def up(self) -> netns.TestNetwork:
         super().up()
-        _iptables(self, "host1", "-p", "tcp", "--syn", "-d", self.hosts["host0"].address,
-                  "-j", "DROP")  # fmt: skip
+        to = self.hosts["host0"].address
+        iptables_out(self, "host1", "-p", "tcp", "--syn", "-d", to, "-j", "DROP")
         return self
 
 
