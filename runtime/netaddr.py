@@ -38,8 +38,10 @@ class NoAddress(RuntimeError):
 
 
 def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP literal, brackets allowed) is a loopback address
+    (``127.0.0.0/8``, ``::1``); a name or anything else is not."""
     try:
-        return ipaddress.ip_address(address).is_loopback
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
     except ValueError:
         return False
 

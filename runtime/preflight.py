@@ -55,6 +55,7 @@ from runtime.messages import (
     PreflightResult,
     PreflightTarget,
 )
+from runtime.netaddr import is_loopback
 
 log = logging.getLogger("ftharness.preflight")
 
@@ -96,14 +97,6 @@ def classify(err: int) -> Outcome:
 def describe(err: int) -> str:
     """``err`` as words, with its symbolic name (``ECONNREFUSED: Connection refused``)."""
     return f"{errno.errorcode.get(err, str(err))}: {os.strerror(err)}"
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` (an IP literal) is a loopback address (``127.0.0.0/8``, ``::1``)."""
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def place_identity() -> str:

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runtime import netaddr
 from runtime.journal import STEP_ABORT, STEP_COMMIT, Journal, Record
 
 #: The journal event of a job ended by this watch: ``seconds`` (of the stall), ``aborts``,
@@ -86,8 +87,9 @@ def brief(reason: str, limit: int = 100) -> str:
 
 
 def is_loopback(host_port: str) -> bool:
+    """Whether the host of ``host_port`` is a loopback address or names this machine."""
     host = host_port.rsplit(":", 1)[0].strip("[]")
-    return host.startswith("127.") or host in ("::1", "localhost") or host.endswith(".localhost")
+    return netaddr.is_loopback(host) or host == "localhost" or host.endswith(".localhost")
 
 
 @dataclass
