@@ -69,21 +69,25 @@ class _Journal:
         self.records.append((event, fields))
 
 
-def test_the_tap_s_view_is_journaled_in_inner_steps():
-    """Manager steps 0, 1, 1, 4, 5 of a program that syncs every 10 inner steps: commits at
-    inner steps 10 and 40 and 50, an abort of the sync ending at 20, a heal to 40; a request
-    past the job's last step ends the group with a message naming sync_every."""
+def _one_group(*overrides: str):
+    """A stand-in job (its journal, what it says) and ProgramGroups with replica group 0
+    registered, its Manager "m:u" admitted."""
     said: list[str] = []
     job = SimpleNamespace(
-        cfg=cfg("steps=40", "program.sync_every=10"),
-        journal=_Journal(),
-        say=said.append,
-        finished=lambda: None,
+        cfg=cfg(*overrides), journal=_Journal(), say=said.append, finished=lambda: None
     )
     groups = ProgramGroups(job)
     rec = SimpleNamespace(host=SimpleNamespace(name="h0"), finished=cf.Future())
     g = groups._register(0, 0, "127.0.0.1:1000", [rec], "T0")
     g.ids.add("m:u")
+    return job, said, groups, g
+
+
+def test_the_tap_s_view_is_journaled_in_inner_steps():
+    """Manager steps 0, 1, 1, 4, 5 of a program that syncs every 10 inner steps: commits at
+    inner steps 10 and 40 and 50, an abort of the sync ending at 20, a heal to 40; a request
+    past the job's last step ends the group with a message naming sync_every."""
+    job, said, groups, g = _one_group("steps=40", "program.sync_every=10")
     for step in (0, 1, 1, 4, 5):
         groups.asked(Request(0, "m:u", step, 0, 1.0))
     got = [(e, f["step"]) for e, f in job.journal.records]
@@ -121,17 +125,7 @@ def test_bench_recovery_program_rows_kill_ten_times_with_torchft_s_default_timeo
 def test_requests_close_to_the_progress_timeout_twice_in_a_row_are_told_once():
     import time
 
-    said: list[str] = []
-    job = SimpleNamespace(
-        cfg=cfg("steps=400", "program.sync_every=10"),
-        journal=_Journal(),
-        say=said.append,
-        finished=lambda: None,
-    )
-    groups = ProgramGroups(job)
-    rec = SimpleNamespace(host=SimpleNamespace(name="h0"), finished=cf.Future())
-    g = groups._register(0, 0, "127.0.0.1:1000", [rec], "T0")
-    g.ids.add("m:u")
+    job, said, groups, g = _one_group("steps=400", "program.sync_every=10")
     slow = job.cfg.program.progress_timeout_s * 0.6
     for step, gap in enumerate((0.0, slow, 0.0, slow, slow, slow, slow)):
         if g.last is not None:
