@@ -5,11 +5,11 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
 
 * **Spawn.** Each rank of each replica group is started by its host agent as a plain process
   (``runtime.program_proc``) with the environment a torchft launcher gives
-  (:func:`launcher_env`): the group's id and count, the quorum service, the group's own store
-  (a fresh one per incarnation), rank and world size; for torchtitan also its
-  ``--fault_tolerance.*`` flags (:func:`program_argv`); warm (a fork of the agent's
-  interpreter) where ``program.warm`` allows. Output goes to
-  ``RUN/logs/replica<r>-rank<k>.log``; on a failure the console shows its tail.
+  (``harness.job.program_env``): the group's id and count, the quorum service, the group's own
+  store (a fresh one per incarnation), rank and world size; for torchtitan also its
+  ``--fault_tolerance.*`` flags; warm (a fork of the agent's interpreter) where
+  ``program.warm`` allows. Output goes to ``RUN/logs/replica<r>-rank<k>.log``; on a failure the
+  console shows its tail.
 * **Detect.** An exit or a signal is reaped by the agent as for any worker. A program sends no
   heartbeat: its liveness is its progress. Every group's Manager asks for a quorum once per step
   through a tap in front of the quorum service (``harness.quorum.tap``), and a group with no
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 import os
 import signal
 import threading
@@ -48,6 +47,7 @@ from typing import Any, Protocol
 from harness.config import JobConfig
 from harness.job import peer_process, program_admission
 from harness.job.program_admission import GroupAdmission
+from harness.job.program_env import HOOK_SIGNAL, launcher_env, log_name, program_argv
 from harness.job.program_progress import (
     ended_early,
     gap_warning,
@@ -58,7 +58,7 @@ from harness.job.program_progress import (
     step_events,
 )
 from harness.job.program_unblock import RemoteUnblock
-from harness.program_config import TORCHTITAN_FLAGS, WARM_NEEDS, cold_reason
+from harness.program_config import WARM_NEEDS, cold_reason
 from harness.quorum import rule
 from harness.quorum.service import QuorumService
 from harness.quorum.tap import Admission, QuorumTap, Request, upstream_id
@@ -67,86 +67,6 @@ from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT, Journal
 from runtime.mesh import ProcMesh
 from runtime.messages import SpawnProgram
-
-#: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
-HOOKS_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_hooks"
-#: First on every program's PYTHONPATH: its sitecustomize makes torchft advertise the host address.
-SITE_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_site"
-#: The signal that tells the hook a fault command is waiting (harness/rank/program_hooks).
-HOOK_SIGNAL = signal.SIGUSR2
-
-
-def launcher_env(
-    cfg: Any,
-    *,
-    replica: int,
-    rank: int,
-    lighthouse: str,
-    store_addr: str,
-    hook_dir: str | None = None,
-) -> dict[str, str]:
-    """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
-    (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
-    they take precedence over the program's own, so the ordering ``harness.config`` checks
-    holds for the program too; the quorum timeout outlasts a hung group's fencing:
-    :func:`program_quorum_timeout`), then ``program.env``; first on ``PYTHONPATH``
-    :data:`SITE_DIR`, then with ``program.hooks`` the fault hook (commands in ``hook_dir``)."""
-    host, port = store_addr.rsplit(":", 1)
-    t = cfg.timeouts
-    env = {
-        "REPLICA_GROUP_ID": str(replica),
-        "NUM_REPLICA_GROUPS": str(cfg.replicas),
-        "TORCHFT_LIGHTHOUSE": lighthouse,
-        "MASTER_ADDR": host,
-        "MASTER_PORT": port,
-        "RANK": str(rank),
-        "WORLD_SIZE": str(cfg.ranks),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(cfg.ranks),
-        # torchft reads whole seconds
-        "TORCHFT_TIMEOUT_SEC": str(math.ceil(t.manager_timeout)),
-        "TORCHFT_QUORUM_TIMEOUT_SEC": str(math.ceil(program_quorum_timeout(cfg))),
-        "TORCHFT_CONNECT_TIMEOUT_SEC": str(math.ceil(t.connect_timeout)),
-        "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
-    }
-    env = {**env, **cfg.program.env}
-    site = [str(SITE_DIR), *([str(HOOKS_DIR)] if cfg.program.hooks else [])]
-    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (*site, path) if p)
-    env["FTHARNESS_SITE"] = os.pathsep.join(site)
-    env.update({"FTHARNESS_HOOK_DIR": hook_dir or ""} if cfg.program.hooks else {})
-    return env
-
-
-#: Slack between fencing a hung program group and the survivors' quorum deadline: the progress
-#: check's poll, the kill, and the quorum service noticing (torchft's Lighthouse: its heartbeat
-#: timeout, added separately).
-FENCE_SLACK_S = 5.0
-
-
-def program_quorum_timeout(cfg: Any) -> float:
-    """The quorum timeout a program's ranks get: ``timeouts.quorum_timeout``, raised where
-    needed to outlast the fencing of a hung group. A group hung with its GIL held still
-    heartbeats (torchft's Manager beats from a Rust thread), so the survivors' quorum waits for
-    it until ftharness fences it, ``program.progress_timeout_s`` after its last request; an
-    unmodified program exits when its quorum request times out first (seen in CI with both at
-    10 s). ``program.env`` may still set ``TORCHFT_QUORUM_TIMEOUT_SEC`` itself."""
-    t = cfg.timeouts
-    fenced = cfg.program.progress_timeout_s + t.lighthouse_heartbeat_timeout + FENCE_SLACK_S
-    return max(t.quorum_timeout, fenced)
-
-
-def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:
-    """``program.command``, plus torchtitan's flags for ``program.kind = "torchtitan"``."""
-    argv = tuple(cfg.program.command)
-    if cfg.program.kind == "torchtitan":
-        enable, replica_id, group_size = TORCHTITAN_FLAGS
-        argv += (enable, f"{replica_id}={replica}", f"{group_size}={cfg.replicas}")
-    return argv
-
-
-def log_name(replica: int, rank: int) -> str:
-    return f"replica{replica}-rank{rank}.log"
 
 
 @dataclass
@@ -214,6 +134,7 @@ class ProgramGroups:
             max_requests=max(64, 4 * self.cfg.replicas + 16),
         )
         self.job.controller.add_failure_listener(self._show_tail)
+        self.job.controller.add_failure_listener(self._after_the_others)
         self.job.controller.add_failure_listener(RemoteUnblock(self.job.controller, self._inc))
         if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
@@ -488,6 +409,30 @@ class ProgramGroups:
                 self.job.controller.report_hung(
                     rec.ref.proc_id, silent, time.time() - silent, detail
                 )
+
+    def _after_the_others(self, failure: Failure) -> None:
+        """A rank of a group's current incarnation failed after every other group finished the
+        job's last step: the job is done. The others hold the final weights, and no peer is left
+        to heal a replacement from (under torchft's Lighthouse it would train alone from step 0;
+        under the tree quorum it would wait for a step no live member holds, then be judged
+        hung, again and again)."""
+        replica = (failure.coords or {}).get("replica")
+        if self._stop.is_set() or replica is None or failure.proc is None:
+            return
+        if self._inc(replica, failure.proc) is None:
+            return  # not a current rank (an old incarnation, a spare)
+        with self._lock:
+            others = [g for r, g in self._groups.items() if r != replica]
+        every = self.cfg.program.steps_per_quorum
+        if len(others) < self.cfg.replicas - 1 or not all(g.training.done() for g in others):
+            return
+        if all(ended_early(g.last_step, self.cfg.steps, every) for g in others):
+            return  # none reached the last step: the job is not done
+        self.job.say(
+            f"replica group {replica} failed after every other group finished the job's last "
+            "step: the job is done (nothing is left to heal it from)"
+        )
+        self.job.finished()
 
     def _show_tail(self, failure: Failure) -> None:
         log = self._logs.get(failure.proc or "")

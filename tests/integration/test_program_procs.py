@@ -239,7 +239,7 @@ BEATING = "import sys, time\nfor i in range(600):\n    print(i, flush=True)\n   
 
 def _hooked(ctl, tmp_path):
     """A Python program that prints a line every 50 ms, with ftharness's hook on its path."""
-    from harness.job.programs import HOOKS_DIR
+    from harness.job.program_env import HOOKS_DIR
 
     host = ctl.hosts.get("h0") or ctl.spawn_host("h0")
     log = tmp_path / "replica0-rank0.log"
@@ -251,7 +251,7 @@ def _hooked(ctl, tmp_path):
 
 
 def _command(tmp_path, pid: int, func: str, *args) -> None:
-    from harness.job.programs import HOOK_SIGNAL
+    from harness.job.program_env import HOOK_SIGNAL
 
     (tmp_path / f"{pid}.json").write_text(json.dumps({"func": func, "args": list(args)}))
     os.kill(pid, HOOK_SIGNAL)

@@ -352,7 +352,8 @@ def test_a_control_character_is_refused_not_written_into_the_script() -> None:
 def test_a_programs_log_is_created_0600(tmp_path: Path) -> None:
     """``ProgramGroups.start_groups`` writes each rank's log header before the agent appends the
     program's output; the file it creates is 0600 whatever the umask lets through."""
-    from harness.job.programs import ProgramGroups, log_name
+    from harness.job.program_env import log_name
+    from harness.job.programs import ProgramGroups
     from runtime.mesh import ProcRef
 
     cfg = load_config(TINY, ['program.command=["python", "train.py"]', "replicas=1"])

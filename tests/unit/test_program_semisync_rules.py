@@ -147,3 +147,53 @@ def test_steps_lost_counts_a_sync_done_again_as_its_inner_steps():
     semi = [dict(r, sync_every=10) for r in ddp]
     assert steps_lost(semi, fault_t=1.5, next_fault_t=None) == 10
     assert steps_lost(semi[:2] + semi[3:], fault_t=1.5, next_fault_t=None) == 0
+
+
+def test_a_group_that_fails_after_every_other_finished_the_last_step_ends_the_job():
+    """Its replacement would have no peer to heal from (torchft's Lighthouse: it trains alone
+    from step 0; the tree quorum: it waits for a step no live member holds): the job is done.
+    Not while another group still trains, nor when the others all stopped short of the last
+    step, nor for a rank of an old incarnation."""
+    from runtime.failure import Cause, Failure
+
+    ended: list[bool] = []
+    said: list[str] = []
+    job = SimpleNamespace(
+        cfg=cfg("replicas=3", "steps=100"),
+        journal=_Journal(),
+        say=said.append,
+        finished=lambda: ended.append(True),
+    )
+    groups = ProgramGroups(job)
+    recs = {}
+    for r in range(3):
+        recs[r] = SimpleNamespace(
+            host=SimpleNamespace(name="h0"),
+            finished=cf.Future(),
+            ref=SimpleNamespace(proc_id=f"p{r}"),
+        )
+        groups._register(r, 0, f"127.0.0.1:{1000 + r}", [recs[r]], f"T{r}")
+
+    def fail(replica: int, proc: str) -> None:
+        groups._after_the_others(
+            Failure(cause=Cause.SIGNAL, detail="killed", proc=proc, coords={"replica": replica})
+        )
+
+    def finish(replica: int, last_step: int) -> None:
+        g = groups._groups[replica]
+        g.last_step = last_step
+        g.training.set_result(None)
+
+    finish(1, 99)  # asked for step 99, then committed step 100: the last one
+    fail(0, "p0")  # group 2 still trains
+    assert not ended
+    finish(2, 40)  # exited early
+    fail(0, "p-old")  # not a rank of group 0's current incarnation
+    assert not ended
+    fail(0, "p0")
+    assert ended == [True] and any("replica group 0 failed after every other" in s for s in said)
+
+    ended.clear()
+    groups._groups[1].last_step = 40  # had no group reached the last step, the job goes on
+    fail(0, "p0")
+    assert not ended

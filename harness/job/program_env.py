@@ -1,0 +1,93 @@
+"""A program's process: its environment (what a torchft launcher gives, and ftharness's own),
+its command line and its log, computed from the job's config (``harness.job.programs`` spawns
+it)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from harness.program_config import TORCHTITAN_FLAGS
+
+#: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
+HOOKS_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_hooks"
+#: First on every program's PYTHONPATH: its sitecustomize makes torchft advertise the host address.
+SITE_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_site"
+#: The signal that tells the hook a fault command is waiting (harness/rank/program_hooks).
+HOOK_SIGNAL = signal.SIGUSR2
+
+
+def launcher_env(
+    cfg: Any,
+    *,
+    replica: int,
+    rank: int,
+    lighthouse: str,
+    store_addr: str,
+    hook_dir: str | None = None,
+) -> dict[str, str]:
+    """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
+    (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
+    they take precedence over the program's own, so the ordering ``harness.config`` checks
+    holds for the program too; the quorum timeout outlasts a hung group's fencing:
+    :func:`program_quorum_timeout`), then ``program.env``; first on ``PYTHONPATH``
+    :data:`SITE_DIR`, then with ``program.hooks`` the fault hook (commands in ``hook_dir``)."""
+    host, port = store_addr.rsplit(":", 1)
+    t = cfg.timeouts
+    env = {
+        "REPLICA_GROUP_ID": str(replica),
+        "NUM_REPLICA_GROUPS": str(cfg.replicas),
+        "TORCHFT_LIGHTHOUSE": lighthouse,
+        "MASTER_ADDR": host,
+        "MASTER_PORT": port,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(cfg.ranks),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(cfg.ranks),
+        # torchft reads whole seconds
+        "TORCHFT_TIMEOUT_SEC": str(math.ceil(t.manager_timeout)),
+        "TORCHFT_QUORUM_TIMEOUT_SEC": str(math.ceil(program_quorum_timeout(cfg))),
+        "TORCHFT_CONNECT_TIMEOUT_SEC": str(math.ceil(t.connect_timeout)),
+        "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
+    }
+    env = {**env, **cfg.program.env}
+    site = [str(SITE_DIR), *([str(HOOKS_DIR)] if cfg.program.hooks else [])]
+    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*site, path) if p)
+    env["FTHARNESS_SITE"] = os.pathsep.join(site)
+    env.update({"FTHARNESS_HOOK_DIR": hook_dir or ""} if cfg.program.hooks else {})
+    return env
+
+
+#: Slack between fencing a hung program group and the survivors' quorum deadline: the progress
+#: check's poll, the kill, and the quorum service noticing (torchft's Lighthouse: its heartbeat
+#: timeout, added separately).
+FENCE_SLACK_S = 5.0
+
+
+def program_quorum_timeout(cfg: Any) -> float:
+    """The quorum timeout a program's ranks get: ``timeouts.quorum_timeout``, raised where
+    needed to outlast the fencing of a hung group. A group hung with its GIL held still
+    heartbeats (torchft's Manager beats from a Rust thread), so the survivors' quorum waits for
+    it until ftharness fences it, ``program.progress_timeout_s`` after its last request; an
+    unmodified program exits when its quorum request times out first (seen in CI with both at
+    10 s). ``program.env`` may still set ``TORCHFT_QUORUM_TIMEOUT_SEC`` itself."""
+    t = cfg.timeouts
+    fenced = cfg.program.progress_timeout_s + t.lighthouse_heartbeat_timeout + FENCE_SLACK_S
+    return max(t.quorum_timeout, fenced)
+
+
+def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:
+    """``program.command``, plus torchtitan's flags for ``program.kind = "torchtitan"``."""
+    argv = tuple(cfg.program.command)
+    if cfg.program.kind == "torchtitan":
+        enable, replica_id, group_size = TORCHTITAN_FLAGS
+        argv += (enable, f"{replica_id}={replica}", f"{group_size}={cfg.replicas}")
+    return argv
+
+
+def log_name(replica: int, rank: int) -> str:
+    return f"replica{replica}-rank{rank}.log"
