@@ -214,6 +214,17 @@ class RecoveryConfig:
     # (harness/job/hosts.py).
     host_max_restarts: int = 3
     host_within_s: float = 600.0
+    # The controller can die (its process, its host): agents and workers keep training for
+    # controller_grace_s without it while a keeper starts a new one that takes over (docs/
+    # controller.md); past it they stop, as a cut-off host does. 60 s: a local keeper replaces a
+    # controller in about a second and a standby on another node in tens of seconds, while a
+    # dead run's orphans should not hold the machines much longer (Monarch's host agents use a
+    # 60 s keepalive for the same reason). 0: agents and workers die with their controller.
+    controller_grace_s: float = 60.0
+    # The keeper replaces a dead controller at most controller_max_restarts times within
+    # controller_within_s, then ends the run (restart intensity, as for groups and hosts).
+    controller_max_restarts: int = 10
+    controller_within_s: float = 600.0
     # The defaults are the fastest correct configuration measured (`ftharness bench recovery`):
     # the supervision tree's own quorum, which fences a dead group at once instead of waiting
     # out a heartbeat timeout, and one warm spare process per host, which a replacement adopts
@@ -432,6 +443,28 @@ def _check_network(n: NetworkConfig) -> None:
             ) from None
 
 
+def _check_controller(cfg: JobConfig) -> None:
+    """The controller's grace window and its keeper's restart intensity."""
+    r, silence = cfg.recovery, cfg.timeouts.controller_silence
+    _positive("recovery.controller_max_restarts", r.controller_max_restarts, 0)
+    if not 0 <= r.controller_grace_s <= MAX_SECONDS:
+        raise ConfigError(
+            f"recovery.controller_grace_s = {r.controller_grace_s}: must be between 0 (agents "
+            f"die with their controller) and {MAX_SECONDS:g} s"
+        )
+    if 0 < r.controller_grace_s <= silence:
+        raise ConfigError(
+            f"recovery.controller_grace_s = {r.controller_grace_s:g} must be greater than "
+            f"timeouts.controller_silence = {silence:g}: an agent notices a silent controller "
+            "only after that long, and then waits out the grace for a new one"
+        )
+    if not 0 < r.controller_within_s <= MAX_SECONDS:
+        raise ConfigError(
+            f"recovery.controller_within_s = {r.controller_within_s}: must be > 0 and <= "
+            f"{MAX_SECONDS:g} s"
+        )
+
+
 def _check_slurm(cfg: JobConfig) -> None:
     s = cfg.slurm
     _positive("slurm.spare_nodes", s.spare_nodes, 0)
@@ -509,6 +542,7 @@ def validate(cfg: JobConfig) -> None:
         )
     if cfg.recovery.host_within_s <= 0:
         raise ConfigError(f"recovery.host_within_s = {cfg.recovery.host_within_s}: must be > 0")
+    _check_controller(cfg)
     if cfg.recovery.within_s <= 0 or cfg.recovery.restart_delay_s < 0:
         raise ConfigError(
             f"recovery.within_s = {cfg.recovery.within_s} must be > 0 and "
