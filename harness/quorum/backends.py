@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from harness.config import JobConfig
 from harness.quorum.lighthouse import LighthouseService
@@ -19,9 +20,17 @@ def make_quorum_service(
     place: Callable[[], HostAgentHandle],
     controller: Controller,
     log_dir: str,
+    state_path: Path | None = None,
+    resume: bool = False,
 ) -> QuorumService:
     """The service ``cfg.recovery.quorum`` names. For a service that runs in a process of its
-    own: ``place()`` gives a ready host, ``controller`` runs it, ``log_dir`` takes its output."""
+    own: ``place()`` gives a ready host, ``controller`` runs it, ``log_dir`` takes its output.
+    ``state_path``: where the tree quorum keeps its durable state, and with ``resume`` the state
+    it serves again after its controller died (``TreeQuorumService``; a state file it refuses
+    raises ``harness.quorum.durable.QuorumStateError`` here). torchft's Lighthouse keeps none:
+    it cannot resume."""
     if cfg.recovery.quorum == "tree":
-        return TreeQuorumService(cfg, events)
+        return TreeQuorumService(cfg, events, state_path, resume=resume)
+    if resume:
+        raise ValueError('recovery.quorum = "torchft": only the tree quorum can resume')
     return LighthouseService(cfg, events, place=place, controller=controller, log_dir=log_dir)

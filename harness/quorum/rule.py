@@ -302,7 +302,7 @@ def drop_failed(
 
 
 def _fence(state: QuorumState, match: Callable[[str], bool]) -> tuple[QuorumState, frozenset[str]]:
-    known = set(state.heartbeats) | set(state.participants)
+    known = set(state.heartbeats) | set(state.participants) | set(state.reported)
     if state.prev_quorum is not None:
         known |= set(state.prev_quorum.replica_ids)
     dropped = frozenset(rid for rid in known if match(rid))

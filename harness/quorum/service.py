@@ -8,7 +8,9 @@ place that reads it):
   Lighthouse protocol from the controller's process. It admits only the incarnations the job
   starts (:meth:`QuorumService.admit` hands out each one's member id), fences a failed group the
   moment the supervision tree reports it (:meth:`QuorumService.fence`), and a crash of it is a
-  restart in place that keeps its state (the quorum ids go on).
+  restart in place that keeps its state (the quorum ids go on). Given a state file it also
+  survives its controller: a new controller resumes it from the file, on the same port, and
+  the running Managers go on (:class:`TreeQuorumService`, ``harness.quorum.durable``).
 * ``"torchft"`` (:class:`LighthouseService`): torchft's own Lighthouse in a supervised worker
   process (``harness.quorum.lighthouse``), restarted on its port by its supervisor. It admits any
   id that reaches its port, fences by heartbeat timeout only, and numbers quorums from 1 again
@@ -19,15 +21,21 @@ The job tells a service what it needs through :class:`QuorumEvents` and nothing 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.config import JobConfig
+from harness.quorum import durable
 
 if TYPE_CHECKING:
     from harness.quorum.tree import TreeQuorum
     from runtime.mesh import ActorMesh
+
+log = logging.getLogger(__name__)
 
 
 class QuorumEvents(Protocol):
@@ -82,14 +90,63 @@ class QuorumService(Protocol):
         """Stop serving (the job is over). Idempotent."""
 
 
-class TreeQuorumService:
-    """``harness.quorum.tree.TreeQuorum`` in this process, as a :class:`QuorumService`."""
+class QuorumPortTaken(OSError):
+    """A resumed tree quorum cannot serve on its saved port: something else holds it."""
 
-    def __init__(self, cfg: JobConfig, events: QuorumEvents) -> None:
+
+class TreeQuorumService:
+    """``harness.quorum.tree.TreeQuorum`` in this process, as a :class:`QuorumService`.
+
+    With ``state_path`` (a run's ``quorum.json``) it keeps there, durably, what a new controller
+    needs to serve the same members on the same port (``harness.quorum.durable`` says what, and
+    why that is enough): an admission is durable before :meth:`admit` returns, the quorum-id
+    lease before an id that reaches it is issued (one fsync per block of ids), the rest (the
+    last quorum, the members' steps) follows from a background thread within
+    ``durable.StateWriter``'s interval, so issuing a quorum waits for no disk.
+
+    With ``resume=True`` (or :meth:`resume`) it serves what that file saved instead of starting
+    anew. The file is read and checked at construction: a torn, truncated or hand-edited one
+    raises :class:`~harness.quorum.durable.QuorumStateError` (naming the file and the problem)
+    and nothing of it is adopted. :meth:`start` then binds the saved host and port, retrying
+    for :attr:`REBIND_S` while the dead service's port is released (:class:`QuorumPortTaken`
+    after that: a live old service, a stopped controller say, still holds it), and keeps the
+    secret, the admitted incarnations and the fenced ids: the running Managers' next requests
+    reach it and are let in, a stale incarnation is still refused. Its quorum ids continue
+    from the saved lease, above every id issued before. And no step goes back: a Manager may
+    have committed steps past the last one it reported (between quorums, after the last save),
+    so the saved steps are lower bounds only, and the resumed service issues no quorum until
+    every member it knew has joined and reported its step, or been fenced, or, past the join
+    timeout, shown no sign of life (``TreeQuorum(resumed=True)``). Then a quorum's highest step,
+    the one torchft heals everyone to, is never below a step any live member has committed.
+    """
+
+    #: How long a resume retries binding its saved port.
+    REBIND_S = 3.0
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        events: QuorumEvents,
+        state_path: Path | None = None,
+        *,
+        resume: bool = False,
+    ) -> None:
+        if resume and state_path is None:
+            raise ValueError("resuming a tree quorum needs its state_path")
         self.cfg = cfg
         self._events = events
         self._tree: TreeQuorum | None = None
         self._lock = threading.Lock()
+        self.state_path = None if state_path is None else Path(state_path)
+        self._saved = durable.load(state_path) if resume and state_path is not None else None
+        self._writer: durable.StateWriter | None = None
+
+    @classmethod
+    def resume(cls, cfg: JobConfig, events: QuorumEvents, state_path: Path) -> TreeQuorumService:
+        """The service saved at ``state_path``, serving again (class doc)."""
+        service = cls(cfg, events, state_path, resume=True)
+        service.start()
+        return service
 
     @property
     def tree(self) -> TreeQuorum:
@@ -102,31 +159,95 @@ class TreeQuorumService:
         return self._tree.address if self._tree is not None else ""
 
     def start(self, port: int = 0) -> None:
+        old = self._tree  # a restart keeps the job's secret: the running members stay admitted
+        fresh_writer = self.state_path is not None and self._writer is None
+        if self.state_path is not None and self._writer is None:
+            self._writer = durable.StateWriter(self.state_path, self._snapshot)
+        host, state = self.cfg.bind_host, {}
+        if old is not None:
+            state = dict(
+                secret=old.secret,
+                incarnations=old.incarnations,
+                highest_step=old.highest_step,
+                reported=old.reported,
+                quorum_id=old.quorum_id + 1,
+                quorum_id_lease=old.quorum_id_lease,
+            )
+        elif self._saved is not None:
+            saved = self._saved
+            if saved.host != host:
+                log.warning(
+                    "tree quorum: resuming on %s:%d as saved (bind_host is %s)",
+                    saved.host,
+                    saved.port,
+                    host,
+                )
+            host, port = saved.host, saved.port
+            state = dict(
+                secret=saved.secret,
+                incarnations=saved.incarnations,
+                fenced=saved.fenced,
+                highest_step=saved.highest_step,
+                reported=saved.reported,
+                last_quorum=saved.last_quorum,
+                quorum_id=saved.quorum_id_lease,  # above every id issued before
+                quorum_id_lease=saved.quorum_id_lease,
+                resumed=True,
+            )
+        try:
+            self._tree = self._bind(host, port, state)
+        except BaseException:
+            if fresh_writer and self._writer is not None:
+                self._writer.close(flush=False)  # nothing served: the file stays as it was
+                self._writer = None
+            raise
+        if self._writer is not None:
+            self._writer.flush()  # the file names this service before anyone learns its address
+
+    def _bind(self, host: str, port: int, state: dict[str, Any]) -> TreeQuorum:
+        """A TreeQuorum on ``host:port``; a given port is retried for :attr:`REBIND_S` (the one a
+        dead service held may not be free yet)."""
         from harness.quorum.tree import TreeQuorum
 
-        cfg, t = self.cfg, self.cfg.timeouts
-        old = self._tree  # a restart keeps the job's secret: the running members stay admitted
-        self._tree = TreeQuorum(
-            bind_host=cfg.bind_host,
-            port=port,
-            min_replicas=cfg.min_replica_size,
-            join_timeout_s=t.lighthouse_join_timeout,
-            heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
-            max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
-            # each waiting quorum request holds a server thread: room for every group's request
-            # and heartbeat, with margin (the service's docstring)
-            max_requests=max(64, 4 * cfg.replicas + 16),
-            secret=old.secret if old is not None else None,
-            incarnations=old.incarnations if old is not None else None,
-            highest_step=old.highest_step if old is not None else -1,
-            reported=old.reported if old is not None else None,
-            quorum_id=old.quorum_id + 1 if old is not None else 0,
-            on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
-            # every group in the first step (rule.QuorumOpts), bounded well inside a trainer's
-            # own quorum timeout so that no request times out waiting for a group that is late
-            first_quorum_replicas=cfg.replicas,
-            first_quorum_timeout_s=t.quorum_timeout / 2,
-        )
+        cfg, t, writer = self.cfg, self.cfg.timeouts, self._writer
+        deadline = time.monotonic() + self.REBIND_S
+        while True:
+            try:
+                return TreeQuorum(
+                    bind_host=host,
+                    port=port,
+                    min_replicas=cfg.min_replica_size,
+                    join_timeout_s=t.lighthouse_join_timeout,
+                    heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+                    max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
+                    # each waiting quorum request holds a server thread: room for every group's
+                    # request and heartbeat, with margin (the service's docstring)
+                    max_requests=max(64, 4 * cfg.replicas + 16),
+                    on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
+                    # every group in the first step (rule.QuorumOpts), bounded well inside a
+                    # trainer's own quorum timeout so that no request times out waiting for a
+                    # group that is late
+                    first_quorum_replicas=cfg.replicas,
+                    first_quorum_timeout_s=t.quorum_timeout / 2,
+                    on_lease=writer.save if writer is not None else None,
+                    on_change=writer.changed if writer is not None else None,
+                    **state,
+                )
+            except OSError as e:
+                if not port or time.monotonic() >= deadline:
+                    if not port:
+                        raise
+                    where = f" (saved in {self.state_path})" if self._saved is not None else ""
+                    raise QuorumPortTaken(
+                        f"tree quorum: port {port} on {host}{where} is still taken after "
+                        f"{self.REBIND_S:g} s: is the previous controller (or its quorum "
+                        f"service) still running, perhaps stopped? ({e})"
+                    ) from e
+                time.sleep(0.05)
+
+    def _snapshot(self) -> durable.QuorumSnapshot | None:
+        tree = self._tree
+        return tree.snapshot() if tree is not None else None
 
     def _newcomer(self, replica_id: str) -> None:
         self._events.ask_for_quorum()
@@ -135,13 +256,21 @@ class TreeQuorumService:
         return None
 
     def admit(self, replica: int, incarnation: int) -> str:
-        return self.tree.admit(replica, incarnation)
+        member = self.tree.admit(replica, incarnation)
+        self._save()  # durable before the group starts: a resume must not let the old one in
+        return member
 
     def fence(self, replica: int, ids: Iterable[str] = ()) -> None:
         self.tree.replica_failed(replica, ids)
+        self._save()
 
     def job_restarted(self) -> None:
         self.tree.job_restarted()
+        self._save()
+
+    def _save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
 
     def mesh(self) -> None:
         return None
@@ -159,3 +288,5 @@ class TreeQuorumService:
     def shutdown(self) -> None:
         if self._tree is not None:
             self._tree.shutdown()
+        if self._writer is not None:
+            self._writer.close()

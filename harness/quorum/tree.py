@@ -39,12 +39,13 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from harness.quorum import rule
+from harness.quorum.durable import QuorumSnapshot, next_lease, next_seq
 from harness.quorum.wire import (
     WireError,
     decode_heartbeat_request,
@@ -75,6 +76,16 @@ class TreeQuorum:
     when a member that was not in the last quorum joins a round, so the controller can have the
     members that skip quorums ask for one (sparse quorum, ``harness.rank.trainer``); with it, live
     members of the last quorum are waited for past the join timeout (``QuorumOpts``).
+
+    Durable state (``harness.quorum.durable``, which says why each piece is enough):
+    :meth:`snapshot` takes it; ``on_change()`` (lock held: it must not block) is called when it
+    changed (an admission, a fence, an issued quorum); ``on_lease(snapshot)`` (lock held) must
+    make the snapshot durable before the quorum id that reached ``quorum_id_lease`` is issued
+    (if it raises, the quorum is not issued and the next tick tries again). A service resumed
+    from saved state (``resumed=True``, with the saved ``fenced``, ``last_quorum`` and
+    ``quorum_id`` = the saved lease) issues no quorum until every member it knows a step of
+    (``reported``) has joined and said its step, been fenced, or, past the join timeout, shown
+    no sign of life (no heartbeat): those saved steps are no more than lower bounds.
     """
 
     def __init__(
@@ -97,6 +108,12 @@ class TreeQuorum:
         on_newcomer: Callable[[str], None] | None = None,
         first_quorum_replicas: int = 0,
         first_quorum_timeout_s: float = 0.0,
+        fenced: Iterable[str] = (),
+        last_quorum: Sequence[str] = (),
+        resumed: bool = False,
+        quorum_id_lease: int = 1,
+        on_lease: Callable[[QuorumSnapshot], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.opts = rule.QuorumOpts(
             min_replicas=min_replicas,
@@ -120,13 +137,28 @@ class TreeQuorum:
         self.ticks = 0  # how many times the ticker ran the rule (a test counts them)
         # A restarted service continues the quorum ids: torchft keys each quorum's rendezvous
         # in the group stores by its id, and a reused id would meet the old quorum's addresses.
+        prev = rule.Quorum(
+            quorum_id=quorum_id, members=tuple(rule.Member(replica_id=r) for r in last_quorum)
+        )
         self._state = rule.QuorumState(
             highest_step=highest_step,
             reported=rule._frozen(dict(reported or {})),
             quorum_id=quorum_id,
+            fenced=frozenset(fenced),
+            prev_quorum=prev if last_quorum else None,
         )
         for replica, incarnation in (incarnations or {}).items():
             self._state, _ = rule.admit(self._state, replica, incarnation)
+        # Durable state (class doc): every id issued is below the lease the file holds.
+        self._lease = quorum_id_lease
+        self._on_lease = on_lease
+        self._on_change = on_change
+        self._lease_failing = False
+        # After a resume: members whose saved step is only a lower bound, and until when one
+        # that shows no sign of life still holds the quorum up.
+        self._unheard = set(self._state.reported) if resumed else set()
+        self._unheard_until = time.monotonic() + join_timeout_s
+        self._veto_wake: float | None = None  # when the ticker must look at them again
         # Issued quorums, newest last, with a sequence number so a waiter sees each one once,
         # and the reply, encoded once for all its N participants (each reply lists all N).
         self._issued: deque[tuple[int, rule.Quorum, bytes]] = deque(maxlen=256)
@@ -134,6 +166,8 @@ class TreeQuorum:
         self._reason = ""
         self._closed = False
 
+        self._bind_host = bind_host
+        self.address = f"http://{bind_host}:{port}"  # a resumed service's requests come at once
         self._server, self.address = lighthouse_server(
             bind_host=bind_host,
             port=port,
@@ -170,6 +204,8 @@ class TreeQuorum:
         """The whole job restarts from a checkpoint: committing earlier steps again is meant."""
         with self._cond:
             self._state = rule.job_restarted(self._state)
+            self._unheard.clear()
+            self._changed()
 
     def admit(self, replica: int, incarnation: int | None = None) -> str:
         """Incarnation ``incarnation`` (default: the next one) of group ``replica`` is starting:
@@ -186,6 +222,8 @@ class TreeQuorum:
                     incarnation,
                     sorted(dropped),
                 )
+            self._forget_unheard_locked()
+            self._changed()
             self._tick_locked()
             self._cond.notify_all()  # fenced waiters end
         return rule.member_id(self.secret, replica, incarnation)
@@ -207,6 +245,8 @@ class TreeQuorum:
             self._state, dropped = rule.drop_failed(self._state, prefixes)
             if dropped:
                 log.info("tree quorum: replica %d failed, fenced %s", replica, sorted(dropped))
+            self._forget_unheard_locked()
+            self._changed()
             self._tick_locked()
             self._cond.notify_all()  # wake the dead group's own waiters so they end
         return sorted(dropped)
@@ -231,6 +271,30 @@ class TreeQuorum:
         with self._cond:
             return self._issued[-1][1] if self._issued else None
 
+    def snapshot(self) -> QuorumSnapshot:
+        """The durable part of the state (``harness.quorum.durable``)."""
+        with self._cond:
+            s = self._state
+            prev = s.prev_quorum.replica_ids if s.prev_quorum is not None else ()
+            return QuorumSnapshot(
+                host=self._bind_host,
+                port=int(self.address.rsplit(":", 1)[1]),
+                secret=self.secret,
+                incarnations=dict(s.incarnations),
+                fenced=s.fenced,
+                quorum_id_lease=self._lease,
+                last_quorum=prev,
+                highest_step=s.highest_step,
+                reported=dict(s.reported),
+                seq=next_seq(),
+            )
+
+    @property
+    def quorum_id_lease(self) -> int:
+        """Every quorum id issued is below this (and it is durable, given ``on_lease``)."""
+        with self._cond:
+            return self._lease
+
     def shutdown(self) -> None:
         """Stop serving; waiting quorum requests end with UNAVAILABLE. Idempotent."""
         with self._cond:
@@ -242,16 +306,77 @@ class TreeQuorum:
 
     # --- the rule, driven --------------------------------------------------------------------
 
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
     def _tick_locked(self) -> None:
-        self._state, quorum, reason = rule.tick(self._state, time.monotonic(), self.opts)
+        now = time.monotonic()
+        self._veto_wake = None
+        if self._unheard and self._state.participants:
+            self._state = rule.prune(self._state, now, self.opts)
+            if self._wait_unheard_locked(now):
+                return
+        state, quorum, reason = rule.tick(self._state, now, self.opts)
         if reason != self._reason:
             log.debug("tree quorum: %s", reason)
             self._reason = reason
+        if quorum is not None and not self._lease_locked(quorum.quorum_id):
+            return  # not durable: not issued (the next tick tries again)
+        self._state = state
         if quorum is not None:
+            self._changed()
             self._seq += 1
             self._issued.append((self._seq, quorum, encode_quorum_response(quorum, time.time())))
             log.info("tree quorum %d: %s", quorum.quorum_id, list(quorum.replica_ids))
             self._cond.notify_all()
+
+    def _lease_locked(self, quorum_id: int) -> bool:
+        """Make the lease cover ``quorum_id`` before it is issued; False if that failed."""
+        if self._on_lease is None:
+            return True
+        lease = next_lease(quorum_id, self._lease)
+        if lease is None:
+            return True
+        old, self._lease = self._lease, lease
+        try:
+            self._on_lease(self.snapshot())
+        except Exception as e:
+            self._lease = old
+            if not self._lease_failing:
+                log.error("tree quorum: cannot save quorum id lease %d, not issuing: %s", lease, e)
+            self._lease_failing = True
+            return False
+        self._lease_failing = False
+        return True
+
+    def _forget_unheard_locked(self) -> None:
+        """Members fenced (or forgotten by a job restart) hold nothing up any more."""
+        if self._unheard:
+            self._unheard.intersection_update(self._state.reported)
+
+    def _wait_unheard_locked(self, now: float) -> bool:
+        """Whether members the service knew before its resume still hold the quorum up (class
+        doc): those that neither joined nor were fenced and, past the join timeout, heartbeat."""
+        self._forget_unheard_locked()
+        if self._unheard and now >= self._unheard_until:
+            self._unheard &= rule.healthy_replicas(self._state, now, self.opts)
+        if not self._unheard:
+            return False
+        # What time alone changes now: the join timeout passing, then an unheard member's
+        # heartbeat going stale (the ticker sleeps until then, it does not poll).
+        beats = self._state.heartbeats
+        stale = min((beats[r] for r in self._unheard if r in beats), default=now)
+        self._veto_wake = (
+            self._unheard_until
+            if now < self._unheard_until
+            else stale + self.opts.heartbeat_timeout_s
+        )
+        self._reason = (
+            f"Waiting for {len(self._unheard)} member(s) known before the resume to report "
+            "their steps (they may have committed past the saved ones)"
+        )
+        return True
 
     def _run_ticker(self) -> None:
         # Stragglers and heartbeat expiry are time-driven: while a round is open, re-run the
@@ -266,7 +391,7 @@ class TreeQuorum:
                     return
                 self._tick_locked()
                 self.ticks += 1
-                wake_at = rule.next_change(self._state, self.opts)
+                wake_at = self._veto_wake or rule.next_change(self._state, self.opts)
                 timeout = None if wake_at is None else max(self._tick_s, wake_at - time.monotonic())
                 self._ticker_wake.wait(timeout)
 
@@ -341,7 +466,10 @@ class TreeQuorum:
         if self._on_newcomer and prev is not None and member.replica_id not in prev.id_set:
             self._on_newcomer(member.replica_id)
         self._state = rule.join(self._state, member, time.monotonic())
-        if rule.may_complete(self._state):
+        heard = bool(self._unheard) and member.replica_id in self._unheard
+        if heard:
+            self._unheard.discard(member.replica_id)
+        if rule.may_complete(self._state) or (heard and not self._unheard):
             self._tick_locked()
         if opens_round and self._state.participants:
             self._ticker_wake.notify()

@@ -45,7 +45,10 @@ def lighthouse_server(
         handlers=(handler,),
         options=(("grpc.so_reuseport", 0),),  # a second server on a taken port must fail
     )
-    bound = server.add_insecure_port(f"{bind_host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{bind_host}:{port}")
+    except RuntimeError as e:  # what grpcio does now (older ones returned 0)
+        raise OSError(f"{name}: cannot bind {bind_host}:{port}: {e}") from e
     if bound == 0:
         raise OSError(f"{name}: cannot bind {bind_host}:{port}")
     server.start()
