@@ -21,7 +21,9 @@ one ``selectors`` loop:
   cut-off host never trains on alone.
 
 A local agent also dies with the controller (PR_SET_PDEATHSIG). It is a child subreaper, so
-nothing below it escapes.
+nothing below it escapes. With survival on (``Boot.control_file``: a controller that can be
+replaced) it does neither: it keeps its workers for ``grace_s`` and re-dials the controller the
+run's control file names (``runtime.orphan``).
 
 Why this module is longer than 500 lines: it is the whole host agent process: its one selector loop
 over the controller's connection, the workers' heartbeats and the reaping of children, which share
@@ -44,15 +46,16 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
 import tenacity
 
-from runtime import channel, netaddr, proctree, sockets
+from runtime import channel, netaddr, orphan, proctree, sockets
 from runtime.actor import resolve
 from runtime.channel import FrameError
+from runtime.control_file import read_secret
 from runtime.messages import (
     WORKER_STARTED,
     AgentBeat,
@@ -95,6 +98,7 @@ class _Worker:
     popen: Any = None  # a program's Popen: kept so subprocess never reaps it behind our back
     group: int | None = None  # a program's replica group (its peers: runtime.sockets)
     unblocked: bool = False  # its group's survivors were unblocked already (once per death)
+    coords: dict[str, int] = field(default_factory=dict)  # as spawned (AgentReport)
 
 
 class Agent:
@@ -108,9 +112,16 @@ class Agent:
         self.hb_timeout = cfg.heartbeat_timeout_s
         self.connect_timeout = cfg.connect_timeout_s
         self.sel = selectors.DefaultSelector()
-        self.conn = conn
+        self.conn: channel.Connection | None = conn  # None while orphaned (runtime.orphan)
+        self.epoch = cfg.epoch  # the highest controller epoch served: never obey a lower one
+        self.survival = (
+            orphan.Survival(boot.control_file, boot.grace_s)
+            if boot.control_file and boot.grace_s > 0
+            else None
+        )
+        self.highest_proc = -1  # the highest N of the host/pN this agent was asked to start
         self.workers: dict[int, _Worker] = {}  # by pid
-        self.out = bytearray()  # frames not yet accepted by the kernel
+        self.out = orphan.FrameQueue()  # frames not yet accepted by the kernel
         self.wake_r, self.wake_w = socket.socketpair()
         self.next_agent_beat = 0.0
         self.last_heard = time.monotonic()
@@ -120,6 +131,7 @@ class Agent:
 
     # -- set-up ---------------------------------------------------------------------------
     def install(self) -> None:
+        assert self.conn is not None
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         self.conn.sock.setblocking(False)
@@ -156,10 +168,46 @@ class Agent:
 
     # -- the controller connection --------------------------------------------------------
     def _lost_controller(self, why: str) -> None:
-        log.warning("agent %s: %s; stopping workers", self.host, why)
-        self._stop_all_and_exit(3)
+        if self.survival is None:
+            log.warning("agent %s: %s; stopping workers", self.host, why)
+            self._stop_all_and_exit(3)
+            return
+        if self.conn is None:
+            return
+        log.warning(
+            "agent %s: %s; keeping %d worker(s) for up to %g s while a new controller is found",
+            self.host, why, len(self.workers), self.survival.grace_s,
+        )  # fmt: skip
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(self.conn.sock)
+        self.conn.close()
+        self.conn = None
+        self.survival.lose(time.monotonic(), self.out.take_unsent())
+
+    def _reattach(self) -> None:
+        """Orphaned: one try at the controller the control file names (``runtime.orphan``)."""
+        assert self.survival is not None
+        report = orphan.report(self.workers.values(), self.epoch, self.address, self.highest_proc)
+        got = self.survival.dial(self.host, self.secret, self.epoch, report)
+        if got is None:
+            return
+        conn, cfg, address = got
+        self.conn, self.controller_addr, self.epoch = conn, address, cfg.epoch
+        self.cfg = replace(cfg, preload=self.cfg.preload, warmup=self.cfg.warmup)
+        self.hb_interval, self.hb_timeout = cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s
+        self.last_heard = time.monotonic()
+        conn.sock.setblocking(False)
+        self.sel.register(conn.sock, selectors.EVENT_READ, ("controller", None))
+        log.warning("agent %s: serving the controller of epoch %d", self.host, cfg.epoch)
+        self._send(AgentReady(self.host, os.getpid(), self.address))
+        for msg in self.survival.attached():
+            self._send(msg)
+        socks = [w.hb for w in self.workers.values() if w.hb is not None]
+        orphan.tell_workers(socks, address, cfg.epoch)
 
     def _on_controller(self) -> None:
+        if self.conn is None:
+            return
         try:
             data = self.conn.sock.recv(1 << 16)
         except BlockingIOError:
@@ -171,9 +219,12 @@ class Agent:
             self._lost_controller("controller connection closed")
             return
         self.last_heard = time.monotonic()
-        self.conn.decoder.feed(data)
+        conn = self.conn
+        conn.decoder.feed(data)
         try:
-            for msg in self.conn.decoder.messages():
+            for msg in conn.decoder.messages():
+                if self.conn is not conn:
+                    return  # lost while handling the frames before: obey nothing after
                 self._handle(msg)
         except FrameError as exc:
             self._lost_controller(f"bad frame from the controller: {exc}")
@@ -181,19 +232,22 @@ class Agent:
     def _send(self, msg: Any) -> None:
         """Queue a frame and send what the socket takes now, never blocking: a stopped
         (SIGSTOPped) controller must not stop this loop from reaping and watching workers.
-        A controller that lets more than MAX_BACKLOG pile up counts as gone."""
-        self.out += self.conn.sealer.seal(channel.encode(msg))
-        if len(self.out) > MAX_BACKLOG:
+        A controller that lets more than MAX_BACKLOG pile up counts as gone. Orphaned, the
+        frame is kept for the next controller (``runtime.orphan``)."""
+        if self.conn is None:
+            assert self.survival is not None
+            self.survival.keep(msg)
+            return
+        self.out.push(msg, self.conn.sealer.seal(channel.encode(msg)))
+        if self.out.bytes > MAX_BACKLOG:
             self._lost_controller(f"controller not reading: over {MAX_BACKLOG} bytes queued")
         self._flush()
 
     def _flush(self) -> None:
+        if self.conn is None:
+            return
         try:
-            while self.out:
-                n = self.conn.sock.send(self.out)
-                del self.out[:n]
-        except BlockingIOError:
-            pass
+            self.out.send_some(self.conn.sock)
         except OSError as exc:
             self._lost_controller(f"send failed: {exc}")
             return
@@ -213,6 +267,7 @@ class Agent:
                 if any(g != replica for g in groups.values()):
                     self._unblock_survivors(replica, sockets.socket_fds(groups), groups)
             case Spawn(proc_id, coords, log_path, cold):
+                self.highest_proc = max(self.highest_proc, orphan.proc_number(proc_id))
                 pid = self._fork_worker(proc_id, coords, log_path, cold)
                 self._send(Spawned(proc_id, pid))
             case SpawnProgram():
@@ -249,7 +304,7 @@ class Agent:
                 signal.set_wakeup_fd(-1)
                 for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
-                for sock in (self.conn.sock, self.wake_r, self.wake_w, parent_hb,
+                for sock in (self.wake_r, self.wake_w, parent_hb, *self._conn_socks(),
                              *self.preflight.sockets()):  # fmt: skip
                     sock.close()
                 for w in self.workers.values():
@@ -274,6 +329,8 @@ class Agent:
                     heartbeat_interval_s=self.hb_interval,
                     connect_timeout_s=self.connect_timeout,
                     host_address=self.address,
+                    grace_s=self._grace_s(),
+                    epoch=self.epoch,
                 )
                 code = 0
             except BaseException:
@@ -284,20 +341,30 @@ class Agent:
         parent_hb.setblocking(False)
         # The first beat gets a full extra timeout of grace: a fork on a loaded host can be slow.
         w = _Worker(proc_id, pid, parent_hb, time.monotonic() + self.hb_timeout, started=not cold)
+        w.coords = dict(coords)
         self.workers[pid] = w
         self.sel.register(parent_hb, selectors.EVENT_READ, ("hb", w))
         return pid
 
+    def _conn_socks(self) -> list[socket.socket]:
+        return [self.conn.sock] if self.conn is not None else []
+
+    def _grace_s(self) -> float:
+        return self.survival.grace_s if self.survival is not None else 0.0
+
     def _start_program(self, msg: SpawnProgram) -> None:
         from runtime import program_proc
 
+        self.highest_proc = max(self.highest_proc, orphan.proc_number(msg.proc_id))
         extra = dict(self.net_env)
         group = msg.coords.get("replica")
         if msg.warm:
-            socks = [self.conn.sock, self.wake_r, self.wake_w, *self.preflight.sockets()]
+            socks = [*self._conn_socks(), self.wake_r, self.wake_w, *self.preflight.sockets()]
             socks += [w.hb for w in self.workers.values() if w.hb is not None]
             pid = program_proc.fork_program(msg, extra, [s.fileno() for s in socks])
-            self.workers[pid] = _Worker(msg.proc_id, pid, None, 0.0, group=group)
+            self.workers[pid] = _Worker(
+                msg.proc_id, pid, None, 0.0, group=group, coords=dict(msg.coords)
+            )
             self._send(Spawned(msg.proc_id, pid))
             return
         try:
@@ -307,7 +374,7 @@ class Agent:
             self._send(Exited(msg.proc_id, 0, program_proc.NOT_STARTED, time.time()))
             return
         self.workers[popen.pid] = _Worker(
-            msg.proc_id, popen.pid, None, 0.0, popen=popen, group=group
+            msg.proc_id, popen.pid, None, 0.0, popen=popen, group=group, coords=dict(msg.coords)
         )
         self._send(Spawned(msg.proc_id, popen.pid))
 
@@ -324,6 +391,8 @@ class Agent:
             "heartbeat_interval_s": self.hb_interval,
             "connect_timeout_s": self.connect_timeout,
             "host_address": self.address,
+            "grace_s": self._grace_s(),
+            "epoch": self.epoch,
             "preload": list(self.cfg.preload),
             "sys_path": sys.path,
         }
@@ -455,6 +524,12 @@ class Agent:
                 w.hung_reported = True
                 t_last = time.time() - silent
                 self._send(Hung(w.proc_id, w.pid, silent, t_last))
+        if self.survival is not None and self.conn is None:
+            if self.survival.expired(now):  # said why
+                self._stop_all_and_exit(3)
+            if self.survival.due(now):
+                self._reattach()
+            return
         silent = now - self.last_heard
         if silent > self.cfg.controller_silence_s:
             self._lost_controller(f"no frame from the controller for {silent:.1f} s (fencing)")
@@ -487,6 +562,10 @@ class Boot:
     parent_pid: int | None = None  # a local agent dies with its controller
     sys_path: tuple[str, ...] = ()
     advertise: str | None = None  # the address other hosts reach this one at (default: see dial)
+    # Survival (runtime.orphan): the run's control file, and how long to keep the workers
+    # without a controller; None or 0: die with the controller / fence as before.
+    control_file: str | None = None
+    grace_s: float = 0.0
 
 
 def dial(boot: Boot, timeout_s: float) -> channel.Connection:
@@ -555,28 +634,6 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
     agent.serve()
 
 
-def read_secret(path: str) -> bytes:
-    """The job secret (hex) from ``path`` (``-``: stdin). A file anyone but its owner can read,
-    or that another user owns, is refused: the secret is the job's only credential."""
-    if path == "-":
-        text = sys.stdin.readline()
-    else:
-        st = os.stat(path)
-        if st.st_mode & 0o077:
-            raise PermissionError(
-                f"{path} is readable by others (mode {st.st_mode & 0o777:o}): "
-                f"the job secret must be mode 0600 (chmod 600 {path})"
-            )
-        if st.st_uid != os.geteuid():
-            raise PermissionError(f"{path} belongs to another user (uid {st.st_uid})")
-        with open(path) as f:
-            text = f.read()
-    try:
-        return bytes.fromhex(text.strip())
-    except ValueError:
-        raise ValueError(f"{path}: not a hex secret") from None
-
-
 def cli(args: Any) -> int:
     """``ftharness agent``: this host's agent for a controller elsewhere."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -626,6 +683,8 @@ def main() -> None:
             parent_pid=raw.get("parent_pid"),
             sys_path=tuple(raw.get("sys_path", ())),
             advertise=raw.get("advertise"),
+            control_file=raw.get("control_file"),
+            grace_s=float(raw.get("grace_s", 0.0)),
         ),
         float(raw.get("dial_timeout_s", 60.0)),
     )

@@ -15,6 +15,12 @@ It owns every listener and thread of the control plane:
 * one supervision thread that hands each failure, in order, to the supervisor owning the
   process (or to the root handler), so restart decisions never race each other.
 
+With a control file (``runtime.control_file``) the controller can be replaced: it writes its
+address and epoch there once it serves, its agents and workers outlive it for
+``spec.controller_grace_s`` (``runtime.orphan``), and a takeover controller (``takeover=True``,
+the next epoch) inherits them (``runtime.takeover``). A controller that finds a newer epoch in
+the file exits before it acts on anything (``runtime.takeover.Succession``).
+
 Why this module is longer than 500 lines: it owns the control plane's one locked table of processes,
 calls and hosts; the listener, the host registry and the call table are modules of their own
 (``runtime.listener``, ``runtime.host_registry``, ``runtime.proc_handle``), and what remains here
@@ -32,7 +38,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +52,7 @@ from runtime.launchers import Launcher, LocalLauncher
 from runtime.listener import Listener
 from runtime.mesh import ProcMesh, ProcRef
 from runtime.messages import (
+    AgentReport,
     Event,
     Exited,
     HelloAgent,
@@ -59,6 +66,7 @@ from runtime.messages import (
     SpawnProgram,
     StopProc,
     SysCall,
+    Welcome,
 )
 from runtime.plane import Owner
 from runtime.preflight_matrix import PreflightBoard
@@ -67,6 +75,7 @@ from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
 from runtime.states import ProcState, check_transition
 from runtime.supervisor import Handler, Supervisor
+from runtime.takeover import Inheritance, Succession
 from runtime.worker import EXIT_ACTOR_CRASHED
 
 log = logging.getLogger("ftharness.controller")
@@ -83,8 +92,15 @@ class Controller:
         on_failure: Handler | None = None,
         secret: bytes | None = None,
         launcher: Launcher | None = None,
+        control_file: str | os.PathLike[str] | None = None,
+        epoch: int | None = None,
+        takeover: bool = False,
     ) -> None:
         self.spec = spec or ControllerSpec()
+        self.succession = Succession(control_file, epoch, takeover, self.spec.controller_grace_s)
+        self.epoch = self.succession.epoch
+        if journal is not None and journal.fence is None:
+            journal.fence = self.succession.fence  # a replaced controller never appends
         self.launcher: Launcher = launcher or LocalLauncher()
         self.journal = journal
         self.on_failure = on_failure
@@ -96,9 +112,10 @@ class Controller:
         self.fatal: Failure | None = None
         self.fatal_event = threading.Event()
         self._failure_listeners: list[Callable[[Failure], None]] = []
-        self._calls = CallTable()
+        self._calls = CallTable(first=((self.epoch - 1) << 32) + 1)  # ids unique across epochs
         self.preflight = PreflightBoard()  # the agents' answers (runtime.preflight_matrix)
         self._lock = threading.RLock()
+        self.inherited = Inheritance(self.procs, self._lock, self._calls)  # runtime.takeover
         # (failure, its owner or None for the root, the failed process if any)
         self._queue: queue.Queue[tuple[Failure, Owner | None, ProcRecord | None] | None] = (
             queue.Queue()
@@ -122,6 +139,7 @@ class Controller:
             (self._monitor_loop, "monitor"),
         ):
             self._thread(target, name)
+        self.succession.announce(self.address)  # serving: agents may find us now
 
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
         """A long-lived control-plane thread (see :meth:`_guarded`)."""
@@ -204,6 +222,27 @@ class Controller:
                 self.preflight.deliver(h.name, msg)
             case _:
                 raise channel.FrameError(f"agent {h.name} sent {msg!r:.80}")
+
+    def on_agent_report(self, h: HostAgentHandle, report: AgentReport) -> None:
+        self.inherited.on_report(h, report)
+
+    # -- a takeover's inheritance (runtime.takeover.Inheritance says what each does) ------------
+    def reattach(self, names: Iterable[str], timeout_s: float) -> dict[str, AgentReport]:
+        return self.inherited.reattach(names, timeout_s)
+
+    def open_calls(self, proc_id: str) -> dict[int, tuple[str, str]]:
+        return self.inherited.open_calls(proc_id)
+
+    def open_call(self, proc_id: str, call_id: int) -> cf.Future:
+        return self.inherited.open_call(proc_id, call_id)
+
+    def adopt(self, proc_ids: Iterable[str], owner: Owner | None = None) -> None:
+        """Inherited processes get ``owner`` (default: the one this thread spawns for, see
+        :meth:`owning`; none: the root), and their failures held until now go to it."""
+        if owner is None:
+            owner = getattr(self._owner, "value", None)
+        for item in self.inherited.adopt(proc_ids, owner):
+            self._queue.put(item)
 
     def on_host_lost(self, h: HostAgentHandle, why: str) -> None:
         """``h`` was declared lost (by the host table): every process on it failed."""
@@ -338,6 +377,7 @@ class Controller:
         self, proc_ids: list[str], grace_s: float | None = None, wait: bool = True
     ) -> None:
         """SIGTERM -> grace -> SIGKILL each process tree; their exits are not failures."""
+        self.succession.check("stopping processes")
         grace = 2.0 if grace_s is None else grace_s
         waiting: list[ProcRecord] = []
         for proc_id in proc_ids:
@@ -379,21 +419,24 @@ class Controller:
                 raise channel.FrameError(f"expected HelloWorker or HelloAgent, got {hello!r:.80}")
             with self._lock:
                 rec = self.procs.get(hello.proc_id)
+            redial = hello.epoch_seen > 0  # a worker of a previous controller (runtime.takeover)
+            if rec is None and redial:
+                rec = self.inherited.wait_record(hello.proc_id, self.spec.connect_timeout_s)
             if rec is None:
                 raise channel.FrameError(f"unknown worker {hello.proc_id!r}")
+            conn.send(Welcome(self.epoch))
             rec.pid, rec.conn = hello.pid, conn
-            with self._lock:
-                if rec.state is ProcState.SPAWNING:
-                    rec.state = ProcState.RUNNING
-            self.emit(
-                PROC_START,
-                proc=rec.ref.proc_id,
-                host=rec.host.name,
-                pid=rec.pid,
-                spare=rec.spare,
-                **rec.ref.coords,
-            )
-            rec.ready.set_result(rec.pid)
+            if redial:
+                self.inherited.on_worker(rec, hello)
+            else:
+                with self._lock:
+                    if rec.state is ProcState.SPAWNING:
+                        rec.state = ProcState.RUNNING
+                self.emit(
+                    PROC_START, proc=rec.ref.proc_id, host=rec.host.name, pid=rec.pid,
+                    spare=rec.spare, **rec.ref.coords,
+                )  # fmt: skip
+                rec.ready.set_result(rec.pid)
             while True:
                 msg = conn.recv()
                 try:
@@ -406,7 +449,7 @@ class Controller:
             if not isinstance(exc, channel.ChannelError) or isinstance(exc, channel.FrameError):
                 log.warning("controller: dropping connection: %s", exc)
             conn.close()
-            if rec is not None:
+            if rec is not None and rec.conn is conn:
                 rec.conn = None
                 lost = ProcFailedError(f"{rec.ref.proc_id}: connection lost")
                 if rec.state is ProcState.RUNNING:
@@ -423,7 +466,7 @@ class Controller:
             case Result(call_id, ok, value):
                 if not ok:
                     rec.last_error = value
-                fut = self._calls.pop(rec, call_id)
+                fut = self._calls.pop_or_keep(rec, call_id)
                 if fut is None:
                     return
                 if ok:
@@ -439,6 +482,7 @@ class Controller:
     def request(self, proc_id: str, kind: type[Request], **fields: Any) -> cf.Future:
         """Send ``kind(call_id=..., **fields)`` to a worker; the future gets its result (or a
         RemoteError, or ProcFailedError if the process fails first)."""
+        self.succession.check("sending a request")
         with self._lock:
             rec = self.procs.get(proc_id)
             refused: BaseException | None = None
@@ -536,7 +580,9 @@ class Controller:
                 rec.host.conn.send(StopProc(proc_id, 0.0))
 
     def _fail(self, rec: ProcRecord, failure: Failure) -> bool:
-        """Move ``rec`` to FAILED and queue the failure for its owner (once)."""
+        """Move ``rec`` to FAILED and queue the failure for its owner (once; an inherited
+        process's waits for :meth:`adopt`)."""
+        self.succession.check("handling a failure")
         with self._lock:
             if not check_transition(rec.state, ProcState.FAILED):
                 return False
@@ -558,7 +604,8 @@ class Controller:
                 fn(failure)
             except Exception:
                 log.exception("failure listener raised")
-        self._queue.put((failure, rec.owner, rec))
+        if not self.inherited.hold(rec, failure):
+            self._queue.put((failure, rec.owner, rec))
         return True
 
     def add_failure_listener(self, fn: Callable[[Failure], None]) -> None:
@@ -631,11 +678,13 @@ class Controller:
     def _monitor_loop(self) -> None:
         while not self.closed:
             time.sleep(self.spec.agent_heartbeat.interval_s / 2)
+            self.succession.check("checking its hosts")
             self.host_table.beat_and_check()
 
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Stop every process and agent; nothing is left running after this returns."""
+        self.succession.check("shutting the run down")  # a replaced controller's agents are not its
         with self._lock:
             if self.closed:
                 return

@@ -28,6 +28,7 @@ from runtime.messages import (
     AgentBeat,
     AgentConfig,
     AgentReady,
+    AgentReport,
     ControllerBeat,
     DropConnections,
     HelloAgent,
@@ -35,6 +36,7 @@ from runtime.messages import (
 )
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec
+from runtime.takeover import Succession
 
 log = logging.getLogger("ftharness.controller")
 
@@ -52,6 +54,8 @@ class HostOwner(Protocol):
     secret: bytes
     address: tuple[str, int]
     closed: bool
+    epoch: int
+    succession: Succession
 
     def spawn_many(self, requests: Any, *, log_dir: Any = None, cold: bool = False) -> Any: ...
 
@@ -60,6 +64,8 @@ class HostOwner(Protocol):
     def on_agent_message(self, h: HostAgentHandle, msg: Any) -> None: ...
 
     def on_host_lost(self, h: HostAgentHandle, why: str) -> None: ...
+
+    def on_agent_report(self, h: HostAgentHandle, report: AgentReport) -> None: ...
 
     def guarded(self, target: Callable[..., None], name: str, *args: Any) -> None: ...
 
@@ -88,6 +94,7 @@ class HostTable:
             "secret": o.secret.hex(),
             "sys_path": [p for p in sys.path if p],
             "dial_timeout_s": o.spec.connect_timeout_s + 30.0,
+            **o.succession.boot_settings(),  # control_file, grace_s: outlive this controller
         }
 
     def expect(self, names: list[str]) -> dict[str, cf.Future]:
@@ -115,6 +122,13 @@ class HostTable:
                 f"within {timeout_s:g} s"
             )
         return [self.hosts[n] for n in names]
+
+    def reserve_proc_numbers(self, name: str, highest: int) -> None:
+        """Number host ``name``'s next processes past ``highest`` (``name/pN``): a takeover
+        controller restarting a host whose agent never re-dialled knows from the journal which
+        numbers a previous controller used there."""
+        with self._lock:
+            self._proc_numbers[name] = itertools.count(highest + 1)
 
     def start(self, name: str) -> HostAgentHandle:
         """Start ``name``'s agent through the launcher and wait for it to dial in (call from the
@@ -171,6 +185,8 @@ class HostTable:
                     del self._dialling[name]
         if old is not None and old.conn is not None:
             _retire(old.conn)  # lost already (else we had refused): its agent must stop
+        if hello.report is not None:  # a previous controller's agent: its workers are ours now
+            self._owner.on_agent_report(h, hello.report)
         if fut is not None and not fut.done():
             fut.set_result(h)
         self._owner.guarded(self._serve, f"agent-{name}", h)
@@ -194,7 +210,9 @@ class HostTable:
                 f"{time.monotonic() - known.last_beat:.1f} s ago); this one (pid {hello.pid}) "
                 "is refused: one agent per host, and the running one keeps it"
             )
-        if known is None and name not in self._expected:
+        if known is None and name not in self._expected and hello.report is None:
+            # An agent with a report outlived the controller before us: it holds the job
+            # secret, and a takeover controller knows its hosts only from them.
             raise channel.FrameError(f"unexpected host agent {name!r}")
         return None
 
@@ -220,6 +238,7 @@ class HostTable:
                 start_timeout_s=spec.spawn_timeout_s,
                 network_interface=spec.network_interface,
                 network_cidr=spec.network_cidr,
+                epoch=self._owner.epoch,
             )
         )
         conn.sock.settimeout(spec.connect_timeout_s + 30.0)
@@ -233,8 +252,13 @@ class HostTable:
         h = HostAgentHandle(self._owner, hello.host, pool, self._owner.launcher)
         # Process ids stay unique for the whole job: a host's new agent (after an eviction or a
         # partition) continues its predecessor's numbering instead of reusing host1/p0...
+        first = hello.report.highest_proc + 1 if hello.report is not None else 0
         with self._lock:
-            h.proc_numbers = self._proc_numbers.setdefault(hello.host, itertools.count())
+            h.proc_numbers = self._proc_numbers.setdefault(hello.host, itertools.count(first))
+        if hello.report is not None:  # not our child: stopped and killed by its pid
+            adopt = getattr(self._owner.launcher, "adopt", None)
+            if adopt is not None:
+                adopt(hello.host, ready.pid)
         h.conn, h.pid, h.address = conn, ready.pid, ready.address
         h.last_beat = time.monotonic()
         return h
@@ -262,6 +286,7 @@ class HostTable:
         launcher can (a frozen agent must not train on), have every other host close its
         connections to it (a collective blocked on it fails now, not at its timeout), and fail
         its processes."""
+        self._owner.succession.check(f"declaring host {h.name} lost")
         with self._lock:
             if h.lost or self._owner.closed:
                 return

@@ -59,6 +59,13 @@ Event names and their extra fields:
                           ``rollback_to`` (harness/job/silent.py)
 ``straggler``             ``replica``, ``action`` (``flagged`` | ``cleared`` | ``ejected``),
                           ``ratio``, ``group_s``, ``others_s``, ``step``
+``group.start``           ``replica``, ``incarnation``, ``host``, ``procs`` (proc ids by rank),
+                          ``seq`` (1, 2, ... per controller), ``epoch`` (the controller's),
+                          ``mac`` (HMAC of those fields with the job secret): a replica group
+                          started; what a new controller adopts (harness/job/takeover.py)
+``controller.takeover``   ``epoch``, ``pid``, ``hosts`` (agents that re-attached), ``lost``,
+                          ``reattach_s``, ``groups``; then one per group: ``replica``,
+                          ``adopted`` (bool), ``procs`` or ``reason``
 ``preflight``             ``status`` (``ok`` | ``failed`` | ``skipped``), ``reason``, ``seconds``
                           (the matrix's wall time), ``hosts``, ``paths``, ``failed`` (paths),
                           ``matrix`` (one dict per path: ``src``, ``dst``, ``address``,
@@ -100,6 +107,8 @@ BITFLIP = "fault.bitflip"
 SILENT_DIVERGENCE = "silent.divergence"
 STRAGGLER = "straggler"
 PREFLIGHT = "preflight"
+GROUP_START = "group.start"
+CONTROLLER_TAKEOVER = "controller.takeover"
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")
@@ -114,6 +123,11 @@ class Journal:
     ``sinks`` get every record after it is written (telemetry exporters, progress displays);
     a sink that raises is dropped from the list rather than breaking the run.
 
+    ``fence`` (``runtime.control_file.EpochFence``) is asked before every record: once it says
+    False, a newer controller has taken the run over, and this process exits at once (status
+    75) without writing: a replaced controller that comes back must not append to the journal
+    its successor continues.
+
     Failure contract: :meth:`emit` never raises because the disk did (a full disk, an I/O
     error): the record is lost, the first such error is kept in :attr:`error`, said once on
     stderr, and passed to every :meth:`on_error` listener (the job subscribes and ends with a
@@ -127,9 +141,17 @@ class Journal:
     of our own is ended the same way before the next record. The file is created ``0600``.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, job: str, **stamp: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        job: str,
+        fence: Callable[[], bool] | None = None,
+        **stamp: Any,
+    ) -> None:
         self.path = Path(path) if path is not None else None
         self.job = job
+        self.fence = fence
         self.stamp = dict(stamp)
         self.error: OSError | None = None
         self.lost = 0
@@ -165,6 +187,8 @@ class Journal:
         record.update(fields)
         first_error: OSError | None = None
         with self._lock:
+            if self.fence is not None and not self.fence():
+                _fenced_out(self.path, event)
             if self._fd is not None:
                 line = (json.dumps(record, default=str) + "\n").encode()
                 try:
@@ -222,6 +246,23 @@ class Journal:
                 except OSError as exc:
                     if self.error is None:
                         self.error = exc
+
+
+def _fenced_out(path: Path | None, event: str) -> None:
+    """This process's controller was replaced (a takeover): it must never append to the run's
+    journal again, nor do anything else; say so and exit at once, before writing ``event``."""
+    with contextlib.suppress(OSError, ValueError):
+        print(
+            f"ftharness: journal {path}: a newer controller serves this run; this one "
+            f"(pid {os.getpid()}) exits without writing {event!r}",
+            file=sys.stderr,
+            flush=True,
+        )
+    os._exit(EXIT_FENCED)
+
+
+#: The exit status of a replaced controller (EX_TEMPFAIL; runtime.control_file.EXIT_SUPERSEDED).
+EXIT_FENCED = 75
 
 
 def _call_quietly(listener: Callable[[OSError], None], exc: OSError) -> None:

@@ -10,9 +10,10 @@ authenticated handshake):
   :class:`SpawnProgram`, :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`,
   :class:`DropConnections`, :class:`UnblockPeers`, and the preflight's
   :class:`PreflightCommand` kinds (``runtime.preflight``);
-* controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame),
-  :class:`SpawnActor`, :class:`CallEndpoint` and :class:`SysCall` (requests, each with a
-  ``call_id``), and back :class:`Result` and :class:`Event` (a journal record).
+* controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame), then
+  :class:`Welcome` (the controller's epoch), :class:`SpawnActor`, :class:`CallEndpoint` and
+  :class:`SysCall` (requests, each with a ``call_id``), and back :class:`Result` and
+  :class:`Event` (a journal record).
 
 Receivers dispatch with ``match`` on the type; anything else is a malformed message (the receiver
 drops that peer, see ``runtime.channel.FrameError``). Messages are frozen dataclasses: adding a
@@ -55,6 +56,9 @@ class AgentConfig:
     # (runtime.netaddr.choose); empty: the address its connection to the controller leaves from.
     network_interface: str = ""
     network_cidr: str = ""
+    # The controller's epoch (runtime.control_file): an agent obeys only the highest it has
+    # seen, and refuses a controller of a lower one (an old controller that came back).
+    epoch: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +128,37 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
+class ReportedWorker:
+    """A live worker (or program) of an agent that re-dials a new controller: ``coords`` as
+    spawned (a spare adopted since says its current ones when it re-dials itself)."""
+
+    proc_id: str
+    pid: int
+    coords: dict[str, int]
+    spare: bool = False
+    program: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AgentReport:
+    """What an agent that outlived its controller tells the next one: its live workers, the
+    epoch it last served, its advertised address, and the highest process number it ever
+    spawned (``host/pN``: a new controller numbers past it, so no process id is reused)."""
+
+    workers: tuple[ReportedWorker, ...]
+    epoch: int
+    address: str
+    highest_proc: int = -1
+
+
+@dataclass(frozen=True, slots=True)
 class HelloAgent:
-    """The agent of host ``host`` dialled in (``pid`` on its own machine)."""
+    """The agent of host ``host`` dialled in (``pid`` on its own machine); ``report`` when it
+    re-dials a new controller after losing its own (``runtime.orphan``)."""
 
     host: str
     pid: int
+    report: AgentReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +207,23 @@ class AgentBeat:
 
 @dataclass(frozen=True, slots=True)
 class HelloWorker:
+    """A worker dialled in. Re-dialling a new controller (``epoch_seen`` > 0) it also says its
+    current coordinates and the calls it has not answered yet, ``(call_id, actor, method)``
+    each (a SysCall's actor is "" and its method the function's wire name)."""
+
     proc_id: str
     pid: int
+    epoch_seen: int = 0
+    coords: dict[str, int] | None = None
+    open_calls: tuple[tuple[int, str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """controller -> worker, the answer to HelloWorker: the controller's epoch. A worker
+    closes a connection whose epoch is below the highest it has seen."""
+
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)

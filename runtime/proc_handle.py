@@ -40,16 +40,24 @@ class ProcRecord:
     last_error: tuple[str, str, str] | None = None  # the last error reply: a crash's cause
     program: bool = False  # a program of the user's own (runtime.program_proc), not a worker
     finished: cf.Future = field(default_factory=cf.Future)  # a program's clean exit (code 0)
+    # A process a takeover controller inherited (runtime.takeover): its failures wait for an
+    # owner (Controller.adopt); and the calls of the previous controller it has not answered
+    # yet, call id -> (actor, method), as it said when it re-dialled.
+    inherited: bool = False
+    open_calls: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 class CallTable:
     """Futures of calls in flight, by call id and by process; thread-safe. Every future ends:
     with its reply, or with the process's failure, or with the job's."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int = 1) -> None:
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self.first = first  # ids below it are a previous controller's (a takeover's epoch)
+        self._ids = itertools.count(first)
         self._calls: dict[int, cf.Future] = {}
+        # A previous controller's calls whose result came before anyone claimed it (claim)
+        self._early: dict[int, cf.Future] = {}
 
     def open(self, rec: ProcRecord) -> tuple[int, cf.Future]:
         fut: cf.Future = cf.Future()
@@ -63,6 +71,27 @@ class CallTable:
         with self._lock:
             rec.pending.discard(call_id)
             return self._calls.pop(call_id, None)
+
+    def pop_or_keep(self, rec: ProcRecord, call_id: int) -> cf.Future | None:
+        """The future a result for ``call_id`` completes: a call of ours, or one of a previous
+        controller (below ``first``) that :meth:`claim` gets later, once; None for neither."""
+        with self._lock:
+            rec.pending.discard(call_id)
+            fut = self._calls.pop(call_id, None)
+            if fut is None and call_id < self.first:
+                fut = self._early.setdefault(call_id, cf.Future())
+            return fut
+
+    def claim(self, rec: ProcRecord, call_id: int) -> cf.Future:
+        """The future of call ``call_id`` a previous controller made to ``rec``: done at once
+        if its result came already, else when it comes (or when ``rec`` fails)."""
+        with self._lock:
+            early = self._early.pop(call_id, None)
+            if early is not None:
+                return early
+            fut = self._calls.setdefault(call_id, cf.Future())
+            rec.pending.add(call_id)
+            return fut
 
     def fail_for(self, rec: ProcRecord, exc: BaseException) -> None:
         """Fail every call waiting on ``rec``."""

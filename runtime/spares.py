@@ -62,6 +62,12 @@ class SparePool:
             if rec.state is ProcState.RUNNING and self._adopt(rec, coords, owner):
                 return rec
 
+    def add_idle(self, rec: Any) -> None:
+        """An idle worker this pool did not fork (a takeover inherited it): adoptable too."""
+        with self._lock:
+            if rec not in self.idle:
+                self.idle.append(rec)
+
     def forget(self, rec: Any) -> None:
         """An idle spare failed: it is no longer available."""
         with self._lock, contextlib.suppress(ValueError):

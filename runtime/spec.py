@@ -88,6 +88,9 @@ class ControllerSpec:
     # An agent that hears nothing from the controller this long fences itself (stops its
     # workers, exits): a partitioned host must not train on alone.
     controller_silence_s: float = 10.0
+    # With a control file (runtime.control_file): how long agents and workers carry on without
+    # a controller, waiting for a new one to take over (runtime.orphan); 0: they stop with it.
+    controller_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.call_timeout_s <= 0 or self.spawn_timeout_s <= 0:
@@ -95,6 +98,10 @@ class ControllerSpec:
         if self.max_pending_handshakes < 1:
             raise SpecError(
                 f"max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}"
+            )
+        if not 0 <= self.controller_grace_s <= 7 * 24 * 3600.0:  # False for NaN too
+            raise SpecError(
+                f"controller_grace_s must be >= 0 and at most a week, got {self.controller_grace_s}"
             )
         if self.controller_silence_s <= self.agent_heartbeat.interval_s:
             raise SpecError(

@@ -11,10 +11,19 @@ milliseconds. Threads:
 
 The worker exits when the controller connection or the agent heartbeat pipe closes, and the
 kernel kills it when the agent dies (PR_SET_PDEATHSIG), so it never outlives its supervisors.
+
+With survival on (``grace_s`` > 0: its agent outlives a lost controller, ``runtime.orphan``) a
+lost controller connection does not end the worker: what it sends (results, journal events) is
+kept, in order, until its agent says where the next controller is (a line on the heartbeat
+socketpair); it then drops the old connection (even one still open: a stopped old controller),
+dials the new one, says which calls it has not answered (``HelloWorker.open_calls``) and sends
+what it kept. A controller whose epoch (``Welcome``) is below the highest seen is dropped. Past
+``grace_s`` with no controller it exits as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -31,16 +40,22 @@ from runtime.channel import ChannelError, Connection, FrameError, connect, encod
 from runtime.messages import (
     WORKER_STARTED,
     CallEndpoint,
+    Event,
     HelloWorker,
     Result,
     SpawnActor,
     SysCall,
+    Welcome,
 )
+from runtime.orphan import parse_redial
 
 log = logging.getLogger(__name__)
 
 EXIT_ORPHANED = 70  # the controller or agent went away
 EXIT_ACTOR_CRASHED = 71  # a supervised endpoint raised (see runtime.actor.endpoint)
+#: Bytes of journal events kept while no controller is connected; past it new events are
+#: dropped (results never are): minutes of a training loop's events, far past any grace.
+MAX_KEPT_BYTES = 64 << 20
 
 
 def _heartbeat_loop(sock: socket.socket, interval_s: float) -> None:
@@ -67,6 +82,8 @@ def worker_main(
     connect_timeout_s: float,
     host_address: str = "127.0.0.1",
     start_heartbeat: bool = True,
+    grace_s: float = 0.0,
+    epoch: int = 0,
 ) -> None:
     """Serve actors until told to stop; never returns normally (the caller ``os._exit``s)."""
     if start_heartbeat:
@@ -77,17 +94,19 @@ def worker_main(
             name="ftharness-heartbeat",
         ).start()
 
-    conn = connect(controller_addr, secret, connect_timeout_s)
-    outbox = _Outbox(conn)
+    global _link
+    link = _link = _Link(grace_s, epoch)
+    running: dict[int, tuple[str, str]] = {}  # call id -> (actor, method): not answered yet
+    outbox = _Outbox(link, running)
     ctx = actor_mod.WorkerContext(proc_id, coords, outbox.put, host_address)
     actor_mod._set_context(ctx)
     inbox: queue.Queue[SpawnActor | CallEndpoint] = queue.Queue()
 
     def reply(call_id: int, ok: bool, value: Any) -> None:
         try:
-            outbox.put(Result(call_id, ok, value))
+            outbox.put(Result(call_id, ok, value), call_id)
         except Exception as exc:  # the value did not pickle, or is over the frame limit
-            outbox.put(Result(call_id, False, ("UnsendableResult", repr(exc)[:2000], "")))
+            outbox.put(Result(call_id, False, ("UnsendableResult", repr(exc)[:2000], "")), call_id)
 
     def run_sys(call: SysCall) -> None:
         try:
@@ -95,18 +114,28 @@ def worker_main(
         except Exception as exc:
             reply(call.call_id, False, _error_payload(exc))
 
-    def receive() -> None:
+    def receive(conn: Connection) -> None:
         while True:
             try:
                 msg = conn.recv()
             except ChannelError as exc:
                 if isinstance(exc, FrameError):
                     log.error("worker %s: bad frame from the controller: %s", proc_id, exc)
-                os._exit(EXIT_ORPHANED)  # the controller is gone: do not outlive it
+                link.lost(conn)  # exits, unless the worker survives its controller
+                return
+            if not link.is_current(conn):
+                return  # a connection this worker left: obey nothing more from it
             match msg:
+                case Welcome(epoch):
+                    if not link.welcome(conn, epoch):
+                        return
                 case SysCall():
+                    with link.lock:
+                        running[msg.call_id] = ("", msg.func)
                     threading.Thread(target=run_sys, args=(msg,), daemon=True).start()
                 case SpawnActor() | CallEndpoint():
+                    with link.lock:
+                        running[msg.call_id] = _endpoint(msg)
                     inbox.put(msg)
                 case _:
                     # A bug on the controller's side, never silent: say so, and refuse it.
@@ -115,8 +144,35 @@ def worker_main(
                     if isinstance(call_id, int):
                         reply(call_id, False, ("ValueError", f"malformed message {msg!r:.80}", ""))
 
-    threading.Thread(target=receive, daemon=True, name="ftharness-receiver").start()
-    outbox.put(HelloWorker(proc_id, os.getpid()))
+    def dial(address: tuple[str, int], hello: HelloWorker) -> None:
+        try:
+            conn = connect(address, secret, connect_timeout_s)
+            conn.send(hello)  # the first frame, before anything the outbox kept
+        except ChannelError as exc:
+            if not link.survive:
+                raise
+            log.warning("worker %s: cannot reach the controller at %s: %s", proc_id, address, exc)
+            link.lost(None)
+            return
+        link.attach(conn)
+        threading.Thread(
+            target=receive, args=(conn,), daemon=True, name="ftharness-receiver"
+        ).start()
+
+    def redial(address: tuple[str, int], epoch: int) -> None:
+        """The agent says the controller of ``epoch`` serves now: leave ours, dial that one."""
+        served = link.epoch
+        if not link.leave_for(epoch):
+            return
+        with link.lock:
+            calls = tuple((cid, actor, method) for cid, (actor, method) in running.items())
+        dial(address, HelloWorker(proc_id, os.getpid(), max(served, 1), dict(ctx.coords), calls))
+
+    dial(controller_addr, HelloWorker(proc_id, os.getpid()))
+    if link.survive:
+        threading.Thread(
+            target=_agent_lines, args=(heartbeat_sock, redial), daemon=True, name="ftharness-agent"
+        ).start()
 
     while True:
         msg = inbox.get()
@@ -133,19 +189,160 @@ def worker_main(
                 os._exit(EXIT_ACTOR_CRASHED)
 
 
+def _endpoint(msg: SpawnActor | CallEndpoint) -> tuple[str, str]:
+    if isinstance(msg, SpawnActor):
+        return msg.name, "__init__"
+    return msg.actor, msg.method
+
+
+def _agent_lines(sock: socket.socket, redial: Any) -> None:
+    """Read what the agent says on the heartbeat socketpair: re-dial lines (runtime.orphan)."""
+    buf = b""
+    while True:
+        try:
+            data = sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(EXIT_ORPHANED)  # the agent is gone
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            parsed = parse_redial(line)
+            if parsed is None:
+                log.error("worker: malformed line from the agent: %r", line[:80])
+                continue
+            try:
+                redial(*parsed)
+            except Exception:  # never this thread: the next line may work
+                log.exception("worker: re-dialling %s failed", parsed[0])
+
+
+#: This process's link to its controller, once :func:`worker_main` runs (None in any other).
+_link: _Link | None = None
+
+
+def controller_unsettled(window_s: float) -> bool:
+    """Whether this worker has no controller now, or got a new one less than ``window_s`` ago:
+    the quorum service restarts with a controller (``harness.job.takeover``), so a request to
+    it may hang on the old connection meanwhile (the trainer then asks with a short timeout)."""
+    link = _link
+    if link is None:
+        return False
+    with link.lock:
+        if link.conn is None:
+            return link.lost_at is not None
+        return link.changed_at is not None and time.monotonic() - link.changed_at < window_s
+
+
+class _Link:
+    """The worker's connection to the controller it obeys, and the highest epoch it has seen.
+
+    Without survival a lost connection ends the worker (:meth:`lost` exits), as it always did.
+    With it, :meth:`lost` starts the grace period instead; :meth:`attach` ends it."""
+
+    def __init__(self, grace_s: float, epoch: int) -> None:
+        self.lock = threading.Condition()
+        self.conn: Connection | None = None
+        self.epoch = epoch
+        self.grace_s = grace_s
+        self.survive = grace_s > 0
+        self.lost_at: float | None = None
+        self.changed_at: float | None = None  # when it last got a new controller after a loss
+
+    def is_current(self, conn: Connection) -> bool:
+        with self.lock:
+            return self.conn is conn
+
+    def attach(self, conn: Connection) -> None:
+        with self.lock:
+            if self.lost_at is not None:
+                self.changed_at = time.monotonic()
+            self.conn, self.lost_at = conn, None
+            self.lock.notify_all()
+
+    def welcome(self, conn: Connection, epoch: int) -> bool:
+        """The controller's epoch: False (and the connection dropped) if below one seen."""
+        with self.lock:
+            if epoch >= self.epoch:
+                self.epoch = epoch
+                return True
+        log.error("worker: a controller of epoch %d after one of %d: dropped", epoch, self.epoch)
+        self.lost(conn)
+        return False
+
+    def leave_for(self, epoch: int) -> bool:
+        """Drop the current connection for a controller of ``epoch``; False if that is no
+        newer than the one served now (nothing changes)."""
+        with self.lock:
+            old = self.conn
+            if old is not None and epoch <= self.epoch:
+                return False
+            self.epoch = max(self.epoch, epoch)
+        if old is not None:
+            self.lost(old)
+        return True
+
+    def lost(self, conn: Connection | None) -> None:
+        """``conn`` (None: the first dial) failed or was left: exit, or keep going for grace_s."""
+        if not self.survive:
+            os._exit(EXIT_ORPHANED)  # the controller is gone: do not outlive it
+        with self.lock:
+            if conn is not None and conn is not self.conn:
+                return
+            self.conn = None
+            if self.lost_at is None:
+                self.lost_at = time.monotonic()
+                timer = threading.Timer(self.grace_s, self._expire, (self.lost_at,))
+                timer.daemon = True
+                timer.start()
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a send blocked on a stopped peer
+            conn.close()
+
+    def _expire(self, lost_at: float) -> None:
+        with self.lock:
+            if self.lost_at == lost_at and self.conn is None:
+                log.error(
+                    "worker: no controller for %g s (controller_grace_s): exiting", self.grace_s
+                )
+                os._exit(EXIT_ORPHANED)
+
+    def wait(self) -> Connection:
+        """The connection to send on, waiting while there is none."""
+        with self.lock:
+            while self.conn is None:
+                self.lock.wait()
+            return self.conn
+
+
 class _Outbox:
     """Everything the worker sends, in order, through one sender thread. ``put`` encodes on the
     caller's thread (so an unpicklable or oversized message is the caller's error) and never
     blocks on the socket: a stopped (SIGSTOPped) controller must not stop training, which
-    emits a journal event every step. If the controller is gone, the worker exits."""
+    emits a journal event every step. If the controller is gone, the worker exits, or, with
+    survival on, the frames wait for the next controller (events beyond MAX_KEPT_BYTES are
+    dropped). A call stays open (``running``) until its result is sent."""
 
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._frames: queue.SimpleQueue[bytes | threading.Event] = queue.SimpleQueue()
+    def __init__(self, link: _Link, running: dict[int, tuple[str, str]]) -> None:
+        self._link = link
+        self._running = running
+        self._frames: queue.SimpleQueue[tuple[bytes, int | None] | threading.Event] = (
+            queue.SimpleQueue()
+        )
+        self._queued = 0  # bytes put and not sent yet
+        self.dropped = 0
         threading.Thread(target=self._run, daemon=True, name="ftharness-sender").start()
 
-    def put(self, message: Any) -> None:
-        self._frames.put(encode(message))
+    def put(self, message: Any, call_id: int | None = None) -> None:
+        data = encode(message)
+        with self._link.lock:
+            if isinstance(message, Event) and self._queued > MAX_KEPT_BYTES:
+                self.dropped += 1
+                return
+            self._queued += len(data)
+        self._frames.put((data, call_id))
 
     def flush(self, timeout_s: float) -> None:
         """Wait until everything put so far has been handed to the kernel."""
@@ -155,14 +352,22 @@ class _Outbox:
 
     def _run(self) -> None:
         while True:
-            data = self._frames.get()
-            if isinstance(data, threading.Event):
-                data.set()
+            item = self._frames.get()
+            if isinstance(item, threading.Event):
+                item.set()
                 continue
-            try:
-                self._conn.send_encoded(data)
-            except ChannelError:
-                os._exit(EXIT_ORPHANED)  # the controller is gone: do not outlive it
+            data, call_id = item
+            while True:
+                conn = self._link.wait()
+                try:
+                    conn.send_encoded(data)
+                    break
+                except ChannelError:
+                    self._link.lost(conn)  # exits, unless the worker survives its controller
+            with self._link.lock:
+                self._queued -= len(data)
+                if call_id is not None:
+                    self._running.pop(call_id, None)
 
 
 def _serve(ctx: actor_mod.WorkerContext, proc_id: str, msg: SpawnActor | CallEndpoint) -> Any:
@@ -219,6 +424,8 @@ def main() -> None:
         connect_timeout_s=cfg["connect_timeout_s"],
         host_address=cfg["host_address"],
         start_heartbeat=False,
+        grace_s=float(cfg.get("grace_s", 0.0)),
+        epoch=int(cfg.get("epoch", 0)),
     )
 
 

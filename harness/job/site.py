@@ -120,6 +120,7 @@ def controller_spec(cfg: JobConfig) -> ControllerSpec:
             interval_s=min(0.2, t.host_timeout / 5), timeout_s=t.host_timeout
         ),
         controller_silence_s=t.controller_silence,
+        controller_grace_s=cfg.recovery.controller_grace_s,
         connect_timeout_s=t.connect_timeout,
         # Imported once per agent, before it forks, and the initial model built once
         # (harness.rank.model.prebuild): a replacement then does not pay for torch, torchft, the

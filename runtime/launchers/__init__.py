@@ -31,6 +31,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import psutil
+
 from runtime import proctree
 
 
@@ -92,23 +94,56 @@ class ChildAgents:
 
 class LocalLauncher(ChildAgents):
     """Agents as child processes of the controller (which must call ``start`` from a thread
-    that lives as long as the job: the agent dies with it, PR_SET_PDEATHSIG)."""
+    that lives as long as the job: the agent dies with it, PR_SET_PDEATHSIG).
+
+    Unless the boot settings turn survival on (``control_file`` and ``grace_s`` > 0: a
+    controller that can be replaced, ``runtime.orphan``): the agent then neither dies with the
+    controller nor shares its session (a terminal's Ctrl-C or hang-up is the controller's to
+    handle). Agents a takeover controller inherited are not its children: :meth:`adopt` them,
+    and ``kill``, ``stop`` and ``close`` reach them by pid."""
 
     def __init__(self, wrap: list[str] | None = None) -> None:
         super().__init__()
         self._wrap = list(wrap or [])  # a command prefix, e.g. ``ip netns exec NS``
+        self.adopted: dict[str, psutil.Process] = {}
 
     def command(self, name: str) -> list[str]:
         return [*self._wrap, sys.executable, "-m", "runtime.agent"]
 
     def start(self, name: str, boot: Mapping[str, Any]) -> None:
-        popen = subprocess.Popen(self.command(name), stdin=subprocess.PIPE, cwd=os.getcwd())
+        survive = bool(boot.get("control_file")) and float(boot.get("grace_s", 0.0)) > 0
+        settings = dict(boot) if survive else {**boot, "parent_pid": os.getpid()}
+        popen = subprocess.Popen(
+            self.command(name), stdin=subprocess.PIPE, cwd=os.getcwd(), start_new_session=survive
+        )
         assert popen.stdin is not None
-        popen.stdin.write((json.dumps({**boot, "parent_pid": os.getpid()}) + "\n").encode())
+        popen.stdin.write((json.dumps(settings) + "\n").encode())
         popen.stdin.close()
+        with self._lock:
+            self.adopted.pop(name, None)
         self._track(name, popen)
 
+    def adopt(self, name: str, pid: int) -> None:
+        """Host ``name``'s agent is the running process ``pid``, started by a controller this
+        one took over from."""
+        try:
+            proc = psutil.Process(pid)
+        except psutil.Error:
+            return  # gone already: its host is lost, and nothing is left to stop
+        with self._lock:
+            self.adopted[name] = proc
+            self.procs.pop(name, None)
+
+    def _adopted(self, name: str) -> psutil.Process | None:
+        with self._lock:
+            proc = self.adopted.get(name)
+        return proc if proc is not None and proc.is_running() else None
+
     def kill(self, name: str) -> bool:
+        adopted = self._adopted(name)
+        if adopted is not None:
+            proctree.signal_all(proctree.tree(adopted.pid), signal.SIGKILL)
+            return True
         popen = self._proc(name)
         if popen is None:
             return False
@@ -117,6 +152,15 @@ class LocalLauncher(ChildAgents):
             popen.wait(timeout=2.0)  # reap it: no zombie agent for the rest of the run
         return True
 
+    def stop(self, name: str, timeout_s: float) -> None:
+        adopted = self._adopted(name)
+        if adopted is None:
+            super().stop(name, timeout_s)
+            return
+        _, alive = psutil.wait_procs([adopted], timeout=timeout_s)
+        if alive:
+            proctree.terminate_tree(adopted.pid, 0.5)
+
     def _force_stop(self, name: str, popen: subprocess.Popen) -> None:
         proctree.terminate_tree(popen.pid, 0.5)
         popen.wait(timeout=5.0)
@@ -124,9 +168,13 @@ class LocalLauncher(ChildAgents):
     def close(self) -> None:
         with self._lock:
             procs = list(self.procs.values())
+            adopted = list(self.adopted.values())
         for popen in procs:
             if popen.poll() is None:
                 proctree.terminate_tree(popen.pid, 0.5)
+        for proc in adopted:
+            if proc.is_running():
+                proctree.terminate_tree(proc.pid, 0.5)
 
 
 class ExternalLauncher:
