@@ -1,4 +1,5 @@
-"""The ``ftharness`` command line: run | chaos | report | bench | agent | slurm | data.
+"""The ``ftharness`` command line: run | attach | stop | status | chaos | report | bench | agent |
+slurm | data.
 
 This module declares each subcommand's arguments; what implements one is an entry point of the
 ``ftharness.commands`` group (a bench: ``ftharness.bench``), registered in ``pyproject.toml``, so
@@ -37,6 +38,8 @@ _BENCH_HELP = {
     "load, with simulated members and host agents, as the job grows",
     "silent": "silent failures: a bitflip's detection and heal, a 3x straggler under observe "
     "and eject against a control",
+    "takeover": "the controller SIGKILLed mid-run again and again: time without a commit, a "
+    "new controller serving, workers restarted, steps lost",
 }
 
 
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "failures, inject them on purpose, and measure every recovery.",
         epilog="Examples:\n"
         "  ftharness run experiments/tiny.toml --set steps=200\n"
+        "  ftharness run experiments/tiny.toml --detach   (then: ftharness attach runs/tiny)\n"
         "  ftharness chaos experiments/quickstart.toml\n"
         "  ftharness report runs/quickstart --html\n"
         "  ftharness bench runtime --json",
@@ -126,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "runs/NAME, or runs/NAME-2, -3... if an earlier run holds it",
     )
     _add_live_options(run)
+    run.add_argument(
+        "--detach",
+        action="store_true",
+        help="run in the background: print the run directory and return; the output goes to "
+        "RUN/console.log (follow it: ftharness attach RUN; stop it: ftharness stop RUN)",
+    )
+    _add_run_control(sub)
 
     chaos = sub.add_parser(
         "chaos",
@@ -193,6 +204,37 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--reps", type=int, default=None, help="repetitions (default per bench)")
         b.add_argument("--quick", action="store_true", help="a smaller, faster variant")
     return parser
+
+
+def _add_run_control(sub: argparse._SubParsersAction) -> None:
+    """``attach | stop | status RUN``: a run that ``ftharness run`` started (docs/controller.md)."""
+    what = "RUN: a run directory, or a run's name under runs/"
+    attach = sub.add_parser(
+        "attach",
+        help="follow a running run until it ends",
+        description="Print a running run's output as it comes (its console.log when it runs "
+        "detached, else its progress from the journal) until it ends. Exits 0 if it ended ok, 1 "
+        "if not; Ctrl-C stops following, not the run.",
+    )
+    attach.add_argument("run", help=what)
+    stop = sub.add_parser(
+        "stop",
+        help="stop a running run cleanly",
+        description="Ask a running run's keeper to stop it (SIGTERM): its controller stops the "
+        "job cleanly and the journal ends with job.end. Waits for that; exits 0 once the run "
+        "has ended, 1 if it has not within --timeout.",
+    )
+    stop.add_argument("run", help=what)
+    stop.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the end (default 120)"
+    )
+    status = sub.add_parser(
+        "status",
+        help="what a running run runs where",
+        description="A running run's keeper, its controller (pid, epoch, address), its hosts "
+        "and groups and their processes, and its last committed step.",
+    )
+    status.add_argument("run", help=what)
 
 
 def _add_slurm(sub: argparse._SubParsersAction) -> None:

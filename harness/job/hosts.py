@@ -233,6 +233,12 @@ class HostPool:
             if left <= 0:
                 self._respawn_if_lost(failure.host)
 
+    def respawn_lost(self, host: str) -> None:
+        """A host whose agent did not re-dial after a takeover (``harness.job.takeover``): it
+        is lost, and gets a fresh agent as any lost host does."""
+        with self._change:
+            self._respawn(host)
+
     def _respawn_if_lost(self, host: str) -> None:
         with self._change:
             h = self.controller.hosts.get(host)

@@ -1,6 +1,8 @@
 """``ftharness run``: run a job config to completion on the supervision tree, with telemetry.
 
-The job itself (the tree per policy, placement, the recovery protocol) is ``harness.job.protocol``.
+:func:`main` checks the config and hands the run to a keeper, which runs :func:`run_job` in a
+controller process of its own (``harness.job.controller_proc``, ``harness.job.keeper``). The job
+itself (the tree per policy, placement, the recovery protocol) is ``harness.job.protocol``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any
 
 from harness.config import ConfigError, JobConfig, load_config
 from harness.corpus.job import resolve_data
+from harness.job import takeover
 from harness.job.preflight import PreflightFailed
 from harness.job.progress import say
 from harness.job.protocol import Job
 from harness.job.site import prepare_site
+from harness.job.takeover import Plan
 from runtime.channel import ChannelError
 from runtime.failure import SupervisionError
 from runtime.journal import JOB_END, Journal
@@ -44,11 +48,15 @@ def run_job(
     timeout: float | None = None,
     duration_s: float | None = None,
     stop_event: threading.Event | None = None,
+    survivable: bool = False,
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` to completion (or failure) and return its outcome; the journal is written
     to ``run_dir/journal.jsonl`` unless one is given. ``on_started(job)`` runs once training
     is under way (the chaos runner starts its injector there) and may return a callable that
-    is called before the job stops."""
+    is called before the job stops. ``survivable``: the job outlives this controller (its
+    agents and workers wait for a new one: ``harness.job.takeover``); ``plan``: this
+    controller takes over the job a dead one ran (``harness.job.takeover.take_over``)."""
     from harness.job.rundir import make_private_dir
 
     run_dir = make_private_dir(run_dir)  # weights, logs, tracebacks: the user's alone
@@ -65,7 +73,7 @@ def run_job(
         # (harness.job.site); a launcher that cannot start (no allocation) fails the run.
         try:
             site = prepare_site(cfg, run_dir, say=None if quiet else say)
-            job = Job(site, run_dir, journal, quiet=quiet)
+            job = Job(site, run_dir, journal, quiet=quiet, survivable=survivable, plan=plan)
             job.start()
         except CANNOT_START as exc:  # said plainly: no traceback for a host that cannot serve
             raise CannotStart(f"the job could not start: {exc}") from exc
@@ -100,7 +108,30 @@ def run_job(
     return outcome
 
 
+def take_over(cfg: JobConfig, run_dir: Path, **run_kwargs: Any) -> dict[str, Any]:
+    """Take over the job running in ``run_dir`` (``ftharness`` keeper: ``python -m
+    harness.job.controller_proc RUN --takeover``) and see it to its end, as :func:`run_job` does
+    for a job it starts; ``harness.job.takeover.TakeoverRefused``, before anything changes, if
+    it cannot be."""
+    from runtime import control_file
+
+    why = takeover.supported(cfg)
+    if why is not None:
+        raise takeover.TakeoverRefused(why)
+    info = control_file.read_control(run_dir / "controller.json")
+    if info is None:
+        raise takeover.TakeoverRefused(
+            f"{run_dir / 'controller.json'} is missing: no controller ran here"
+        )
+    secret = control_file.read_secret(run_dir / "secret")
+    plan = takeover.read_run(run_dir, secret, info.epoch)
+    return run_job(cfg, run_dir, plan=plan, **run_kwargs)
+
+
 def main(args: argparse.Namespace) -> int:
+    """``ftharness run``: check the config (bad input is refused before anything starts), write
+    it to ``RUN/job.json``, and keep the run's controller running in a process of its own
+    (harness.job.keeper, docs/controller.md): here, or with ``--detach`` in the background."""
     overrides = list(args.overrides)
     if args.prometheus_port is not None:
         overrides.append(f"telemetry.prometheus_port={args.prometheus_port}")
@@ -112,42 +143,38 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return 2
-    from harness.job.slurm import TimeLimit, check_allocation
+    from harness.job.slurm import check_allocation
 
     problem = check_allocation(cfg)
     if problem is not None:
         print(f"ftharness run: {problem}", file=sys.stderr)
         return 2
-    # SLURM's time-limit signal (sbatch --signal=B:USR1@120): checkpoint, then stop cleanly.
-    limit = TimeLimit() if cfg.launcher == "slurm" else None
-    from harness.job.rundir import run_dir_for
+    from harness.job.keeper import Keeper, start_detached, write_job_file
+    from harness.job.rundir import CONSOLE_FILE, run_dir_for
 
     run_dir = run_dir_for("run", args.out, cfg.name)
     if run_dir is None:
         return 2
-    journal = Journal(run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
-    telemetry = attach_telemetry(cfg, journal, quiet=args.quiet)
-    try:
-        outcome = run_job(
-            cfg,
-            run_dir,
-            journal=journal,
-            quiet=args.quiet,
-            on_started=limit.on_started if limit else None,
-            stop_event=limit.stop_event if limit else None,
+    write_job_file(run_dir, cfg, quiet=args.quiet, source=args.config)
+    if getattr(args, "detach", False):
+        pid = start_detached(run_dir)
+        if pid is None:
+            return 1
+        print(
+            f"{cfg.name}: running in the background in {run_dir} (keeper pid {pid}); its output "
+            f"goes to {run_dir / CONSOLE_FILE}\n"
+            f"  follow it:  ftharness attach {run_dir}\n"
+            f"  its state:  ftharness status {run_dir}\n"
+            f"  stop it:    ftharness stop {run_dir}"
         )
-    finally:
-        if telemetry is not None:
-            telemetry.shutdown()
-        journal.close()
-    print(
-        f"\n{cfg.name}: {outcome['status']} — {outcome['steps']} steps committed, "
-        f"{outcome['recoveries']} recoveries; journal {run_dir / 'journal.jsonl'}"
-    )
-    if outcome["status"] != "ok":
-        print(outcome["reason"], file=sys.stderr)
-        return 1
-    return 0
+        return 0
+    r = cfg.recovery
+    return Keeper(
+        run_dir,
+        max_restarts=r.controller_max_restarts,
+        within_s=r.controller_within_s,
+        standby=takeover.supported(cfg) is None,  # a job a new controller could take over
+    ).run()
 
 
 def attach_telemetry(cfg: JobConfig, journal: Journal, *, quiet: bool = False) -> Any:

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from harness.config import config_to_dict
+from harness.job import takeover
 from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
 from harness.job.groups import GroupStarter, ReplicaGroup, TrainerGroups
@@ -81,6 +82,7 @@ from harness.job.recovery import RecoveryTracker
 from harness.job.silent import SilentWatch
 from harness.job.site import Site, controller_spec
 from harness.job.stall import StallWatch
+from harness.job.takeover import Plan
 from harness.quorum.backends import make_quorum_service
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
@@ -115,6 +117,8 @@ class Job:
         *,
         quiet: bool = False,
         make_controller: Callable[..., Controller] = Controller,
+        survivable: bool = False,
+        plan: Plan | None = None,
     ) -> None:
         self.site = site
         self.cfg = cfg = site.cfg
@@ -150,6 +154,13 @@ class Job:
         self.program: Any = None  # a program of the user's own: harness.job.programs.ProgramGroups
         self.job_supervisor: Supervisor | None = None
         self.silent: SilentWatch | None = None
+        # The controller can die and be replaced (harness.job.takeover): ``plan`` is what a new
+        # controller found in the run directory; ``survivable`` lets agents outlive this one.
+        self.plan = plan
+        self.survivable = survivable or plan is not None
+        self._adopting = dict(plan.groups) if plan is not None else {}
+        self._group_seq = 0  # numbers this controller's group.start records
+        self._next_incarnation: dict[int, int] = {}  # a group a takeover could not adopt
 
     @property
     def controller(self) -> Controller:
@@ -169,7 +180,13 @@ class Job:
     # -- start: the tree per policy -------------------------------------------------------------
     def start(self) -> None:
         spec, launcher = controller_spec(self.cfg), self.site.launcher
-        self._controller = self._make_controller(spec, journal=self.journal, launcher=launcher)
+        survival = takeover.controller_kwargs(self) if self.survivable else {}
+        self._controller = self._make_controller(
+            spec, journal=self.journal, launcher=launcher, **survival
+        )
+        if self.plan is not None:
+            self.tracker.resume(self.plan.records)
+            self.tracker.controller_replaced(time.time())
         self._hosts = HostPool(
             self.site, self.controller, self.run_dir, self.say, fail=self.completion.fail
         )
@@ -179,6 +196,9 @@ class Job:
             place=lambda: self.hosts.place(0),
             controller=self.controller,
             log_dir=str(self.run_dir / "logs"),
+            # durable, so that a new controller serves the same members where they are
+            state_path=self.run_dir / "quorum.json" if self.survivable else None,
+            resume=self.plan is not None,
         )
         self._wire_failures()
         self.silent = SilentWatch(self)  # diverged replicas and stragglers (harness.job.silent)
@@ -191,13 +211,18 @@ class Job:
         self._starter: GroupStarter = self.program or TrainerGroups(
             self.controller, self._cfg_dict, self.run_dir, self.quorum, self._check_done
         )
-        self.journal.emit(
-            JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
-        )
-        self.hosts.start()
-        self.quorum.start()
-        check_network(self)  # every host reaches every other, or no group starts (PreflightFailed)
+        if self.plan is None:
+            self.journal.emit(
+                JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
+            )
+            self.hosts.start()
+            self.quorum.start()
+            check_network(self)  # every host reaches every other, or no group starts
+        else:  # the agents re-dial (or are lost), the quorum continues where it was
+            takeover.reattach(self)
         self.job_supervisor = self._build_tree()
+        if self.plan is not None:
+            takeover.release_unclaimed(self)
         self._started = True
         self.stall.start()
         self.say(
@@ -287,8 +312,16 @@ class Job:
         on a "replica" dimension. Several groups start together: their processes are all
         requested before any is awaited and their trainers are constructed in parallel.
         Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
-        host to become ready) hold up only these groups."""
+        host to become ready) hold up only these groups. After a takeover, a group that still
+        runs is adopted instead, the first time (``harness.job.takeover.adopt``)."""
         from harness.rank.torchft_glue import host_store
+
+        if len(replicas) == 1 and replicas[0] in self._adopting:
+            plan = self._adopting.pop(replicas[0])
+            adopted = takeover.adopt(self, plan)
+            if adopted is not None:
+                return adopted
+            self._next_incarnation[plan.replica] = takeover.next_incarnation(self, plan)
 
         cold = self.policy == "full_restart" and self._started
         if cold:
@@ -305,7 +338,10 @@ class Job:
         hosts = {r: self.hosts.place(r) for r in replicas}
         with self._lock:
             incarnation = {
-                r: self.groups[r].incarnation + 1 if r in self.groups else 0 for r in replicas
+                r: self.groups[r].incarnation + 1
+                if r in self.groups
+                else self._next_incarnation.get(r, 0)
+                for r in replicas
             }
         # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
         stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
@@ -331,15 +367,19 @@ class Job:
         """Each started group's record (its slice of ``mesh``, stacked on "replica"), then its
         ``replacement_started`` phase."""
         for i, r in enumerate(replicas):
+            group = ReplicaGroup(
+                replica=r,
+                incarnation=incarnation[r],
+                host=hosts[r].name,
+                mesh=mesh.slice(replica=slice(i, i + 1)),
+                store=stores[r][0],
+                training=training[r],
+            )
             with self._lock:
-                self.groups[r] = ReplicaGroup(
-                    replica=r,
-                    incarnation=incarnation[r],
-                    host=hosts[r].name,
-                    mesh=mesh.slice(replica=slice(i, i + 1)),
-                    store=stores[r][0],
-                    training=training[r],
-                )
+                self.groups[r] = group
+                self._group_seq += 1
+                seq = self._group_seq
+            takeover.journal_group(self, group, seq)
             self.tracker.replacement_started(r)
 
     # -- what faults and reports read -----------------------------------------------------------

@@ -101,6 +101,27 @@ class RecoveryTracker:
         arrives, which then belongs to it."""
         self._begin(replica, cause, t, None)
 
+    def resume(self, records: list[Record]) -> None:
+        """After a takeover: continue from the last controller's journal: its committed steps,
+        its faults, and recovery ids above its own (``harness.job.takeover``). Recoveries it
+        left open stay open in its records; this controller opens its own."""
+        for r in records:
+            if r.get("event") in (FAULT_INJECT, STEP_COMMIT):
+                self.on_record(r)
+        numbers = [
+            int(str(r.get("recovery_id", ""))[4:])
+            for r in records
+            if r.get("event") == RECOVERY_PHASE and str(r.get("recovery_id", ""))[4:].isdigit()
+        ]
+        self._ids = itertools.count(max(numbers, default=0) + 1)
+
+    def controller_replaced(self, t_detected: float) -> None:
+        """A new controller took over (``harness.job.takeover``): a recovery of the job's root,
+        detected now; the new controller serves (``replacement_started``) at once, and its
+        first commit after that is ``participating``."""
+        self._begin(None, "controller_crash", t_detected, None)
+        self._phase(None, "replacement_started")
+
     def replacement_started(self, replica: int | None) -> None:
         self._phase(replica, "replacement_started")
 

@@ -15,8 +15,10 @@ weights, tracebacks and logs of the run.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 DEFAULT_ROOT = Path("runs")
 # Enough for any sane number of reruns of one config; past it something is looping.
@@ -91,3 +93,70 @@ def run_dir_for(command: str, out: str | os.PathLike[str] | None, name: str) -> 
     if note:
         print(f"ftharness {command}: {note}", file=sys.stderr)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The files a run's processes share (docs/controller.md): the controller runs in a process of its
+# own under a keeper, and `ftharness attach | stop | status` find both through the run directory.
+
+#: What the controller process needs to run the job: the config as resolved by ``ftharness run``
+#: (overrides applied) and the run options (harness.job.launch).
+JOB_FILE = "job.json"
+#: The keeper's pid, uid and start (harness.job.keeper): whom ``ftharness stop`` signals.
+KEEPER_FILE = "keeper.json"
+#: The serving controller's address, epoch and pid (runtime.control_file).
+CONTROLLER_FILE = "controller.json"
+#: A detached run's output (what the terminal shows for a run in the foreground).
+CONSOLE_FILE = "console.log"
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: object) -> None:
+    """Write ``data`` as JSON to ``path`` so that a reader sees the old file or the new one, never
+    a part (a process killed mid-write, a power cut): ``runtime.control_file.write_atomic``."""
+    from runtime.control_file import write_atomic
+
+    write_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None if there is no such file. ValueError (naming the file)
+    if it is not a JSON object: written atomically, it is never torn, so it was edited."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def find_run(name: str) -> Path:
+    """The run directory ``name`` names: a directory path, or a run under ``runs/`` (as
+    ``ftharness run`` chose it). RunDirError if there is none, or another user owns it: its
+    processes are not ours to follow, stop or inspect (and its files are private anyway)."""
+    p = Path(name)
+    if not p.is_dir() and os.sep not in name and (DEFAULT_ROOT / name).is_dir():
+        p = DEFAULT_ROOT / name
+    if not p.is_dir():
+        where = "" if os.sep in name else f" nor a run under {DEFAULT_ROOT}/"
+        raise RunDirError(f"no run {name!r}: not a directory{where}")
+    uid = p.stat().st_uid
+    if uid != os.getuid():
+        raise RunDirError(
+            f"run {p} belongs to {_user(uid)}, not to you: only its owner may follow, stop or "
+            "inspect it"
+        )
+    return p
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"

@@ -60,6 +60,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +85,16 @@ from runtime.journal import (
     STEP_ABORT,
     STEP_COMMIT,
 )
+from runtime.worker import controller_unsettled
 
 #: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
 #: gives up and lets its supervisor restart the group.
 MAX_QUORUM_FAILURES = 60
+#: While the controller is replaced, and this long after (runtime.worker.controller_unsettled),
+#: a quorum request gives up after TAKEOVER_QUORUM_TIMEOUT_S and the next step asks again
+#: (:meth:`Trainer._join_quorum`).
+TAKEOVER_SETTLE_S = 5.0
+TAKEOVER_QUORUM_TIMEOUT_S = 0.5
 
 #: Every this many steps (and at every checkpoint step) a commit record carries the checksum of
 #: the weights and optimizer state; other records carry None. The checksum is what shows the
@@ -390,9 +397,18 @@ class Trainer:
         drops the request): the attempt counts as an aborted step and the next one asks again.
 
         The retry boundary: consecutive failures past ``MAX_QUORUM_FAILURES`` raise, so a quorum
-        service that never comes back fails the group instead of spinning forever."""
+        service that never comes back fails the group instead of spinning forever.
+
+        While the controller is being replaced (``harness.job.takeover``: this worker has none,
+        or got a new one moments ago) the request is bounded by ``TAKEOVER_QUORUM_TIMEOUT_S``:
+        torchft's client waits out its whole quorum timeout on the connection to the dead
+        controller's quorum service (10 s measured, ``bench takeover``), while the new one,
+        on the same port, answers the next request at once."""
+        timeout = None
+        if controller_unsettled(TAKEOVER_SETTLE_S):
+            timeout = timedelta(seconds=TAKEOVER_QUORUM_TIMEOUT_S)
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(timeout=timeout)
         except Exception as exc:
             self._quorum_failures += 1
             if self._quorum_failures > MAX_QUORUM_FAILURES:

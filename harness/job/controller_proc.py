@@ -1,0 +1,191 @@
+"""The controller in a process of its own: ``python -m harness.job.controller_proc RUN_DIR``.
+
+``ftharness run`` no longer runs the job in its own process: it checks the config, writes it to
+``RUN/job.json`` (``harness.job.keeper.write_job_file``), and becomes (or detaches) a keeper
+(``harness.job.keeper``) that starts this module as its child. The controller can then die (a
+bug, an OOM kill, a SIGKILL) without taking the run's record of what to run with it: the keeper
+starts this module again with ``--takeover``, which hands the run to
+``harness.job.launch.take_over`` (docs/controller.md).
+
+Without ``--takeover`` this is what ``ftharness run`` did after loading the config: telemetry,
+SLURM's time-limit signal, :func:`harness.job.launch.run_job`, the outcome line; same output, same
+exit status (0 ok, 1 failed, 2 a job file that cannot be read, 130 Ctrl-C). A job that a new
+controller could take over (``harness.job.takeover.supported``) runs ``survivable``: its agents
+and workers outlive this process; any other job runs exactly as before.
+
+Signals: SIGINT (Ctrl-C reaches the whole foreground process group) stops the job cleanly as it
+did; SIGTERM (``ftharness stop``, forwarded by the keeper) stops it cleanly too, the run ending
+``ok`` with "stopped by its caller". Under SLURM the time limit's handlers keep SIGTERM and
+SIGUSR1 as before (``harness.job.slurm.TimeLimit``). The keeper's pid comes in
+``FTHARNESS_KEEPER_PID``: the controller asks the kernel for a SIGTERM when its keeper dies, so a
+killed keeper (``kill -9``, a test's timeout) stops its run cleanly instead of leaving it
+unattended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.config import JobConfig
+from harness.job.keeper import KEEPER_ENV, job_file_or_say
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run (or take over) the job of ``RUN_DIR``; returns the exit status (module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.job.controller_proc",
+        description="The controller of a run that `ftharness run` prepared (started by its "
+        "keeper, not by hand).",
+    )
+    parser.add_argument("run_dir")
+    parser.add_argument(
+        "--takeover", action="store_true", help="take over from a controller that died"
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="import everything, then wait for the keeper to say 'takeover' on stdin",
+    )
+    args = parser.parse_args(argv)
+    if args.standby and not _stand_by():
+        return 0  # the run ended (the keeper closed our stdin): nothing to take over
+    run_dir = Path(args.run_dir)
+    read = job_file_or_say(run_dir)
+    if read is None:
+        return 2
+    cfg, job = read
+    quiet = bool(job.get("quiet"))
+    from harness.job.slurm import TimeLimit
+
+    # The handlers first, then the tie to the keeper: its SIGTERM must find them in place.
+    limit = TimeLimit() if cfg.launcher == "slurm" else None
+    stop_event = limit.stop_event if limit is not None else threading.Event()
+    if limit is None:
+        signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    keeper = os.environ.get(KEEPER_ENV, "")
+    if keeper.isdigit():
+        from runtime.proctree import die_with_parent
+
+        die_with_parent(int(keeper), signal.SIGTERM)  # exits now if the keeper is already gone
+    try:
+        return _run(
+            run_dir,
+            cfg,
+            quiet=quiet,
+            limit=limit,
+            stop_event=stop_event,
+            takeover=args.takeover or args.standby,
+        )
+    except KeyboardInterrupt:  # as ftharness's own main says it (harness.cli)
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _stand_by() -> bool:
+    """A standby controller (``harness.job.keeper``): everything a takeover imports, imported
+    now (torch, the job, the quorum service: about a second here), then wait for the keeper's
+    word on stdin. True: take over now; False: the run ended (end of file). Ctrl-C is the
+    serving controller's business until then."""
+    import harness.job.launch
+    import harness.quorum.service
+    import harness.rank.model  # noqa: F401  (torch, and the model code the agents preload)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    word = sys.stdin.readline().strip()
+    signal.signal(signal.SIGINT, previous)
+    return word == "takeover"
+
+
+def _run(
+    run_dir: Path,
+    cfg: JobConfig,
+    *,
+    quiet: bool,
+    limit: Any,
+    stop_event: threading.Event,
+    takeover: bool,
+) -> int:
+    """The job, as ``ftharness run`` ran it after loading the config: a first controller starts
+    it (:func:`harness.job.launch.run_job`), a later one takes it over (:func:`_take_over`)."""
+    from harness.job.launch import attach_telemetry, run_job
+    from runtime.journal import Journal
+
+    journal = Journal(run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
+    telemetry = attach_telemetry(cfg, journal, quiet=quiet)
+    kwargs: dict[str, Any] = {
+        "journal": journal,
+        "quiet": quiet,
+        "on_started": limit.on_started if limit is not None else None,
+        "stop_event": stop_event,
+    }
+    try:
+        if takeover:
+            outcome = _take_over(run_dir, cfg, journal, kwargs)
+        else:
+            outcome = run_job(cfg, run_dir, **_survival(cfg), **kwargs)
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()
+        journal.close()
+    return report(cfg, run_dir, outcome)
+
+
+def report(cfg: JobConfig, run_dir: Path, outcome: dict[str, Any]) -> int:
+    """The outcome line ``ftharness run`` has always ended with, and its exit status."""
+    print(
+        f"\n{cfg.name}: {outcome['status']} — {outcome['steps']} steps committed, "
+        f"{outcome.get('recoveries', 0)} recoveries; journal {run_dir / 'journal.jsonl'}"
+    )
+    if outcome["status"] != "ok":
+        print(outcome["reason"], file=sys.stderr)
+        return 1
+    return 0
+
+
+def _survival(cfg: JobConfig) -> dict[str, Any]:
+    """``survivable=True`` for ``run_job`` when a new controller could take this job over
+    (``harness.job.takeover.supported``): then its agents and workers outlive this process.
+    Any other job runs exactly as before."""
+    from harness.job.takeover import supported
+
+    return {"survivable": True} if supported(cfg) is None else {}
+
+
+def _take_over(
+    run_dir: Path, cfg: JobConfig, journal: Any, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """A new controller for a run whose controller died (``harness.job.takeover``). One that
+    cannot take over (refused, with the reason) ends the run here, failed, with the reason in
+    the journal's ``job.end``: the keeper, ``attach`` and ``status`` then see a run that ended
+    rather than one that vanished."""
+    from harness.job.launch import take_over
+    from harness.job.takeover import TakeoverRefused
+    from runtime.control_file import ControlFileError
+
+    try:
+        return take_over(cfg, run_dir, **kwargs)
+    except (TakeoverRefused, ControlFileError) as exc:
+        return _cannot_take_over(run_dir, journal, str(exc))
+
+
+def _cannot_take_over(run_dir: Path, journal: Any, why: str) -> dict[str, Any]:
+    from runtime.journal import JOB_END, STEP_COMMIT, read_journal
+
+    records = read_journal(run_dir / "journal.jsonl")
+    steps = max((r["step"] for r in records if r["event"] == STEP_COMMIT), default=0)
+    seconds = time.time() - records[0]["t"] if records else 0.0
+    reason = f"the controller died and no new one could take over: {why}"
+    journal.emit(JOB_END, status="failed", reason=reason, steps=steps, seconds=seconds)
+    return {"status": "failed", "reason": reason, "steps": steps}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

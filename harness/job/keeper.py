@@ -1,0 +1,460 @@
+"""The keeper: the small process a run's controller runs under, which replaces it when it dies.
+
+The controller (``harness.job.controller_proc``) is a process that can die: a bug, an OOM kill, a
+SIGKILL. Its agents and workers keep training for ``recovery.controller_grace_s`` without it
+(docs/controller.md), so something must start a new one at once. That is the keeper:
+
+* ``ftharness run`` writes what the controller needs to run the job to ``RUN/job.json``
+  (:func:`write_job_file`: a controller that takes over reads the same), then is the keeper
+  (or, with ``--detach``, starts one in a session of its own that writes to
+  ``RUN/console.log``). It records itself in ``RUN/keeper.json`` and starts the
+  controller as its child: ``python -m harness.job.controller_proc RUN`` with the keeper's
+  stdout and stderr (the progress lines print as before) and ``FTHARNESS_KEEPER_PID``.
+* It is a child subreaper (``runtime.proctree.become_subreaper``): the agents of a dead
+  controller become its children, not init's, so it reaps them, and kills any still left when
+  the run ends without a clean end (no orphan outlives the run).
+* When the controller exits, the journal says how: a ``job.end`` record is a run that ended, and
+  the keeper ends with the controller's status. No ``job.end`` and a signal or a status other
+  than 0, 1 or 2 is a controller that died: the keeper starts ``... controller_proc RUN
+  --takeover`` at once and says so in one line, at most ``recovery.controller_max_restarts``
+  times within ``recovery.controller_within_s`` (:class:`RestartIntensity`); past that the run
+  ends, status 1.
+* SIGINT (Ctrl-C, sent to the whole foreground group) is the controller's to act on: the keeper
+  waits for it. SIGTERM (``ftharness stop``) and SIGUSR1 (SLURM's time-limit warning) are passed
+  on to the controller; after a SIGTERM a controller that dies is not replaced.
+
+``ftharness attach | stop | status`` (``harness.job.runctl``) find the keeper through
+``keeper.json``.
+
+Not guaranteed: a controller that hangs (SIGSTOP, a deadlock) is not detected here; a keeper that
+is itself killed takes its run down (the controller gets SIGTERM and stops cleanly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.config import JobConfig, config_from_dict, config_to_dict
+from harness.job.rundir import CONSOLE_FILE, JOB_FILE, KEEPER_FILE, read_json, write_json_atomic
+from runtime.journal import JOB_END, Record
+
+#: How far from its end a journal is searched for ``job.end``: the controller writes it last
+#: (then closes the journal), so it is in the last records or nowhere.
+_END_WINDOW = 1 << 20
+#: A controller exit status that means it ended by itself (ok, failed, bad input): not replaced.
+_OWN_ENDS = (0, 1, 2)
+#: The environment variable that carries the keeper's pid to the controller.
+KEEPER_ENV = "FTHARNESS_KEEPER_PID"
+#: The version of ``job.json``; a file of another version is refused, not guessed at.
+JOB_FILE_VERSION = 1
+#: How long after a controller starts (or takes over) its standby is started.
+STANDBY_DELAY_S = 3.0
+
+
+def write_job_file(run_dir: Path, cfg: JobConfig, *, quiet: bool, source: str) -> None:
+    """``RUN/job.json``: the config as ``ftharness run`` resolved it (overrides applied, the
+    launcher and Prometheus port options among them) and the run options, written atomically."""
+    write_json_atomic(
+        run_dir / JOB_FILE,
+        {
+            "version": JOB_FILE_VERSION,
+            "source": source,
+            "cwd": os.getcwd(),
+            "quiet": quiet,
+            "created": time.time(),
+            "config": config_to_dict(cfg),
+        },
+    )
+
+
+def read_job_file(run_dir: Path) -> tuple[JobConfig, dict[str, Any]]:
+    """The config and the whole ``RUN/job.json``; ValueError or ConfigError saying what is wrong
+    (a file that is missing, of another version, or whose config no longer validates)."""
+    path = run_dir / JOB_FILE
+    data = read_json(path)
+    if data is None:
+        raise ValueError(f"{path} does not exist: this is not a run `ftharness run` started")
+    if data.get("version") != JOB_FILE_VERSION or not isinstance(data.get("config"), dict):
+        raise ValueError(
+            f"{path}: not a job file of this ftharness (version {data.get('version')!r}, "
+            f"expected {JOB_FILE_VERSION})"
+        )
+    return config_from_dict(data["config"]), data
+
+
+def job_file_or_say(run_dir: Path) -> tuple[JobConfig, dict[str, Any]] | None:
+    """:func:`read_job_file`, or None once the reason is said on stderr (the caller exits 2)."""
+    from harness.config import ConfigError
+
+    try:
+        return read_job_file(run_dir)
+    except (ValueError, ConfigError, OSError) as exc:
+        print(f"ftharness run: {exc}", file=sys.stderr)
+        return None
+
+
+def controller_command() -> list[str]:
+    """The controller's command, to which the keeper adds the run directory (and --takeover)."""
+    return [sys.executable, "-m", "harness.job.controller_proc"]
+
+
+@dataclass
+class RestartIntensity:
+    """At most ``max_restarts`` restarts within any ``within_s`` seconds (as a supervisor's
+    restart intensity): a controller that dies again at once, over and over, is a bug or a
+    broken machine that another restart will not fix, and the run should end with that said."""
+
+    max_restarts: int
+    within_s: float
+    _times: collections.deque[float] = field(default_factory=collections.deque)
+
+    def allow(self, now: float) -> bool:
+        """Whether a restart at ``now`` (monotonic seconds) is allowed; an allowed one counts."""
+        while self._times and now - self._times[0] > self.within_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    @property
+    def recent(self) -> int:
+        """Restarts counted in the current window."""
+        return len(self._times)
+
+
+def find_job_end(journal: Path) -> Record | None:
+    """The journal's ``job.end`` record, or None (no such record, or no journal)."""
+    try:
+        with open(journal, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - _END_WINDOW))
+            tail = fh.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.splitlines()):
+        if b'"' + JOB_END.encode() + b'"' not in line:
+            continue
+        with contextlib.suppress(ValueError, RecursionError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == JOB_END:
+                return record
+    return None
+
+
+def describe_exit(status: int) -> str:
+    """How a process ended, from its wait status, for the console."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(sig).name}"
+        return f"was killed by signal {sig}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _say(text: str) -> None:
+    print(f"[ftharness] {text}", file=sys.stderr, flush=True)
+
+
+class Keeper:
+    """Runs a run's controller and replaces it when it dies (module docstring). Construct and
+    :meth:`run` it on the main thread of a process that is the keeper for good: it becomes a
+    child subreaper and reaps every child it has."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_restarts: int,
+        within_s: float,
+        controller: Sequence[str] | None = None,
+        detached: bool = False,
+        standby: bool = False,
+        say: Callable[[str], None] = _say,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.intensity = RestartIntensity(max_restarts, within_s)
+        self.controller = list(controller) if controller is not None else controller_command()
+        self.detached = detached
+        self.say = say
+        self.restarts = 0
+        self._child: int | None = None
+        self._stopping = False
+        # A standby controller (``controller_proc RUN --standby``): started with its imports
+        # done, it takes over the moment it is told to (about a second sooner than a fresh one).
+        self.standby = standby
+        self._standby: subprocess.Popen | None = None
+        self._standby_lock = threading.Lock()
+
+    def run(self) -> int:
+        """Keep a controller running until the run ends; returns the run's exit status."""
+        from runtime.proctree import become_subreaper
+
+        become_subreaper()
+        previous = {
+            sig: signal.signal(sig, handler)
+            for sig, handler in (
+                (signal.SIGINT, self._on_sigint),
+                (signal.SIGTERM, self._on_forward),
+                (signal.SIGUSR1, self._on_forward),
+            )
+        }
+        try:
+            self._write_keeper_file()  # after the handlers: `ftharness stop` may signal us now
+            return self._keep()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.standby = False
+            self._drop_standby()
+            self._stop_leftovers()
+
+    def _keep(self) -> int:
+        takeover = False
+        while True:
+            pid = self._start(takeover)
+            status = self._wait(pid)
+            self._child = None
+            code = os.waitstatus_to_exitcode(status)
+            end = find_job_end(self.run_dir / "journal.jsonl")
+            if end is not None:  # the run ended; a status set by a signal after it: the record's
+                if code >= 0:
+                    return code
+                return 0 if end.get("status") == "ok" else 1
+            if code in _OWN_ENDS:
+                return code
+            how = f"the controller (pid {pid}) {describe_exit(status)} before the run ended"
+            if self._stopping:
+                self.say(f"{how}, while stopping: the run ends here")
+                return 1
+            r = self.intensity
+            if not self.intensity.allow(time.monotonic()):
+                self.say(
+                    f"{how}; it was replaced {r.recent} times within {r.within_s:g} s "
+                    f"(recovery.controller_max_restarts = {r.max_restarts}): the run ends here"
+                )
+                return 1
+            self.restarts += 1
+            self.say(
+                f"{how}; starting a new controller to take over ({r.recent} of at most "
+                f"{r.max_restarts} within {r.within_s:g} s)"
+            )
+            takeover = True
+
+    def _start(self, takeover: bool) -> int:
+        promoted = self._promote_standby() if takeover else None
+        if promoted is not None:
+            self._child = promoted
+            if self._stopping:
+                self._forward(signal.SIGTERM)
+            self._arm_standby()
+            return promoted
+        argv = [*self.controller, str(self.run_dir), *(["--takeover"] if takeover else [])]
+        env = {**os.environ, KEEPER_ENV: str(os.getpid())}
+        # Popen only to start it: the keeper reaps it itself (_wait), with every orphan.
+        proc = subprocess.Popen(argv, env=env)
+        self._child = proc.pid
+        if self._stopping:  # a SIGTERM came between two controllers: this one stops too
+            self._forward(signal.SIGTERM)
+        proc.returncode = 0  # reaped by _wait; Popen must not wait for it or warn about it
+        self._arm_standby()
+        return proc.pid
+
+    # -- the standby controller ------------------------------------------------------------
+    def _arm_standby(self) -> None:
+        """Start a standby once the controller just started has had the machine to itself for
+        ``STANDBY_DELAY_S`` (its imports would compete with a start or a takeover)."""
+        if self.standby:
+            timer = threading.Timer(STANDBY_DELAY_S, self._start_standby)
+            timer.daemon = True
+            timer.start()
+
+    def _start_standby(self) -> None:
+        with self._standby_lock:
+            if not self.standby or self._stopping or self._standby is not None:
+                return
+            argv = [*self.controller, str(self.run_dir), "--standby"]
+            env = {**os.environ, KEEPER_ENV: str(os.getpid())}
+            self._standby = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE)
+            self._standby.returncode = 0  # reaped by _wait, as the controller is
+
+    def _promote_standby(self) -> int | None:
+        """Tell the standby to take over; its pid, or None if there is none (or it is gone)."""
+        with self._standby_lock:
+            proc, self._standby = self._standby, None
+        if proc is None or proc.stdin is None:
+            return None
+        try:
+            proc.stdin.write(b"takeover\n")
+            proc.stdin.close()
+        except OSError:  # it died while waiting: a fresh controller takes over instead
+            return None
+        return proc.pid
+
+    def _drop_standby(self) -> None:
+        """The run ends: the standby reads end-of-file and exits (a last resort: SIGKILL)."""
+        with self._standby_lock:
+            proc, self._standby = self._standby, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(proc.pid, os.WNOHANG)[0] == proc.pid:
+                    return
+            time.sleep(0.02)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+
+    def _wait(self, pid: int) -> int:
+        """Reap children until ``pid`` exits (orphans of a dead controller are ours too, and a
+        standby that died while waiting is forgotten: a fresh controller would take over)."""
+        while True:
+            got, status = os.waitpid(-1, 0)  # EINTR is retried (PEP 475) after a handler runs
+            if got == pid:
+                return status
+            with self._standby_lock:
+                if self._standby is not None and got == self._standby.pid:
+                    self._standby = None
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        """Ctrl-C: the controller got it too (same process group) and stops the job itself."""
+
+    def _on_forward(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            self._stopping = True
+        self._forward(signum)
+
+    def _forward(self, sig: int) -> None:
+        if self._child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._child, sig)
+
+    def _write_keeper_file(self) -> None:
+        import psutil
+
+        write_json_atomic(
+            self.run_dir / KEEPER_FILE,
+            {
+                "pid": os.getpid(),
+                "uid": os.getuid(),
+                "started": time.time(),
+                "create_time": psutil.Process().create_time(),
+                "detached": self.detached,
+                "console": CONSOLE_FILE if self.detached else None,
+            },
+        )
+
+    def _stop_leftovers(self) -> None:
+        """Whatever is still running under the keeper when the run ends: the agents and workers
+        of a controller that died and was not replaced. They would stop by themselves after the
+        grace window; a run that has ended should leave nothing behind that long."""
+        import psutil
+
+        from runtime.proctree import signal_all
+
+        left = psutil.Process().children(recursive=True)
+        if not left:
+            return
+        self.say(f"stopping {len(left)} process(es) the run left behind")
+        signal_all(left, signal.SIGTERM)
+        _, alive = psutil.wait_procs(left, timeout=5.0)
+        signal_all(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5.0)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # grandchildren re-parented to us meanwhile
+                pass
+
+
+def keeper_alive(info: dict[str, Any] | None) -> bool:
+    """Whether the keeper ``keeper.json`` describes is still running (the same process: its pid
+    with the start time it recorded, so a recycled pid does not count)."""
+    import psutil
+
+    if not info or not isinstance(info.get("pid"), int):
+        return False
+    try:
+        proc = psutil.Process(info["pid"])
+        alive = proc.status() != psutil.STATUS_ZOMBIE
+        return alive and abs(proc.create_time() - float(info.get("create_time", 0))) < 0.5
+    except (psutil.Error, TypeError, ValueError):
+        return False
+
+
+def start_detached(run_dir: Path, *, wait_s: float = 30.0) -> int | None:
+    """Start the keeper of ``run_dir`` in a session of its own (no terminal: it outlives this
+    one), its output in ``RUN/console.log``; return its pid once it has written keeper.json, or
+    None (said on stderr) if it died first."""
+    console = os.open(run_dir / CONSOLE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.job.keeper", str(run_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=console,
+            stderr=console,
+            start_new_session=True,
+        )
+    finally:
+        os.close(console)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ValueError):
+            info = read_json(run_dir / KEEPER_FILE)
+            if info is not None and info.get("pid") == proc.pid:
+                proc.returncode = 0  # it lives on after us; nothing here waits for it
+                return proc.pid
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    print(
+        f"ftharness run: the keeper did not start (see {run_dir / CONSOLE_FILE})", file=sys.stderr
+    )
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m harness.job.keeper RUN``: the detached keeper of a run ``ftharness run
+    --detach`` prepared (its restart intensity from ``RUN/job.json``)."""
+    parser = argparse.ArgumentParser(prog="python -m harness.job.keeper")
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+
+    run_dir = Path(args.run_dir)
+    read = job_file_or_say(run_dir)
+    if read is None:
+        return 2
+    cfg, _ = read
+    r = cfg.recovery
+    from harness.job.takeover import supported
+
+    keeper = Keeper(
+        run_dir,
+        max_restarts=r.controller_max_restarts,
+        within_s=r.controller_within_s,
+        detached=True,
+        standby=supported(cfg) is None,
+    )
+    return keeper.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""A new controller takes over a running job: what it reads, what it refuses, what it adopts.
+
+The controller is a process that can die (``issues show 26``, ``docs/controller.md``). When it
+does, its keeper (``harness.job.keeper``) starts a new one with ``--takeover``, and the host
+agents and workers keep training for ``recovery.controller_grace_s`` meanwhile (``runtime``).
+The new controller knows nothing it cannot read from the run directory or hear from the agents:
+
+* ``journal.jsonl``: the job's history. Each group start is journaled as ``group.start`` with
+  its replica, incarnation, host and processes, numbered and signed with the job secret
+  (:func:`sign`), so a journal edited by hand, or one that lost a group's start, is refused
+  instead of half-adopted: a process nobody can account for would be killed, a group trained on
+  by a controller that does not know it.
+* ``secret``: the job secret (mode 0600): agents re-dial with it, and it signs the records.
+* ``controller.json``: the last controller's address and epoch; the new one serves at epoch + 1
+  and every agent and worker obeys only the highest epoch it has seen, so the old controller,
+  if it comes back, commands nothing.
+* ``quorum.json``: the tree quorum's durable state (``harness.quorum.service``): the same port,
+  members and secret, quorum ids above every one issued, steps that never go back.
+
+Then the agents re-dial and report their live workers (``Controller.reattach``); each group the
+journal says runs is adopted whole if every rank's process is alive (its running ``train`` call
+included), else restarted in place like any failed group. A host whose agent did not re-dial
+within the grace window is lost, as a host is. The takeover is a recovery in the journal
+(cause ``controller_crash``): detected when the new controller starts, ``replacement_started``
+once it serves, ``participating`` at the first commit after it.
+
+This slice supports the built-in trainer on the local launcher with the tree quorum: a job with a
+``[program]`` or another launcher or quorum service is refused with that reason (the run then
+ends as it would have without a keeper).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.config import JobConfig
+from runtime.journal import (
+    CONTROLLER_TAKEOVER,
+    GROUP_START,
+    JOB_END,
+    JOB_START,
+    Record,
+    read_journal,
+)
+
+
+class TakeoverRefused(RuntimeError):
+    """This run directory cannot be taken over; the message says why. Nothing was changed."""
+
+
+def sign(secret: bytes, fields: dict[str, Any]) -> str:
+    """The HMAC-SHA256 (job secret) of ``fields`` as canonical JSON: a record a takeover trusts
+    carries it, so no one without the secret can add, change or renumber one."""
+    payload = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
+def signed_fields(record: Record) -> dict[str, Any]:
+    """The fields of a ``group.start`` record that its ``mac`` covers."""
+    return {k: record.get(k) for k in ("replica", "incarnation", "host", "procs", "seq", "epoch")}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """A group the journal says is running: adopt it if every rank is alive."""
+
+    replica: int
+    incarnation: int
+    host: str
+    procs: tuple[str, ...]  # by rank
+
+
+@dataclass
+class Plan:
+    """What a takeover found in the run directory (:func:`read_run`)."""
+
+    groups: dict[int, GroupPlan]
+    committed_step: int
+    records: list[Record]
+    epoch: int  # the last controller's
+    secret: bytes
+
+
+def supported(cfg: JobConfig) -> str | None:
+    """Why a job cannot be taken over in this slice, or None."""
+    if cfg.program.enabled:
+        return "a [program] job cannot be taken over yet (its quorum tap lives in the controller)"
+    if cfg.launcher != "local":
+        return f'launcher = "{cfg.launcher}": only "local" jobs can be taken over yet'
+    if cfg.recovery.quorum != "tree":
+        return 'recovery.quorum = "torchft": only the tree quorum continues across a takeover'
+    if cfg.recovery.policy != "in_place":
+        return 'recovery.policy = "full_restart": the baseline restarts everything anyway'
+    if cfg.recovery.controller_grace_s <= 0:
+        return "recovery.controller_grace_s = 0: the agents died with their controller"
+    return None
+
+
+def read_run(run_dir: Path, secret: bytes, epoch: int) -> Plan:
+    """Read and check what the last controller (of ``epoch``) left; TakeoverRefused if the
+    journal cannot be trusted whole (a line that does not parse, a group start whose signature
+    or sequence number is wrong) or says the job has ended."""
+    path = run_dir / "journal.jsonl"
+    if not path.exists():
+        raise TakeoverRefused(f"{path} does not exist: nothing to take over")
+    problems: list[str] = []
+    records = read_journal(path, problems=problems)
+    if problems:
+        raise TakeoverRefused(
+            f"the journal {path} is damaged ({len(problems)} unreadable record(s), first: "
+            f"{problems[0]}): it was truncated or edited, and a takeover trusts it whole"
+        )
+    if not any(r["event"] == JOB_START for r in records):
+        raise TakeoverRefused(f"the journal {path} has no {JOB_START} record: no job ran here")
+    ended = [r for r in records if r["event"] == JOB_END]
+    if ended:
+        raise TakeoverRefused(
+            f"the job has ended ({ended[-1].get('status')}: {ended[-1].get('reason')}); "
+            "nothing to take over"
+        )
+    groups: dict[int, GroupPlan] = {}
+    expected: dict[int, int] = {}  # epoch -> the next seq
+    for r in (r for r in records if r["event"] == GROUP_START):
+        where = f"{path}: {GROUP_START} of replica {r.get('replica')} at t={r['t']}"
+        if not hmac.compare_digest(str(r.get("mac", "")), sign(secret, signed_fields(r))):
+            raise TakeoverRefused(f"{where}: its signature does not match (edited by hand?)")
+        ep, seq = int(r.get("epoch", 0)), int(r.get("seq", 0))
+        if seq != expected.get(ep, 1):
+            raise TakeoverRefused(
+                f"{where}: numbered {seq}, expected {expected.get(ep, 1)}: a group start is "
+                "missing from the journal (truncated?)"
+            )
+        expected[ep] = seq + 1
+        groups[int(r["replica"])] = GroupPlan(
+            replica=int(r["replica"]),
+            incarnation=int(r["incarnation"]),
+            host=str(r["host"]),
+            procs=tuple(str(p) for p in r["procs"]),
+        )
+    steps = [int(r.get("step", 0)) for r in records if r["event"] == "step.commit"]
+    return Plan(
+        groups=groups,
+        committed_step=max(steps, default=0),
+        records=records,
+        epoch=epoch,
+        secret=secret,
+    )
+
+
+# -- the job's side (harness.job.protocol.Job calls these) ------------------------------------
+def controller_kwargs(job: Any) -> dict[str, Any]:
+    """What makes ``job``'s controller one that can be replaced: the job secret kept in the run
+    directory (a new controller needs it), the control file agents re-dial, and the epoch."""
+    from runtime import channel, control_file
+
+    if job.plan is None:
+        secret = channel.new_secret()
+        control_file.write_secret(job.run_dir / "secret", secret)
+        epoch = 1
+    else:
+        secret, epoch = job.plan.secret, job.plan.epoch + 1
+    return {
+        "secret": secret,
+        "control_file": job.run_dir / "controller.json",
+        "epoch": epoch,
+        "takeover": job.plan is not None,
+    }
+
+
+def journal_group(job: Any, group: Any, seq: int) -> None:
+    """Journal a group's start as a takeover reads it (signed and numbered: :func:`read_run`)."""
+    controller = job.controller
+    fields = {
+        "replica": group.replica,
+        "incarnation": group.incarnation,
+        "host": group.host,
+        "procs": list(group.mesh.proc_ids),
+        "seq": seq,
+        "epoch": getattr(controller, "epoch", 1),
+    }
+    job.journal.emit(GROUP_START, **fields, mac=sign(controller.secret, fields))
+
+
+def reattach(job: Any) -> None:
+    """After a takeover: serve the quorum where it was (its members' next requests reach it
+    while the agents re-dial), then wait for the agents (those that do not re-dial are lost
+    hosts, which the host pool restarts)."""
+    cfg, t = job.cfg, job.cfg.timeouts
+    names = job.host_names()
+    job.quorum.start()
+    # An agent notices a dead controller at once (its connection closes) or, cut off or
+    # stopped, after controller_silence; then it re-dials every few tenths of a second.
+    patience = min(cfg.recovery.controller_grace_s, t.controller_silence + t.connect_timeout)
+    t0 = time.time()
+    reports = job.controller.reattach(names, patience)
+    t_reattached = time.time()
+    lost = [n for n in names if n not in reports]
+    for name in lost:
+        job.hosts.respawn_lost(name)
+    job.journal.emit(
+        CONTROLLER_TAKEOVER,
+        epoch=getattr(job.controller, "epoch", None),
+        pid=os.getpid(),
+        hosts=sorted(reports),
+        lost=lost,
+        reattach_s=round(t_reattached - t0, 4),
+        groups=sorted(job.plan.groups),
+    )
+    if lost:
+        job.say(f"takeover: no agent re-dialed from {', '.join(lost)}: restarting it")
+
+
+def adopt(job: Any, plan: GroupPlan) -> Any:
+    """Adopt a group the journal says runs, under the supervisor child starting it now: its
+    processes (every rank alive on its host, each with its running ``train`` call) become this
+    controller's, and its record the job's. None if any rank is gone: the caller restarts the
+    group in place (the rest of it is stopped here), as after any failure."""
+    from harness.job.groups import ReplicaGroup
+    from harness.rank.actors import TrainerActor
+    from runtime.mesh import ActorMesh, ActorRef, ProcRef
+    from runtime.states import ProcState
+
+    c = job.controller
+    recs = [c.procs.get(p) for p in plan.procs]
+    calls = [
+        c.open_calls(p) if r is not None else {} for p, r in zip(plan.procs, recs, strict=True)
+    ]
+    alive = all(r is not None and r.state is ProcState.RUNNING for r in recs)
+    training_calls = [
+        next((cid for cid, ep in cs.items() if ep == ("trainer", "train")), None) for cs in calls
+    ]
+    if not alive or None in training_calls or len(plan.procs) != job.ranks:
+        c.stop_procs([p for p in plan.procs if p in c.procs], grace_s=0.5)
+        job.journal.emit(
+            CONTROLLER_TAKEOVER, replica=plan.replica, adopted=False,
+            reason="a rank of the group is gone: restarted in place",
+        )  # fmt: skip
+        return None
+    c.adopt(list(plan.procs))
+    refs: dict[tuple[int, ...], ActorRef] = {
+        (0, rank): ActorRef(
+            ProcRef(p, plan.host, {"replica": plan.replica, "rank": rank}), "trainer"
+        )
+        for rank, p in enumerate(plan.procs)
+    }
+    mesh = ActorMesh(c, TrainerActor, {"replica": 1, "rank": job.ranks}, refs)
+    futures = [c.open_call(p, cid) for p, cid in zip(plan.procs, training_calls, strict=True)]
+    training = futures[0]  # rank 0's, as for a group this controller started
+    training.add_done_callback(lambda _: job._check_done())
+    group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, None, training)
+    with job._lock:
+        job.groups[plan.replica] = group
+    job.journal.emit(
+        CONTROLLER_TAKEOVER, replica=plan.replica, adopted=True, procs=list(plan.procs)
+    )
+    return mesh
+
+
+def next_incarnation(job: Any, plan: GroupPlan) -> int:
+    """The incarnation a group that could not be adopted restarts as: past the journal's and
+    past any the quorum service admitted (the dead controller may have admitted a replacement
+    it did not live to journal)."""
+    admitted = getattr(getattr(job.quorum, "tree", None), "incarnations", {})
+    return max(plan.incarnation, admitted.get(plan.replica, -1)) + 1
+
+
+def release_unclaimed(job: Any) -> None:
+    """After the groups were adopted: stop every inherited process that no group claimed (a
+    rank of a group the journal no longer names, say), so that nothing runs unsupervised.
+    Idle warm spares stay: they went back to their host's pool."""
+    from runtime.states import ProcState
+
+    c = job.controller
+    with c._lock:
+        stale = [
+            p
+            for p, r in c.procs.items()
+            if r.inherited and r.owner is None and not r.spare and r.state is ProcState.RUNNING
+        ]
+    if stale:
+        c.stop_procs(stale, grace_s=0.5, wait=False)
