@@ -222,17 +222,10 @@ def _agent_lines(sock: socket.socket, redial: Any) -> None:
 _link: _Link | None = None
 
 
-def controller_unsettled(window_s: float) -> bool:
-    """Whether this worker has no controller now, or got a new one less than ``window_s`` ago:
-    the quorum service restarts with a controller (``harness.job.takeover``), so a request to
-    it may hang on the old connection meanwhile (the trainer then asks with a short timeout)."""
-    link = _link
-    if link is None:
-        return False
-    with link.lock:
-        if link.conn is None:
-            return link.lost_at is not None
-        return link.changed_at is not None and time.monotonic() - link.changed_at < window_s
+def controller_survivable() -> bool:
+    """Whether this worker outlives a lost controller (``grace_s`` > 0: its job can be taken
+    over by a new controller, whose quorum service then restarts under the trainer)."""
+    return _link is not None and _link.survive
 
 
 class _Link:
@@ -248,7 +241,6 @@ class _Link:
         self.grace_s = grace_s
         self.survive = grace_s > 0
         self.lost_at: float | None = None
-        self.changed_at: float | None = None  # when it last got a new controller after a loss
 
     def is_current(self, conn: Connection) -> bool:
         with self.lock:
@@ -256,8 +248,6 @@ class _Link:
 
     def attach(self, conn: Connection) -> None:
         with self.lock:
-            if self.lost_at is not None:
-                self.changed_at = time.monotonic()
             self.conn, self.lost_at = conn, None
             self.lock.notify_all()
 

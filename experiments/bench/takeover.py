@@ -25,6 +25,7 @@ The last line printed is a JSON object.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -126,7 +127,7 @@ def measure(run_dir: Path, kills: list[float]) -> dict[str, Any]:
         before = [t for t in times if t <= t_kill]
         window = before[-1:] + [t for t in times if t_kill < t <= t_next]
         if len(window) > 1:
-            gaps.append(max(b - a for a, b in zip(window, window[1:], strict=False)))
+            gaps.append(max(b - a for a, b in itertools.pairwise(window)))
         served = [
             float(r["t"])
             for r in records

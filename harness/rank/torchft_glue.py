@@ -256,6 +256,7 @@ def make_manager(
     state_dict: Callable[[], Any],
     load_state_dict: Callable[[Any], None],
     member_id: str | None = None,
+    quorum_retries: int = 0,
 ) -> tuple[Manager, ProcessGroupGloo]:
     """torchft's Manager for ``rank`` of replica group ``replica_id``, with its reconfigurable
     gloo process group (returned too, so a fault hook can abort it). ``member_id``: the
@@ -298,6 +299,11 @@ def make_manager(
         heartbeat_interval=_s(t.lighthouse_heartbeat_timeout / 4),
         checkpoint_transport=transport,
         init_sync=False,
+        # Nonzero when the quorum service may restart under the Manager (its controller taken
+        # over: harness.job.takeover): torchft's ManagerServer then reconnects and asks again
+        # every quorum_timeout / (retries + 1), instead of failing the request on the dead
+        # service's connection (the trainer's own call still gives up after quorum_timeout).
+        quorum_retries=quorum_retries,
     )
     return manager, pg
 
