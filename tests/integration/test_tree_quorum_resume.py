@@ -148,14 +148,14 @@ def test_a_resumed_service_waits_for_every_member_it_knew_before_issuing(tmp_pat
 
 @pytest.mark.timeout(120)
 def test_quorum_ids_are_never_reused_across_many_resumes(tmp_path: Path) -> None:
-    """Four services in turn, each SIGKILLed after issuing quorums of changing membership (each
+    """Three services in turn, each SIGKILLed after issuing quorums of changing membership (each
     change a new id), each resumed from the file the last one left: every id is new."""
     cfg = _cfg(3, lighthouse_join_timeout=1.0, lighthouse_heartbeat_timeout=3.0)
     state, log = tmp_path / "quorum.json", tmp_path / "issued"
     ids: list[int] = []
     members: dict[str, str] = {}
     prev: list[str] = []
-    for life in range(4):
+    for life in range(3):
         proc, info = start_service(config_to_dict(cfg), state, log, resume=life > 0, admit=3)
         members = members or info["member_ids"]
         a, b, c = (members[str(r)] + f":{r}" for r in range(3))
@@ -252,7 +252,9 @@ def test_a_crash_of_the_service_restarts_it_in_place_and_it_goes_on_saving(
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("quorum_every", [1, 0], ids=["quorum_every_step", "sparse_quorum"])
+# every step (torchft's way); the sparse quorum (the default) goes through real takeovers in
+# tests/e2e/test_controller_takeover.py
+@pytest.mark.parametrize("quorum_every", [1], ids=["quorum_every_step"])
 def test_trainers_keep_committing_across_a_sigkilled_and_resumed_service(
     tmp_path: Path, quorum_every: int
 ) -> None:
