@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import JobConfig
-from harness.job.keeper import KEEPER_ENV, job_file_or_say
+from harness.job.keeper import BEAT_ENV, BEAT_INTERVAL_S, KEEPER_ENV, job_file_or_say
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from runtime.proctree import die_with_parent
 
         die_with_parent(int(keeper), signal.SIGTERM)  # exits now if the keeper is already gone
+    beat_to_keeper()
     try:
         return _run(
             run_dir,
@@ -87,6 +88,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # as ftharness's own main says it (harness.cli)
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def beat_to_keeper() -> None:
+    """Write a byte to the keeper's beat pipe (``FTHARNESS_KEEPER_BEAT_FD``) every
+    ``BEAT_INTERVAL_S`` from a thread of its own: a controller that stops beating (SIGSTOPped,
+    its interpreter wedged) is killed by the keeper and replaced (``harness.job.keeper``)."""
+    fd = os.environ.get(BEAT_ENV, "")
+    if not fd.isdigit():
+        return
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(int(fd), b".")
+            except OSError:
+                return  # the keeper is gone (and this process with it, by die_with_parent)
+            time.sleep(BEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, daemon=True, name="ftharness-keeper-beat").start()
 
 
 def _stand_by() -> bool:

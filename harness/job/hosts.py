@@ -158,6 +158,12 @@ class HostPool:
             self._check = check
             self._passed = {h.name: h for h in passed}
 
+    def checked(self, name: str) -> bool:
+        """Whether ``name``'s current agent may hold groups as far as the preflight goes (its
+        round passed, or no round is due)."""
+        with self._change:
+            return self._checked(name)
+
     def _checked(self, name: str) -> bool:
         """(lock held) ``name``'s current agent may hold groups, as far as the preflight goes."""
         if self._check is None:

@@ -26,8 +26,12 @@ SIGKILL. Its agents and workers keep training for ``recovery.controller_grace_s`
 ``ftharness attach | stop | status`` (``harness.job.runctl``) find the keeper through
 ``keeper.json``.
 
-Not guaranteed: a controller that hangs (SIGSTOP, a deadlock) is not detected here; a keeper that
-is itself killed takes its run down (the controller gets SIGTERM and stops cleanly).
+A controller beats into a pipe the keeper gave it (``FTHARNESS_KEEPER_BEAT_FD``, every
+``BEAT_INTERVAL_S``, from a thread of its own); one silent for ``timeouts.controller_silence``
+while alive (SIGSTOPped, its interpreter wedged) is killed and replaced like one that died.
+
+Not guaranteed: a controller deadlocked with its beat thread still running is not detected; a
+keeper that is itself killed takes its run down (the controller gets SIGTERM and stops cleanly).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import collections
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -62,6 +67,9 @@ KEEPER_ENV = "FTHARNESS_KEEPER_PID"
 JOB_FILE_VERSION = 1
 #: How long after a controller starts (or takes over) its standby is started.
 STANDBY_DELAY_S = 3.0
+#: The environment variable naming the pipe a controller beats into, and how often it does.
+BEAT_ENV = "FTHARNESS_KEEPER_BEAT_FD"
+BEAT_INTERVAL_S = 0.5
 
 
 def write_job_file(run_dir: Path, cfg: JobConfig, *, quiet: bool, source: str) -> None:
@@ -183,6 +191,7 @@ class Keeper:
         controller: Sequence[str] | None = None,
         detached: bool = False,
         standby: bool = False,
+        silence_s: float | None = None,
         say: Callable[[str], None] = _say,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -197,7 +206,11 @@ class Keeper:
         # done, it takes over the moment it is told to (about a second sooner than a fresh one).
         self.standby = standby
         self._standby: subprocess.Popen | None = None
+        self._standby_beats: int | None = None  # the read end of the standby's beat pipe
         self._standby_lock = threading.Lock()
+        # A controller silent this long on its beat pipe (stopped, wedged) is killed and
+        # replaced; None: not watched (a stand-in controller that does not beat).
+        self.silence_s = silence_s
 
     def run(self) -> int:
         """Keep a controller running until the run ends; returns the run's exit status."""
@@ -257,15 +270,19 @@ class Keeper:
     def _start(self, takeover: bool) -> int:
         promoted = self._promote_standby() if takeover else None
         if promoted is not None:
-            self._child = promoted
+            pid, beats = promoted
+            self._child = pid
             if self._stopping:
                 self._forward(signal.SIGTERM)
+            self._watch(pid, beats)
             self._arm_standby()
-            return promoted
+            return pid
         argv = [*self.controller, str(self.run_dir), *(["--takeover"] if takeover else [])]
-        env = {**os.environ, KEEPER_ENV: str(os.getpid())}
+        beats, env = self._beat_pipe()
         # Popen only to start it: the keeper reaps it itself (_wait), with every orphan.
-        proc = subprocess.Popen(argv, env=env)
+        proc = subprocess.Popen(argv, env=env, pass_fds=self._pass(env))
+        self._close_write_end(env)
+        self._watch(proc.pid, beats)
         self._child = proc.pid
         if self._stopping:  # a SIGTERM came between two controllers: this one stops too
             self._forward(signal.SIGTERM)
@@ -287,22 +304,77 @@ class Keeper:
             if not self.standby or self._stopping or self._standby is not None:
                 return
             argv = [*self.controller, str(self.run_dir), "--standby"]
-            env = {**os.environ, KEEPER_ENV: str(os.getpid())}
-            self._standby = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE)
+            beats, env = self._beat_pipe()
+            self._standby = subprocess.Popen(
+                argv, env=env, stdin=subprocess.PIPE, pass_fds=self._pass(env)
+            )
+            self._close_write_end(env)
+            self._standby_beats = beats
             self._standby.returncode = 0  # reaped by _wait, as the controller is
 
-    def _promote_standby(self) -> int | None:
-        """Tell the standby to take over; its pid, or None if there is none (or it is gone)."""
+    def _promote_standby(self) -> tuple[int, int | None] | None:
+        """Tell the standby to take over; its pid and beat pipe, or None if there is none (or
+        it is gone)."""
         with self._standby_lock:
             proc, self._standby = self._standby, None
+            beats, self._standby_beats = self._standby_beats, None
         if proc is None or proc.stdin is None:
             return None
         try:
             proc.stdin.write(b"takeover\n")
             proc.stdin.close()
         except OSError:  # it died while waiting: a fresh controller takes over instead
+            if beats is not None:
+                os.close(beats)
             return None
-        return proc.pid
+        return proc.pid, beats
+
+    # -- the controller's beats -------------------------------------------------------------
+    def _beat_pipe(self) -> tuple[int | None, dict[str, str]]:
+        """A pipe for the next controller's beats (when watched) and its environment."""
+        env = {**os.environ, KEEPER_ENV: str(os.getpid())}
+        if self.silence_s is None:
+            env.pop(BEAT_ENV, None)
+            return None, env
+        r, w = os.pipe()
+        env[BEAT_ENV] = str(w)
+        return r, env
+
+    @staticmethod
+    def _pass(env: dict[str, str]) -> tuple[int, ...]:
+        return (int(env[BEAT_ENV]),) if BEAT_ENV in env else ()
+
+    @staticmethod
+    def _close_write_end(env: dict[str, str]) -> None:
+        if BEAT_ENV in env:
+            os.close(int(env[BEAT_ENV]))
+
+    def _watch(self, pid: int, beats: int | None) -> None:
+        """Kill controller ``pid`` if it stops beating for ``silence_s`` while alive (SIGSTOP,
+        a wedged interpreter): it is then replaced like one that died. Its epoch is fenced by
+        the next, so even one that comes back later commands nothing."""
+        if beats is None or self.silence_s is None:
+            return
+        silence = self.silence_s
+
+        def watch() -> None:
+            try:
+                while True:
+                    ready, _, _ = select.select([beats], [], [], silence)
+                    if not ready:
+                        self.say(
+                            f"the controller (pid {pid}) has not been heard from for "
+                            f"{silence:g} s (stopped or hung): killing it"
+                        )
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                        return
+                    if not os.read(beats, 4096):
+                        return  # it exited: the keeper's wait takes it from here
+            finally:
+                os.close(beats)
+
+        threading.Thread(target=watch, daemon=True, name=f"keeper-watch-{pid}").start()
 
     def _drop_standby(self) -> None:
         """The run ends: the standby reads end-of-file and exits (a last resort: SIGKILL)."""
@@ -382,55 +454,6 @@ class Keeper:
                 pass
 
 
-def keeper_alive(info: dict[str, Any] | None) -> bool:
-    """Whether the keeper ``keeper.json`` describes is still running (the same process: its pid
-    with the start time it recorded, so a recycled pid does not count)."""
-    import psutil
-
-    if not info or not isinstance(info.get("pid"), int):
-        return False
-    try:
-        proc = psutil.Process(info["pid"])
-        alive = proc.status() != psutil.STATUS_ZOMBIE
-        return alive and abs(proc.create_time() - float(info.get("create_time", 0))) < 0.5
-    except (psutil.Error, TypeError, ValueError):
-        return False
-
-
-def start_detached(run_dir: Path, *, wait_s: float = 30.0) -> int | None:
-    """Start the keeper of ``run_dir`` in a session of its own (no terminal: it outlives this
-    one), its output in ``RUN/console.log``; return its pid once it has written keeper.json, or
-    None (said on stderr) if it died first."""
-    console = os.open(run_dir / CONSOLE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.job.keeper", str(run_dir)],
-            stdin=subprocess.DEVNULL,
-            stdout=console,
-            stderr=console,
-            start_new_session=True,
-        )
-    finally:
-        os.close(console)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ValueError):
-            info = read_json(run_dir / KEEPER_FILE)
-            if info is not None and info.get("pid") == proc.pid:
-                proc.returncode = 0  # it lives on after us; nothing here waits for it
-                return proc.pid
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    print(
-        f"ftharness run: the keeper did not start (see {run_dir / CONSOLE_FILE})", file=sys.stderr
-    )
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m harness.job.keeper RUN``: the detached keeper of a run ``ftharness run
     --detach`` prepared (its restart intensity from ``RUN/job.json``)."""
@@ -452,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         within_s=r.controller_within_s,
         detached=True,
         standby=supported(cfg) is None,
+        silence_s=cfg.timeouts.controller_silence,
     )
     return keeper.run()
 

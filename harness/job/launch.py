@@ -149,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"ftharness run: {problem}", file=sys.stderr)
         return 2
-    from harness.job.keeper import Keeper, start_detached, write_job_file
+    from harness.job.keeper import Keeper, write_job_file
+    from harness.job.runctl import start_detached
     from harness.job.rundir import CONSOLE_FILE, run_dir_for
 
     run_dir = run_dir_for("run", args.out, cfg.name)
@@ -174,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
         max_restarts=r.controller_max_restarts,
         within_s=r.controller_within_s,
         standby=takeover.supported(cfg) is None,  # a job a new controller could take over
+        silence_s=cfg.timeouts.controller_silence,
     ).run()
 
 

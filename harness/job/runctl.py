@@ -1,4 +1,5 @@
-"""``ftharness attach | stop | status RUN``: follow, stop and inspect a run under its keeper.
+"""``ftharness attach | stop | status RUN``: follow, stop and inspect a run under its keeper;
+and ``ftharness run --detach``'s start of that keeper (:func:`start_detached`).
 
 A run started by ``ftharness run`` (in the foreground or with ``--detach``) is found through its
 directory (docs/controller.md): ``keeper.json`` names the keeper (``harness.job.keeper``),
@@ -18,13 +19,14 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness.job.keeper import find_job_end, keeper_alive, read_job_file
-from harness.job.rundir import CONSOLE_FILE, KEEPER_FILE
+from harness.job.keeper import find_job_end, read_job_file
+from harness.job.rundir import CONSOLE_FILE, KEEPER_FILE, read_json
 from runtime.journal import Record
 
 
@@ -281,3 +283,52 @@ def _where(records: list[Record]) -> list[str]:
     for r in spares.values():
         lines.append(f"  spare       on {r.get('host')}: pid {r.get('pid')}")
     return lines
+
+
+def keeper_alive(info: dict[str, Any] | None) -> bool:
+    """Whether the keeper ``keeper.json`` describes is still running (the same process: its pid
+    with the start time it recorded, so a recycled pid does not count)."""
+    import psutil
+
+    if not info or not isinstance(info.get("pid"), int):
+        return False
+    try:
+        proc = psutil.Process(info["pid"])
+        alive = proc.status() != psutil.STATUS_ZOMBIE
+        return alive and abs(proc.create_time() - float(info.get("create_time", 0))) < 0.5
+    except (psutil.Error, TypeError, ValueError):
+        return False
+
+
+def start_detached(run_dir: Path, *, wait_s: float = 30.0) -> int | None:
+    """Start the keeper of ``run_dir`` in a session of its own (no terminal: it outlives this
+    one), its output in ``RUN/console.log``; return its pid once it has written keeper.json, or
+    None (said on stderr) if it died first."""
+    console = os.open(run_dir / CONSOLE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.job.keeper", str(run_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=console,
+            stderr=console,
+            start_new_session=True,
+        )
+    finally:
+        os.close(console)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ValueError):
+            info = read_json(run_dir / KEEPER_FILE)
+            if info is not None and info.get("pid") == proc.pid:
+                proc.returncode = 0  # it lives on after us; nothing here waits for it
+                return proc.pid
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    print(
+        f"ftharness run: the keeper did not start (see {run_dir / CONSOLE_FILE})", file=sys.stderr
+    )
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    return None

@@ -112,3 +112,33 @@ def test_a_journal_edited_by_hand_is_refused_and_the_run_ends(tmp_path: Path) ->
     end = [r for r in read_journal(run_dir / "journal.jsonl") if r["event"] == JOB_END]
     assert end and end[-1]["status"] == "failed"
     assert wait_until(lambda: not _no_process_of(run_dir), time.monotonic() + 15)
+
+
+def test_a_stopped_controller_is_killed_by_its_keeper_and_taken_over(tmp_path: Path) -> None:
+    """SIGSTOP: the controller neither exits nor answers. Its keeper hears no beat for
+    ``timeouts.controller_silence``, kills it, and the standby takes over; nothing restarts."""
+    run_dir = tmp_path / "run"
+    options = (
+        "steps=600",
+        "replicas=2",
+        "checkpoint.every_steps=0",
+        "timeouts.controller_silence=4",
+    )
+    proc = _start(run_dir, *options)
+    try:
+        assert wait_until(lambda: _committed(run_dir) >= 100, time.monotonic() + 120)
+        t_stop = time.time()
+        os.kill(_controller_pid(run_dir), signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-2000:]
+    assert "has not been heard from for 4 s (stopped or hung): killing it" in output
+    records = read_journal(run_dir / "journal.jsonl")
+    takeovers = [r for r in records if r["event"] == "controller.takeover" and "epoch" in r]
+    assert [r["epoch"] for r in takeovers] == [2]
+    later = [r for r in records if r["event"] == PROC_START and r["t"] >= t_stop]
+    assert not [r for r in later if r.get("replica") is not None]  # no group restarted
+    assert max(r["step"] for r in records if r["event"] == STEP_COMMIT) == 600
+    assert wait_until(lambda: not _no_process_of(run_dir), time.monotonic() + 10)

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.job.keeper import find_job_end, keeper_alive
+from harness.job.keeper import find_job_end
+from harness.job.runctl import keeper_alive
 from harness.job.rundir import read_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -17,11 +17,10 @@ from harness.job.keeper import (
     RestartIntensity,
     describe_exit,
     find_job_end,
-    keeper_alive,
     read_job_file,
     write_job_file,
 )
-from harness.job.runctl import _where
+from harness.job.runctl import _where, keeper_alive
 from harness.job.rundir import RunDirError, find_run, read_json, write_json_atomic
 
 TINY = Path(__file__).resolve().parents[2] / "experiments" / "tiny.toml"
