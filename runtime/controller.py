@@ -18,8 +18,10 @@ It owns every listener and thread of the control plane:
 With a control file (``runtime.control_file``) the controller can be replaced: it writes its
 address and epoch there once it serves, its agents and workers outlive it for
 ``spec.controller_grace_s`` (``runtime.orphan``), and a takeover controller (``takeover=True``,
-the next epoch) inherits them (``runtime.takeover``). A controller that finds a newer epoch in
-the file exits before it acts on anything (``runtime.takeover.Succession``).
+the next epoch) inherits them (``runtime.takeover``), given the journal's last event of each
+process (``event_marks``): its workers send again what the dead one never read (``runtime.resend``).
+A controller that finds a newer epoch in the file exits before it acts on anything
+(``runtime.takeover.Succession``).
 
 Why this module is longer than 500 lines: it owns the control plane's one locked table of processes,
 calls and hosts; the listener, the host registry and the call table are modules of their own
@@ -71,6 +73,7 @@ from runtime.messages import (
 from runtime.plane import Owner
 from runtime.preflight_matrix import PreflightBoard
 from runtime.proc_handle import CallTable, ProcFailedError, ProcRecord
+from runtime.resend import EVENT_SEQ, Marks
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
 from runtime.states import ProcState, check_transition
@@ -95,6 +98,7 @@ class Controller:
         control_file: str | os.PathLike[str] | None = None,
         epoch: int | None = None,
         takeover: bool = False,
+        event_marks: Mapping[str, int] | None = None,
     ) -> None:
         self.spec = spec or ControllerSpec()
         self.succession = Succession(control_file, epoch, takeover, self.spec.controller_grace_s)
@@ -116,6 +120,7 @@ class Controller:
         self.preflight = PreflightBoard()  # the agents' answers (runtime.preflight_matrix)
         self._lock = threading.RLock()
         self.inherited = Inheritance(self.procs, self._lock, self._calls)  # runtime.takeover
+        self.event_marks = Marks(event_marks)  # per process, its last event journaled
         # (failure, its owner or None for the root, the failed process if any)
         self._queue: queue.Queue[tuple[Failure, Owner | None, ProcRecord | None] | None] = (
             queue.Queue()
@@ -424,7 +429,7 @@ class Controller:
                 rec = self.inherited.wait_record(hello.proc_id, self.spec.connect_timeout_s)
             if rec is None:
                 raise channel.FrameError(f"unknown worker {hello.proc_id!r}")
-            conn.send(Welcome(self.epoch))
+            conn.send(Welcome(self.epoch, self.event_marks.mark(hello.proc_id)))
             rec.pid, rec.conn = hello.pid, conn
             if redial:
                 self.inherited.on_worker(rec, hello)
@@ -474,8 +479,11 @@ class Controller:
                 else:
                     exc_type, message, tb = value
                     fut.set_exception(RemoteError(exc_type, message, tb, dict(rec.ref.coords)))
-            case Event(event, fields):
-                self.emit(event, **{**fields, "host": rec.host.name, "proc": rec.ref.proc_id})
+            case Event(event, fields, seq):
+                if self.event_marks.admit(rec.ref.proc_id, seq):  # never twice (runtime.resend)
+                    numbered = {EVENT_SEQ: seq} if seq else {}
+                    where = {"host": rec.host.name, "proc": rec.ref.proc_id}
+                    self.emit(event, **{**fields, **numbered, **where})
             case _:
                 raise channel.FrameError(f"malformed message {msg!r:.80}")
 

@@ -221,9 +221,12 @@ class HelloWorker:
 @dataclass(frozen=True, slots=True)
 class Welcome:
     """controller -> worker, the answer to HelloWorker: the controller's epoch. A worker
-    closes a connection whose epoch is below the highest it has seen."""
+    closes a connection whose epoch is below the highest it has seen. ``resend_after``: the
+    highest of the worker's events (``Event.seq``) the journal holds; a re-dialling worker
+    sends those it kept past it again (``runtime.resend``); -1: send nothing again."""
 
     epoch: int
+    resend_after: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,10 +274,14 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A journal record from an actor (``runtime.journal`` names the events)."""
+    """A journal record from an actor (``runtime.journal`` names the events). ``seq``: its
+    number, 1, 2, ... for the life of the worker process (0: not numbered), journaled as
+    ``eseq`` so that a worker can send again what a dead controller never read
+    (``runtime.resend``)."""
 
     event: str
     fields: dict[str, Any]
+    seq: int = 0
 
 
 # -- the connectivity preflight (runtime.preflight: the agent's side; runtime.preflight_matrix) --

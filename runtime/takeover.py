@@ -15,6 +15,10 @@ What happens to an inherited process before someone owns it: a failure (an exit 
 while no controller served) is held, not handed to the root, until :meth:`Inheritance.adopt`
 gives it an owner; the caller decides then, with the job's knowledge of which group it belongs
 to, what the failure means.
+
+What the dead controller never read: the events its workers had handed to the kernel. The new
+one starts with the journal's last event of each process (:func:`event_marks`, the
+``Controller``'s ``event_marks``) and each worker sends again those past it (``runtime.resend``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +37,22 @@ from runtime.mesh import ProcRef
 from runtime.messages import AgentReport, HelloWorker
 from runtime.plane import Owner
 from runtime.proc_handle import CallTable, ProcFailedError, ProcRecord
+from runtime.resend import EVENT_SEQ
 from runtime.states import ProcState
 
 if TYPE_CHECKING:
     from runtime.host_handle import HostAgentHandle
+
+
+def event_marks(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Per process (``proc``), the highest worker event number (``eseq``) in the journal's
+    ``records``: what a takeover controller's workers need not send again."""
+    marks: dict[str, int] = {}
+    for r in records:
+        seq, proc = r.get(EVENT_SEQ), r.get("proc")
+        if isinstance(seq, int) and not isinstance(seq, bool) and isinstance(proc, str):
+            marks[proc] = max(marks.get(proc, 0), seq)
+    return marks
 
 
 class Succession:
@@ -133,7 +149,12 @@ class Inheritance:
             rec.open_calls = {cid: (actor, method) for cid, actor, method in hello.open_calls}
             self._changed.notify_all()
         if rec.spare and rec.state is ProcState.RUNNING:
-            rec.host.pool.add_idle(rec)  # an idle spare again, for the next warm start
+            # An idle spare again, for the next warm start: this controller's now, as a spare it
+            # started would be. Left "inherited", a failure after a group took it would be held
+            # for an adoption that never comes, and the group never restarted (seen in a soak).
+            with self._changed:
+                rec.inherited = False
+            rec.host.pool.add_idle(rec)
 
     def open_calls(self, proc_id: str) -> dict[int, tuple[str, str]]:
         """The calls a previous controller made to ``proc_id`` that it has not answered yet
@@ -200,6 +221,16 @@ class Inheritance:
         """Something ``reattach`` waits on changed (a worker connected, a process failed)."""
         with self._changed:
             self._changed.notify_all()
+
+    def unclaimed(self) -> list[str]:
+        """The inherited processes still running that nobody adopted (idle spares aside: they
+        went back to their host's pool)."""
+        with self._lock:
+            return [
+                p
+                for p, r in self._procs.items()
+                if r.inherited and r.owner is None and not r.spare and r.state is ProcState.RUNNING
+            ]
 
     def hold(self, rec: ProcRecord, failure: Failure) -> bool:
         """Keep ``failure`` until ``rec`` is adopted; False if ``rec`` has an owner already."""

@@ -16,9 +16,11 @@ With survival on (``grace_s`` > 0: its agent outlives a lost controller, ``runti
 lost controller connection does not end the worker: what it sends (results, journal events) is
 kept, in order, until its agent says where the next controller is (a line on the heartbeat
 socketpair); it then drops the old connection (even one still open: a stopped old controller),
-dials the new one, says which calls it has not answered (``HelloWorker.open_calls``) and sends
-what it kept. A controller whose epoch (``Welcome``) is below the highest seen is dropped. Past
-``grace_s`` with no controller it exits as before.
+dials the new one, says which calls it has not answered (``HelloWorker.open_calls``) and waits
+for its ``Welcome``: a controller whose epoch is below the highest seen is dropped. Then it sends
+again the events it had sent that the journal lacks (numbered, ``runtime.resend``: a dead
+controller loses what it never read), then what it kept. Past ``grace_s`` with no controller it
+exits as before.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 from runtime import actor as actor_mod
@@ -48,6 +51,7 @@ from runtime.messages import (
     Welcome,
 )
 from runtime.orphan import parse_redial
+from runtime.resend import Retained, first_welcome
 
 log = logging.getLogger(__name__)
 
@@ -144,17 +148,28 @@ def worker_main(
                     if isinstance(call_id, int):
                         reply(call_id, False, ("ValueError", f"malformed message {msg!r:.80}", ""))
 
-    def dial(address: tuple[str, int], hello: HelloWorker) -> None:
+    def dial(address: tuple[str, int], hello: HelloWorker, redial: bool = False) -> None:
+        conn: Connection | None = None
         try:
             conn = connect(address, secret, connect_timeout_s)
             conn.send(hello)  # the first frame, before anything the outbox kept
+            # Re-dialling, nothing else is sent before the Welcome: it says which of the events
+            # sent before the journal lacks, and those go first (runtime.resend).
+            welcome = first_welcome(conn, 2 * connect_timeout_s) if redial else None
         except ChannelError as exc:
+            if conn is not None:
+                conn.close()
             if not link.survive:
                 raise
             log.warning("worker %s: cannot reach the controller at %s: %s", proc_id, address, exc)
             link.lost(None)
             return
-        link.attach(conn)
+        if welcome is not None and not link.welcome(conn, welcome.epoch):
+            conn.close()
+            return
+        link.attach(conn, welcome.resend_after if welcome is not None else -1)
+        if welcome is not None:
+            outbox.resend_now()
         threading.Thread(
             target=receive, args=(conn,), daemon=True, name="ftharness-receiver"
         ).start()
@@ -166,7 +181,8 @@ def worker_main(
             return
         with link.lock:
             calls = tuple((cid, actor, method) for cid, (actor, method) in running.items())
-        dial(address, HelloWorker(proc_id, os.getpid(), max(served, 1), dict(ctx.coords), calls))
+        hello = HelloWorker(proc_id, os.getpid(), max(served, 1), dict(ctx.coords), calls)
+        dial(address, hello, redial=True)
 
     dial(controller_addr, HelloWorker(proc_id, os.getpid()))
     if link.survive:
@@ -241,14 +257,15 @@ class _Link:
         self.grace_s = grace_s
         self.survive = grace_s > 0
         self.lost_at: float | None = None
+        self.resend_after = -1  # the current connection's Welcome.resend_after
 
     def is_current(self, conn: Connection) -> bool:
         with self.lock:
             return self.conn is conn
 
-    def attach(self, conn: Connection) -> None:
+    def attach(self, conn: Connection, resend_after: int = -1) -> None:
         with self.lock:
-            self.conn, self.lost_at = conn, None
+            self.conn, self.lost_at, self.resend_after = conn, None, resend_after
             self.lock.notify_all()
 
     def welcome(self, conn: Connection, epoch: int) -> bool:
@@ -299,12 +316,12 @@ class _Link:
                 )
                 os._exit(EXIT_ORPHANED)
 
-    def wait(self) -> Connection:
-        """The connection to send on, waiting while there is none."""
+    def wait(self) -> tuple[Connection, int]:
+        """The connection to send on, waiting while there is none, and its resend mark."""
         with self.lock:
             while self.conn is None:
                 self.lock.wait()
-            return self.conn
+            return self.conn, self.resend_after
 
 
 class _Outbox:
@@ -313,26 +330,44 @@ class _Outbox:
     blocks on the socket: a stopped (SIGSTOPped) controller must not stop training, which
     emits a journal event every step. If the controller is gone, the worker exits, or, with
     survival on, the frames wait for the next controller (events beyond MAX_KEPT_BYTES are
-    dropped). A call stays open (``running``) until its result is sent."""
+    dropped). A call stays open (``running``) until its result is sent.
+
+    Events are numbered (``Event.seq``) in the order they are queued, so sent in that order;
+    with survival on, those sent are kept (``runtime.resend.Retained``), and on a new
+    connection the ones past its ``resend_after`` go first, while queued ones at or below it
+    are not sent (the journal has them)."""
 
     def __init__(self, link: _Link, running: dict[int, tuple[str, str]]) -> None:
         self._link = link
         self._running = running
-        self._frames: queue.SimpleQueue[tuple[bytes, int | None] | threading.Event] = (
+        self._frames: queue.SimpleQueue[tuple[bytes | None, int | None, int] | threading.Event] = (
             queue.SimpleQueue()
         )
         self._queued = 0  # bytes put and not sent yet
         self.dropped = 0
+        self._order = threading.Lock()  # events are numbered in the order they are queued
+        self._seq = 0  # the last event's number
+        self._retained = Retained()  # the sender thread's alone
+        self._conn: Connection | None = None  # the last connection the sender used
         threading.Thread(target=self._run, daemon=True, name="ftharness-sender").start()
 
     def put(self, message: Any, call_id: int | None = None) -> None:
-        data = encode(message)
+        if not isinstance(message, Event):
+            self._enqueue(encode(message), call_id, 0)
+            return
+        with self._order:
+            seq = self._seq + 1
+            if self._enqueue(encode(replace(message, seq=seq)), None, seq):
+                self._seq = seq
+
+    def _enqueue(self, data: bytes, call_id: int | None, seq: int) -> bool:
         with self._link.lock:
-            if isinstance(message, Event) and self._queued > MAX_KEPT_BYTES:
+            if seq and self._queued > MAX_KEPT_BYTES:
                 self.dropped += 1
-                return
+                return False
             self._queued += len(data)
-        self._frames.put((data, call_id))
+        self._frames.put((data, call_id, seq))
+        return True
 
     def flush(self, timeout_s: float) -> None:
         """Wait until everything put so far has been handed to the kernel."""
@@ -340,22 +375,36 @@ class _Outbox:
         self._frames.put(sent)
         sent.wait(timeout_s)
 
+    def resend_now(self) -> None:
+        """A new connection is attached: send it what it lacks without waiting for a frame."""
+        self._frames.put((None, None, 0))
+
+    def _deliver(self, data: bytes | None, seq: int) -> None:
+        while True:
+            conn, mark = self._link.wait()
+            try:
+                if conn is not self._conn:  # a new controller: first what it lacks
+                    for payload in self._retained.after(mark) if mark >= 0 else ():
+                        conn.send_encoded(payload)
+                    self._conn = conn
+                if data is not None and not 0 < seq <= mark:  # else the journal has it
+                    conn.send_encoded(data)
+                    if seq and self._link.survive:
+                        self._retained.keep(seq, data)
+                return
+            except ChannelError:
+                self._link.lost(conn)  # exits, unless the worker survives its controller
+
     def _run(self) -> None:
         while True:
             item = self._frames.get()
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            data, call_id = item
-            while True:
-                conn = self._link.wait()
-                try:
-                    conn.send_encoded(data)
-                    break
-                except ChannelError:
-                    self._link.lost(conn)  # exits, unless the worker survives its controller
+            data, call_id, seq = item
+            self._deliver(data, seq)
             with self._link.lock:
-                self._queued -= len(data)
+                self._queued -= len(data or b"")
                 if call_id is not None:
                     self._running.pop(call_id, None)
 

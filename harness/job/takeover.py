@@ -157,8 +157,11 @@ def read_run(run_dir: Path, secret: bytes, epoch: int) -> Plan:
 # -- the job's side (harness.job.protocol.Job calls these) ------------------------------------
 def controller_kwargs(job: Any) -> dict[str, Any]:
     """What makes ``job``'s controller one that can be replaced: the job secret kept in the run
-    directory (a new controller needs it), the control file agents re-dial, and the epoch."""
+    directory (a new controller needs it), the control file agents re-dial, and the epoch;
+    for a takeover, the journal's last event of each process (its workers send the rest
+    again: ``runtime.resend``)."""
     from runtime import channel, control_file
+    from runtime.takeover import event_marks
 
     if job.plan is None:
         secret = channel.new_secret()
@@ -171,6 +174,7 @@ def controller_kwargs(job: Any) -> dict[str, Any]:
         "control_file": job.run_dir / "controller.json",
         "epoch": epoch,
         "takeover": job.plan is not None,
+        "event_marks": event_marks(job.plan.records) if job.plan is not None else None,
     }
 
 
@@ -275,14 +279,6 @@ def release_unclaimed(job: Any) -> None:
     """After the groups were adopted: stop every inherited process that no group claimed (a
     rank of a group the journal no longer names, say), so that nothing runs unsupervised.
     Idle warm spares stay: they went back to their host's pool."""
-    from runtime.states import ProcState
-
-    c = job.controller
-    with c._lock:
-        stale = [
-            p
-            for p, r in c.procs.items()
-            if r.inherited and r.owner is None and not r.spare and r.state is ProcState.RUNNING
-        ]
+    stale = job.controller.inherited.unclaimed()
     if stale:
-        c.stop_procs(stale, grace_s=0.5, wait=False)
+        job.controller.stop_procs(stale, grace_s=0.5, wait=False)

@@ -5,10 +5,11 @@ the control file RUN/controller.json (unless ``--no-survival``), ``--hosts`` loc
 worker each, and on each worker a ``Ticker.run`` call that emits journal events for
 ``--seconds``. With ``--takeover`` it takes that run over as the next epoch: it reattaches the
 agents, finds each worker's running ``run`` call among its open calls and waits for its
-result. Either way it writes RUN/state-EPOCH.json once the calls run (pids, proc ids, times)
-and RUN/result-EPOCH.json with the results, then shuts the run down. ``--poke`` keeps sending
-every worker a command (``takeover_actors.obey``) every 0.1 s, to count what a replaced
-controller gets obeyed.
+result (its workers send again the events the journal lacks: the journal's last event of each
+process is the controller's ``event_marks``). Either way it writes RUN/state-EPOCH.json once
+the calls run (pids, proc ids, times) and RUN/result-EPOCH.json with the results, then shuts
+the run down. ``--poke`` keeps sending every worker a command (``takeover_actors.obey``) every
+0.1 s, to count what a replaced controller gets obeyed.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import takeover_actors
 from runtime import channel
 from runtime.control_file import read_control, read_secret, write_secret
 from runtime.controller import Controller
-from runtime.journal import Journal
+from runtime.journal import Journal, read_journal
 from runtime.spec import ControllerSpec, HeartbeatSpec
+from runtime.takeover import event_marks
 
 
 def spec(args: argparse.Namespace) -> ControllerSpec:
@@ -83,10 +85,11 @@ def main() -> int:
         secret, epoch = channel.new_secret(), 1
         write_secret(run / "secret", secret)
     t0 = time.time()
+    marks = event_marks(read_journal(run / "journal.jsonl")) if args.takeover else None
     journal = Journal(run / "journal.jsonl", job="takeover", ctl_epoch=epoch)
     ctl = Controller(
         spec(args), journal=journal, secret=secret, on_failure=lambda f: True,
-        control_file=control, epoch=epoch, takeover=args.takeover,
+        control_file=control, epoch=epoch, takeover=args.takeover, event_marks=marks,
     )  # fmt: skip
     names = [f"h{i}" for i in range(args.hosts)]
     if args.takeover:
