@@ -362,6 +362,8 @@ def _faults() -> list[str]:
             needs.append('hosts with a network of their own (`launcher = "netns"`)')
         if getattr(cls, "needs_launcher", None):
             needs.append(f'`launcher = "{cls.needs_launcher}"`')
+        if getattr(cls, "needs_takeover", False):
+            needs.append("a job a new controller can take over ([controller](../controller.md))")
         options = ", ".join(f"`{f.name}`" for f in dataclasses.fields(cls))
         out.append(
             f"| [`{kind}`](#{slug(kind)}) | {cls.default_target} | "

@@ -4,6 +4,8 @@ For each run of the experiment (``ExperimentSpec.runs``: each policy it names, i
 same seed, and the pieces of its fault-free ``control`` interleaved with them), run the job for
 the run's duration, with the fault injector walking the plan except in the control, each run in
 its own folder (``OUT/<policy>/journal.jsonl``, ``OUT/control-<i>/...``, its own checkpoints).
+An experiment whose plan can kill the controller (``controller_crash``) runs each faulted run's
+job with its controller in a process of its own under a keeper (``experiments.chaos_job``).
 Once a run's job has stopped, record what it left behind (live processes, ``/dev/shm``
 segments) in ``OUT/<folder>/postrun.json``
 (see experiments/postrun.py). Then compute the report and the HTML dashboard from the journals
@@ -27,13 +29,7 @@ from runtime.journal import Journal, read_journal
 
 
 def job_config(spec: ExperimentSpec, policy: str) -> Any:
-    from harness.config import config_from_table, load_config
-
-    overrides = list(spec.job_overrides(policy))
-    if spec.job_path is not None:
-        return load_config(str(spec.job_path), overrides)
-    assert spec.job_table is not None
-    return config_from_table(spec.job_table, overrides)
+    return spec.job_config(policy)
 
 
 def run_policy(
@@ -44,6 +40,7 @@ def run_policy(
     quiet: bool,
     prometheus_port: int | None,
     limit: Any = None,
+    extra_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from faults.injector import Injector
     from faults.targets import Topology
@@ -64,6 +61,8 @@ def run_policy(
         cfg = dataclasses.replace(
             cfg, telemetry=dataclasses.replace(cfg.telemetry, prometheus_port=prometheus_port)
         )
+    if spec.kills_controller and policy != CONTROL:
+        return _run_under_keeper(spec, run, run_dir, cfg, quiet=quiet, extra=extra_overrides)
     telemetry = attach_telemetry(cfg, journal, quiet=quiet)
     injectors: list[Any] = []
 
@@ -116,6 +115,27 @@ def run_policy(
     return outcome
 
 
+def _run_under_keeper(
+    spec: ExperimentSpec, run: Run, run_dir: Path, cfg: Any, *, quiet: bool, extra: tuple[str, ...]
+) -> dict[str, Any]:
+    """:func:`run_policy` for a run whose controller may be killed (experiments.chaos_job);
+    a process the keeper had to stop at the end is an orphan in ``postrun.json``."""
+    from experiments.chaos_job import run_under_keeper
+
+    before = postrun.snapshot()
+    outcome = run_under_keeper(spec, run, run_dir, cfg, quiet=quiet, extra_overrides=extra)
+    checked = postrun.check(
+        before, read_journal(run_dir / "journal.jsonl"), policy=run.policy, run_end=time.time()
+    )
+    checked["orphans"] += [
+        {"pid": int(w.split()[0]), "name": "?", "cmdline": w, "create_time": 0.0,
+         "source": "stopped by the keeper when the run ended"}
+        for w in outcome["left_behind"]
+    ]  # fmt: skip
+    postrun.write(run_dir, checked)
+    return outcome
+
+
 def with_launcher(path: str | Path, launcher: str) -> ExperimentSpec:
     """The experiment file with its job's launcher overridden (``--launcher``), validated as a
     whole with it: a [slurm] section and SLURM faults are checked against the new launcher."""
@@ -123,9 +143,11 @@ def with_launcher(path: str | Path, launcher: str) -> ExperimentSpec:
 
 
 def main(args: argparse.Namespace) -> int:
+    extra: tuple[str, ...] = ()
     try:
         if getattr(args, "launcher", None):
             spec = with_launcher(args.experiment, args.launcher)
+            extra = (f"launcher={args.launcher}",)
         else:
             spec = load_experiment(args.experiment)
     except (ExperimentError, FileNotFoundError) as exc:
@@ -163,6 +185,7 @@ def main(args: argparse.Namespace) -> int:
             quiet=args.quiet,
             prometheus_port=args.prometheus_port,
             limit=limit,
+            extra_overrides=extra,
         )
         if limit is not None and limit.signalled.is_set():
             break

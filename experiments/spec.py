@@ -55,7 +55,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from faults.fault import UnknownFault, fault_kinds, make_fault
+from faults.fault import UnknownFault, fault_class, fault_kinds, make_fault
 from faults.schedule import (
     SCHEDULE_KINDS,
     PlannedFault,
@@ -189,6 +189,20 @@ class ExperimentSpec:
         extra = [f"steps={self.steps}"] if self.steps is not None else []
         recovery = "in_place" if policy == CONTROL else policy
         return (*self.overrides, *extra, f"recovery.policy={recovery}")
+
+    def job_config(self, policy: str) -> Any:
+        """The job config one policy's run runs with (``harness.config.JobConfig``)."""
+        overrides = list(self.job_overrides(policy))
+        if self.job_path is not None:
+            return load_config(str(self.job_path), overrides)
+        assert self.job_table is not None
+        return config_from_table(self.job_table, overrides)
+
+    @property
+    def kills_controller(self) -> bool:
+        """Whether the plan may kill the job's controller (``controller_crash``): then each run
+        runs under a keeper, its controller in a process of its own (experiments/runner.py)."""
+        return any(getattr(fault_class(k), "needs_takeover", False) for k in self.faults.weights)
 
     def runs(self) -> list[Run]:
         """The runs in the order they happen: each recovery policy once for ``duration_s``; the
@@ -362,7 +376,28 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
         spec.plan()
     except (TargetError, ScheduleError) as e:
         raise w.error("targets", str(e)) from None
+    _check_takeover(w, spec)
     return spec
+
+
+def _check_takeover(w: _Where, spec: ExperimentSpec) -> None:
+    """A fault that kills the controller needs, in every run that can plan it, a job that a new
+    controller can take over (``harness.job.takeover.supported``): said now, not mid-run."""
+    if not spec.kills_controller:
+        return
+    from harness.job.takeover import supported
+
+    for policy in spec.policies:
+        if policy == CONTROL:
+            continue
+        why = supported(spec.job_config(policy))
+        if why is not None:
+            kinds = [k for k in spec.faults.weights if getattr(fault_class(k), "needs_takeover", 0)]
+            raise w.error(
+                f"faults.mix.{kinds[0]}",
+                f"it kills the job's controller, and in the {policy!r} run a new controller "
+                f"could not take the job over: {why}",
+            )
 
 
 def _policies(w: _Where, value: Any) -> tuple[str, ...]:

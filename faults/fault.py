@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 if TYPE_CHECKING:
     from runtime.journal import Journal
 
-#: What a fault hits: one rank of a group, a whole replica group, a host, or the quorum service.
-TargetKind = Literal["rank", "replica", "host", "service"]
-TARGET_KINDS: tuple[str, ...] = ("rank", "replica", "host", "service")
+#: What a fault hits: one rank of a group, a whole replica group, a host, the quorum service, or
+#: the job's controller.
+TargetKind = Literal["rank", "replica", "host", "service", "controller"]
+TARGET_KINDS: tuple[str, ...] = ("rank", "replica", "host", "service", "controller")
 
 # The modules that hold the catalogue; imported on first registry lookup so that importing
 # faults.fault alone stays cheap and free of cycles.
@@ -52,20 +53,25 @@ _CATALOGUE_MODULES = (
     "faults.bitflip",
     "faults.network",
     "faults.slurm",
+    "faults.controller",
 )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
     """Where a fault lands. ``rank=None`` with a replica means every rank of that group;
-    all three None means the quorum service. ``host`` is informational for rank/replica
-    targets (where the group ran when the plan was made) and the subject of host faults."""
+    all three None means the quorum service, or, with ``controller``, the job's controller.
+    ``host`` is informational for rank/replica targets (where the group ran when the plan was
+    made) and the subject of host faults."""
 
     replica: int | None = None
     rank: int | None = None
     host: str | None = None
+    controller: bool = False
 
     def describe(self) -> str:
+        if self.controller:
+            return "the controller"
         if self.replica is None and self.host is None:
             return "quorum service"
         if self.replica is None:
@@ -77,11 +83,19 @@ class Target:
 
     def as_dict(self) -> dict[str, Any]:
         """The ``target`` field of a ``fault.inject`` record."""
-        return {"replica": self.replica, "rank": self.rank, "host": self.host}
+        out: dict[str, Any] = {"replica": self.replica, "rank": self.rank, "host": self.host}
+        if self.controller:
+            out["controller"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Target:
-        return cls(replica=data.get("replica"), rank=data.get("rank"), host=data.get("host"))
+        return cls(
+            replica=data.get("replica"),
+            rank=data.get("rank"),
+            host=data.get("host"),
+            controller=bool(data.get("controller", False)),
+        )
 
 
 @runtime_checkable
@@ -137,6 +151,17 @@ class FaultContext(Protocol):
         """``scancel`` the node's agent step (launcher = "slurm"; ValueError otherwise)."""
         ...
 
+    def in_phase(self, phase: str) -> bool:
+        """Whether the job is in ``phase`` now (``faults.controller.PHASES``: a quorum forming,
+        a group healing, a checkpoint being written)."""
+        ...
+
+    def kill_controller(self) -> None:
+        """SIGKILL the job's controller (the process this runs in): only in a job a new
+        controller takes over (run under a keeper, ``harness.job.takeover``); ValueError
+        otherwise. Returns first (the kill comes from a thread of its own, a moment later)."""
+        ...
+
 
 class Fault(Protocol):
     """One fault kind's behaviour (see the module docstring for the contract)."""
@@ -148,6 +173,9 @@ class Fault(Protocol):
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None: ...
 
     def heal(self, ctx: FaultContext, target: Target) -> None: ...
+
+    # Optional: a fault that waits for a moment has ``ready(ctx, rng) -> bool`` and ``wait_s``
+    # (faults.injector); ``inject_fields(rng) -> dict`` adds fields to its ``fault.inject``.
 
 
 class UnknownFault(KeyError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from faults.fault import Target, fault_class
 from faults.targets import TargetError, TargetSpec, Topology, resolve_kind, select_target
@@ -85,6 +85,26 @@ class PlannedFault:
     def when(self) -> str:
         return f"t+{self.at_s:.1f}s" if self.at_s is not None else f"step {self.at_step}"
 
+    def as_dict(self) -> dict[str, Any]:
+        """As a ``fault.plan`` record lists it."""
+        return {
+            "fault_id": self.fault_id,
+            "kind": self.kind,
+            "target": self.target.as_dict(),
+            "at_s": self.at_s,
+            "at_step": self.at_step,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlannedFault:
+        return cls(
+            fault_id=str(data["fault_id"]),
+            kind=str(data["kind"]),
+            target=Target.from_dict(data.get("target") or {}),
+            at_s=data.get("at_s"),
+            at_step=data.get("at_step"),
+        )
+
 
 def fault_times(spec: ScheduleSpec, rng: random.Random, horizon_s: float | None) -> list[float]:
     """Seconds since start for time-based schedules (pure)."""
@@ -144,6 +164,11 @@ def plan(
             raise TargetError(
                 f"{kind} needs hosts with a network of their own: set the job's "
                 "launcher = 'netns' (test hosts in network namespaces; root only)"
+            )
+        if getattr(fault_class(kind), "needs_takeover", False) and topology.takeover is not None:
+            raise TargetError(
+                f"{kind} kills the job's controller, and a new controller could not take this "
+                f"job over: {topology.takeover}"
             )
         needed = getattr(fault_class(kind), "needs_launcher", None)
         if needed is not None and topology.launcher != needed:

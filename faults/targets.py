@@ -34,6 +34,9 @@ class Topology:
     replica_hosts: tuple[str, ...]
     networked: bool = False  # each host has a link of its own (network faults can act on it)
     launcher: str = "local"  # the job's launcher (SLURM faults need "slurm")
+    # Why a new controller could not take this job over (``harness.job.takeover.supported``);
+    # None: it could (a controller crash needs that).
+    takeover: str | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1 or not self.hosts:
@@ -71,6 +74,7 @@ class Topology:
             replica_hosts=tuple(ctx.replica_host(r) for r in range(ctx.replicas)),
             networked=ctx.networked,
             launcher=getattr(ctx, "launcher", "local"),
+            takeover=getattr(ctx, "takeover", None),
         )
 
 
@@ -95,9 +99,9 @@ class TargetSpec:
 
 
 def resolve_kind(fault_default: TargetKind, requested: str) -> TargetKind:
-    """The target kind a fault gets. Host and service faults always hit their own kind (a host
-    eviction cannot hit a rank); process faults take the experiment's choice, if any."""
-    if fault_default in ("host", "service") or requested == "default":
+    """The target kind a fault gets. Host, service and controller faults always hit their own
+    kind (a host eviction cannot hit a rank); process faults take the experiment's choice."""
+    if fault_default in ("host", "service", "controller") or requested == "default":
         return fault_default
     if requested not in ("rank", "replica"):
         raise TargetError(f"target kind {requested!r} cannot apply to a {fault_default} fault")
@@ -129,6 +133,8 @@ def select_target(kind: TargetKind, spec: TargetSpec, topo: Topology, rng: rando
     """Draw one target of ``kind``; raises TargetError when nothing is eligible."""
     if kind == "service":
         return Target()
+    if kind == "controller":
+        return Target(controller=True)
     if kind == "host":
         hosts = eligible_hosts(spec, topo)
         if not hosts:
@@ -175,7 +181,7 @@ def protected_reason(
         if guarded:
             return f"host {target.host} runs keep-alive replica {sorted(guarded)}"
     else:
-        return None  # the quorum service: losing it loses no group
+        return None  # the quorum service or the controller: losing it loses no group
     if keep_alive.last_healthy and healthy is not None and not (set(healthy) - hit):
         return f"{target.describe()} would take down the last healthy group(s) {sorted(healthy)}"
     return None

@@ -7,6 +7,9 @@ Contract (read by dashboards/, experiments/report and the tests):
   (``"in_place"`` or ``"full_restart"``), ``replica``, ``rank``, ``host`` and ``step``.
 * Records are appended and flushed one at a time, so a crash loses at most the line being written;
   readers skip a torn last line.
+* Events from a worker carry ``proc`` and ``host``, stamped by the controller, and ``eseq``
+  (1, 2, ... per worker process): a controller that takes over has a worker resend the events
+  numbered past the highest the journal holds (``runtime.resend``).
 * Times from different processes on one host share a clock. Across hosts they are only as good as
   the hosts' clock sync: nothing here corrects for skew.
 
@@ -39,6 +42,9 @@ Event names and their extra fields:
 ``fault.inject``          ``fault_id``, ``kind``, ``target`` (dict: replica/rank/host), ``seed``,
                           logged *before* the fault fires
 ``fault.heal``            ``fault_id``, ``kind``
+``fault.plan``            ``seed``, ``faults`` (the injector's whole plan: ``fault_id``, ``kind``,
+                          ``target``, ``at_s``, ``at_step`` each), written as it starts: a
+                          controller that takes over resumes it (faults/injector.py)
 ``recovery.phase``        ``recovery_id``, ``fault_id`` (or null), ``replica``, ``phase`` (one of
                           ``PHASES``), ``cause``
 ``checkpoint.save``       ``step``, ``path``, ``seconds`` (serialize + write), ``blocked_s`` (the
@@ -109,6 +115,7 @@ STRAGGLER = "straggler"
 PREFLIGHT = "preflight"
 GROUP_START = "group.start"
 CONTROLLER_TAKEOVER = "controller.takeover"
+FAULT_PLAN = "fault.plan"
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")

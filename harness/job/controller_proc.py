@@ -84,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             limit=limit,
             stop_event=stop_event,
             takeover=args.takeover or args.standby,
+            hook=job.get("hook"),
         )
     except KeyboardInterrupt:  # as ftharness's own main says it (harness.cli)
         print("interrupted", file=sys.stderr)
@@ -132,20 +133,30 @@ def _run(
     limit: Any,
     stop_event: threading.Event,
     takeover: bool,
+    hook: dict[str, Any] | None = None,
 ) -> int:
     """The job, as ``ftharness run`` ran it after loading the config: a first controller starts
-    it (:func:`harness.job.launch.run_job`), a later one takes it over (:func:`_take_over`)."""
+    it (:func:`harness.job.launch.run_job`), a later one takes it over (:func:`_take_over`).
+    ``hook``: what the program that wrote ``job.json`` adds to each of its controllers
+    (:func:`make_hook`; ``ftharness chaos``'s injector, ``experiments.chaos_job``)."""
     from harness.job.launch import attach_telemetry, run_job
-    from runtime.journal import Journal
+    from runtime.journal import Journal, read_journal
 
-    journal = Journal(run_dir / "journal.jsonl", job=cfg.name, policy=cfg.recovery.policy)
-    telemetry = attach_telemetry(cfg, journal, quiet=quiet)
+    stamp: dict[str, Any] = {"job": cfg.name, "policy": cfg.recovery.policy}
     kwargs: dict[str, Any] = {
-        "journal": journal,
         "quiet": quiet,
         "on_started": limit.on_started if limit is not None else None,
         "stop_event": stop_event,
     }
+    if hook is not None:
+        extra = make_hook(hook)
+        stamp = extra.journal_stamp()
+        kwargs["on_started"] = extra.on_started
+        before = read_journal(run_dir / "journal.jsonl") if takeover else None
+        kwargs["duration_s"] = extra.duration_left(before)
+    journal = Journal(run_dir / "journal.jsonl", **stamp)
+    kwargs["journal"] = journal
+    telemetry = attach_telemetry(cfg, journal, quiet=quiet)
     try:
         if takeover:
             outcome = _take_over(run_dir, cfg, journal, kwargs)
@@ -156,6 +167,18 @@ def _run(
             telemetry.shutdown()
         journal.close()
     return report(cfg, run_dir, outcome)
+
+
+def make_hook(hook: dict[str, Any]) -> Any:
+    """``job.json``'s ``hook``: ``{"factory": "module:callable", "args": {...}}``, the callable
+    called with ``args``. What it returns gives the journal's stamp (``journal_stamp()``), the
+    run's duration (``duration_left(records)``: None for a first controller, the journal so far
+    for one that takes over) and ``run_job``'s ``on_started(job)``. It is how ``ftharness
+    chaos`` runs its injector in each controller without this package importing it."""
+    import importlib
+
+    module, _, name = str(hook["factory"]).partition(":")
+    return getattr(importlib.import_module(module), name)(hook.get("args") or {})
 
 
 def report(cfg: JobConfig, run_dir: Path, outcome: dict[str, Any]) -> int:

@@ -7,6 +7,11 @@ reads the job's records and calls the job's own operations; it keeps no state of
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -141,7 +146,55 @@ class JobFaultContext:
     def cancel_step(self, host: str) -> None:
         self._slurm("scancel of a step").cancel_step(host)
 
+    @property
+    def takeover(self) -> str | None:
+        """Why a new controller could not take this job over (None: it could)."""
+        from harness.job.keeper import KEEPER_ENV
+        from harness.job.takeover import supported
+
+        why = supported(self._job.cfg)
+        if why is None and not (
+            getattr(self._job, "survivable", False) and KEEPER_ENV in os.environ
+        ):
+            why = "its controller is the process that started it, not one run under a keeper"
+        return why
+
+    def kill_controller(self) -> None:
+        """SIGKILL this process, the job's controller, from a thread of its own a moment later
+        (the injector's records written, the fault returned)."""
+        why = self.takeover
+        if why is not None:
+            raise ValueError(f"a controller crash would end this job: {why}")
+        threading.Thread(target=_kill_self, daemon=True, name="controller-crash").start()
+
+    def in_phase(self, phase: str) -> bool:
+        """Whether the job is in ``phase`` now (``faults.controller``)."""
+        job = self._job
+        if phase == "quorum":  # a round is open: someone asked, nothing issued yet
+            tree = getattr(job.quorum, "tree", None)
+            return tree is not None and bool(tree.status()["participants"])
+        if phase == "heal":  # a group is recovering (restarting, healing from a peer)
+            return bool(job.tracker.open_replicas() - {None})
+        if phase == "checkpoint":  # a checkpoint step just committed: its writers at work
+            every = job.cfg.checkpoint.every_steps
+            if not every:
+                raise ValueError("phase 'checkpoint': this job writes no checkpoints")
+            step = job.tracker.committed_step
+            return step >= every and step % every <= 1
+        raise ValueError(f"unknown phase {phase!r}")
+
     def healthy_replicas(self) -> list[int]:
         """Replica groups not in the middle of a recovery."""
         busy = self._job.tracker.open_replicas()
         return [r for r in range(self.replicas) if r not in busy]
+
+
+def _kill_self() -> None:
+    """SIGKILL this process, saying so first."""
+    time.sleep(0.001)  # the injector's thread returns from the fault first
+    print(
+        f"[ftharness] controller_crash: SIGKILL to the controller (pid {os.getpid()})",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.kill(os.getpid(), signal.SIGKILL)

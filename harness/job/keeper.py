@@ -72,20 +72,28 @@ BEAT_ENV = "FTHARNESS_KEEPER_BEAT_FD"
 BEAT_INTERVAL_S = 0.5
 
 
-def write_job_file(run_dir: Path, cfg: JobConfig, *, quiet: bool, source: str) -> None:
+def write_job_file(
+    run_dir: Path,
+    cfg: JobConfig,
+    *,
+    quiet: bool,
+    source: str,
+    hook: dict[str, Any] | None = None,
+) -> None:
     """``RUN/job.json``: the config as ``ftharness run`` resolved it (overrides applied, the
-    launcher and Prometheus port options among them) and the run options, written atomically."""
-    write_json_atomic(
-        run_dir / JOB_FILE,
-        {
-            "version": JOB_FILE_VERSION,
-            "source": source,
-            "cwd": os.getcwd(),
-            "quiet": quiet,
-            "created": time.time(),
-            "config": config_to_dict(cfg),
-        },
-    )
+    launcher and Prometheus port options among them) and the run options, written atomically.
+    ``hook``: what each controller adds to the run (``controller_proc.make_hook``)."""
+    data = {
+        "version": JOB_FILE_VERSION,
+        "source": source,
+        "cwd": os.getcwd(),
+        "quiet": quiet,
+        "created": time.time(),
+        "config": config_to_dict(cfg),
+    }
+    if hook is not None:
+        data["hook"] = hook
+    write_json_atomic(run_dir / JOB_FILE, data)
 
 
 def read_job_file(run_dir: Path) -> tuple[JobConfig, dict[str, Any]]:
@@ -211,6 +219,9 @@ class Keeper:
         # A controller silent this long on its beat pipe (stopped, wedged) is killed and
         # replaced; None: not watched (a stand-in controller that does not beat).
         self.silence_s = silence_s
+        # What the keeper had to stop when the run ended (``ftharness chaos`` counts them as
+        # orphans: a run should not need it), one "pid name: cmdline" each.
+        self.left_behind: list[str] = []
 
     def run(self) -> int:
         """Keep a controller running until the run ends; returns the run's exit status."""
@@ -444,6 +455,9 @@ class Keeper:
         left = psutil.Process().children(recursive=True)
         if not left:
             return
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                self.left_behind.append(f"{p.pid} {p.name()}: {' '.join(p.cmdline())[:200]}")
         self.say(f"stopping {len(left)} process(es) the run left behind")
         signal_all(left, signal.SIGTERM)
         _, alive = psutil.wait_procs(left, timeout=5.0)

@@ -42,6 +42,10 @@ class Progress:
         event = r.get("event")
         if event == STEP_COMMIT:
             with self._lock:
+                if self._step == 0 and self._steps_at_t0 == 0:
+                    # the rate counts from the first commit seen: after a takeover, the job's
+                    # step is far above 0 and this controller has just started
+                    self._steps_at_t0, self._t0 = max(0, r.get("step", 0) - 1), time.monotonic()
                 if r.get("step", 0) >= self._step:
                     self._step = r["step"]
                     self._loss = r.get("loss", float("nan"))
@@ -50,6 +54,8 @@ class Progress:
         elif event == FAULT_INJECT:
             tgt = r.get("target") or {}
             where = ", ".join(f"{k} {v}" for k, v in tgt.items() if v is not None) or "service"
+            if tgt.get("controller"):
+                where = "the controller"
             self.say(f"fault {r.get('fault_id')}: {r.get('kind')} -> {where}")
         elif event == FAILURE and not r.get("fatal"):
             self.say(
@@ -57,10 +63,12 @@ class Progress:
                 f"{r.get('proc')} (replica {r.get('replica')}): {r.get('detail')}"
             )
         elif event == RECOVERY_PHASE and r.get("phase") == "participating":
-            self.say(
-                f"recovered: replica {r.get('replica')} participating again "
-                f"({r.get('recovery_id')})"
-            )
+            what = f"replica {r.get('replica')} participating again"
+            if r.get("cause") == "controller_crash":
+                what = "the controller taken over, the groups committing again"
+            elif r.get("replica") is None:
+                what = "the quorum service back, the groups committing again"
+            self.say(f"recovered: {what} ({r.get('recovery_id')})")
 
     def tick(self) -> None:
         """The line again, while nothing commits (steps abort): called about once a second."""
@@ -73,13 +81,14 @@ class Progress:
         aborted = self.aborts() if self.aborts is not None else None
         with self._lock:
             self._last_print = now
-            rate = (self._step - self._steps_at_t0) / max(1e-9, now - self._t0)
+            elapsed = now - self._t0
+            rate = (self._step - self._steps_at_t0) / elapsed if elapsed >= 1.0 else None
             line = (
                 f"step {self._step}/{self.cfg.steps} | loss {self._loss:.3f} | "
                 f"groups {self._participants}/{self.cfg.replicas} | "
                 + (f"{aborted} | " if aborted else "")
                 + f"recoveries {self.tracker.completed} (open {self.tracker.open_count}) | "
-                f"{rate:.1f} steps/s"
+                + (f"{rate:.1f} steps/s" if rate is not None else "starting")
             )
         print(f"[ftharness] {line}", file=sys.stderr, flush=True)
 

@@ -11,9 +11,15 @@ One recovery per failed replica group (or per aborted step, or per quorum-servic
 ``fault_id`` links a recovery to the ``fault.inject`` that most recently took its group down
 within ``link_window_s``: a fault targeting that group, or the host the group failed on (a host
 fault takes down every group on that host, so it explains each of their recoveries), or, for the
-quorum service, a fault with no target. A fault explains at most one recovery per group: a later
-failure of the same group, after that recovery, is not its doing. A failure nobody injected has
-``fault_id`` null.
+quorum service, a fault with no target; a takeover (cause ``controller_crash``, the job's root:
+``replica`` null like the quorum service's) is explained by the latest ``controller_crash`` fault
+not yet linked, however long the crash waited for its phase. A fault explains at most one
+recovery per group: a later failure of the same group, after that recovery, is not its doing. A
+failure nobody injected has ``fault_id`` null.
+
+A controller that takes over (:meth:`RecoveryTracker.resume`) continues the recoveries its
+predecessor left open, under their ids: their later phases (healed, participating) are written as
+if nothing had happened to the root.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ from runtime.journal import (
 
 #: Job.stop's stops reach the groups within this much of one another (a loaded controller).
 STOP_SKEW_S = 0.5
+#: The cause of a takeover's recovery, and the key it is open under (the job's root: no group).
+CONTROLLER_CRASH = "controller_crash"
+ROOT = "controller"
 
 
 @dataclass
@@ -49,6 +58,11 @@ class _Open:
     t_detected: float
     phases: set[str] = field(default_factory=set)
 
+    @property
+    def key(self) -> int | str | None:
+        """Where it is open: its group, None for the quorum service, ROOT for a takeover."""
+        return ROOT if self.cause == CONTROLLER_CRASH else self.replica
+
 
 class RecoveryTracker:
     def __init__(self, journal: Journal, link_window_s: float = 30.0) -> None:
@@ -56,7 +70,7 @@ class RecoveryTracker:
         self.link_window_s = link_window_s
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._open: dict[int | None, _Open] = {}  # by replica (None: the quorum service)
+        self._open: dict[int | str | None, _Open] = {}  # by _Open.key
         # Groups whose processes failed and that have not participated since: they hold no
         # training state (a replacement starts from a peer's, or a checkpoint's).
         self._stateless: set[int] = set()
@@ -103,8 +117,8 @@ class RecoveryTracker:
 
     def resume(self, records: list[Record]) -> None:
         """After a takeover: continue from the last controller's journal: its committed steps,
-        its faults, and recovery ids above its own (``harness.job.takeover``). Recoveries it
-        left open stay open in its records; this controller opens its own."""
+        its faults, and recovery ids above its own (``harness.job.takeover``), and the
+        recoveries it left open, under their ids (the module docstring)."""
         for r in records:
             if r.get("event") in (FAULT_INJECT, STEP_COMMIT):
                 self.on_record(r)
@@ -114,13 +128,26 @@ class RecoveryTracker:
             if r.get("event") == RECOVERY_PHASE and str(r.get("recovery_id", ""))[4:].isdigit()
         ]
         self._ids = itertools.count(max(numbers, default=0) + 1)
+        self.completed = sum(
+            1
+            for r in records
+            if r.get("event") == RECOVERY_PHASE and r.get("phase") == "participating"
+        )
+        for rec in _still_open(records):
+            with self._lock:
+                self._open[rec.key] = rec
+                if rec.fault_id is not None:
+                    self._linked.add((rec.fault_id, rec.replica))
+                if rec.replica is not None and rec.cause != "step_abort":
+                    self._stateless.add(rec.replica)
 
     def controller_replaced(self, t_detected: float) -> None:
         """A new controller took over (``harness.job.takeover``): a recovery of the job's root,
         detected now; the new controller serves (``replacement_started``) at once, and its
-        first commit after that is ``participating``."""
-        self._begin(None, "controller_crash", t_detected, None)
-        self._phase(None, "replacement_started")
+        first commit after that is ``participating``. A takeover of a takeover that had not
+        committed yet continues the first one's recovery."""
+        self._begin(None, CONTROLLER_CRASH, t_detected, None)
+        self._phase(ROOT, "replacement_started")
 
     def replacement_started(self, replica: int | None) -> None:
         self._phase(replica, "replacement_started")
@@ -139,7 +166,7 @@ class RecoveryTracker:
             # an earlier one on this group that aborted nothing (a straggler) must not claim
             # the abort a later fault on another group causes here (seen in a soak).
             with self._lock:
-                fault_id = self._link(r.get("replica"), None, r["t"])
+                fault_id = self._link(r.get("replica"), None, r["t"], "step_abort")
                 latest = self._faults[-1]["fault_id"] if self._faults else None
             if fault_id is not None and fault_id == latest:
                 self._begin(r.get("replica"), "step_abort", r["t"], r.get("host"))
@@ -147,15 +174,20 @@ class RecoveryTracker:
             self._phase(r.get("replica"), "healed")
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def _link(self, replica: int | None, host: str | None, t: float) -> str | None:
-        """The fault that explains a recovery of ``replica`` (failed on ``host``) at ``t``, or
-        None (see the module docstring)."""
+    def _link(self, replica: int | None, host: str | None, t: float, cause: str) -> str | None:
+        """The fault that explains a recovery of ``replica`` (failed on ``host``) at ``t`` for
+        ``cause``, or None (see the module docstring)."""
+        root = cause == CONTROLLER_CRASH
         for f in reversed(self._faults):
-            if t - f["t"] > self.link_window_s:
+            if t - f["t"] > self.link_window_s and not root:
                 break
             if (f["fault_id"], replica) in self._linked:
                 continue
             tgt = f.get("target") or {}
+            if bool(tgt.get("controller")) != root:
+                continue
+            if root:
+                return f["fault_id"]
             if replica is not None and tgt.get("replica") == replica:
                 return f["fault_id"]
             if tgt.get("replica") is None and host is not None and tgt.get("host") == host:
@@ -166,15 +198,17 @@ class RecoveryTracker:
 
     def _begin(self, replica: int | None, cause: str, t: float, host: str | None) -> None:
         with self._lock:
-            if replica in self._open:
+            key = ROOT if cause == CONTROLLER_CRASH else replica
+            if key in self._open:
                 return  # one recovery per group at a time; later failures belong to it
-            rec = _Open(f"rec-{next(self._ids)}", replica, self._link(replica, host, t), cause, t)
+            fault_id = self._link(replica, host, t, cause)
+            rec = _Open(f"rec-{next(self._ids)}", replica, fault_id, cause, t)
             if rec.fault_id is not None:
                 self._linked.add((rec.fault_id, replica))
-            self._open[replica] = rec
+            self._open[key] = rec
         self._write(rec, "detected", t)
 
-    def _phase(self, replica: int | None, phase: str, t: float | None = None) -> None:
+    def _phase(self, replica: int | str | None, phase: str, t: float | None = None) -> None:
         with self._lock:
             rec = self._open.get(replica)
             if rec is None or phase in rec.phases:
@@ -192,7 +226,8 @@ class RecoveryTracker:
         for rec in recs:
             if t < rec.t_detected:
                 continue
-            service = rec.replica is None  # the quorum service: every group waited on it
+            # the quorum service or the controller: every group waited on it
+            service = rec.replica is None
             if service and "replacement_started" not in rec.phases:
                 continue  # a commit in flight before the crash does not count
             if rec.replica != replica and "survivors_resumed" not in rec.phases:
@@ -207,7 +242,7 @@ class RecoveryTracker:
                     self._write(rec, "healed", t)  # nothing to heal: the groups kept their state
                 self._write(rec, "participating", t)
                 with self._lock:
-                    self._open.pop(rec.replica, None)
+                    self._open.pop(rec.key, None)
                     if rec.replica is not None:
                         self._stateless.discard(rec.replica)
                     self.completed += 1
@@ -232,10 +267,38 @@ class RecoveryTracker:
             return set(self._stateless)
 
     def open_replicas(self) -> set[int | None]:
+        """The groups recovering now (None: the quorum service)."""
         with self._lock:
-            return set(self._open)
+            return {k for k in self._open if k != ROOT}  # type: ignore[misc]
+
+    @property
+    def recovering(self) -> bool:
+        """Whether any recovery is open (a group's, the quorum service's, a takeover's)."""
+        with self._lock:
+            return bool(self._open)
 
     @property
     def open_count(self) -> int:
         with self._lock:
             return len(self._open)
+
+
+def _still_open(records: list[Record]) -> list[_Open]:
+    """The recoveries ``records`` (a dead controller's journal) left open: ``detected`` and not
+    ``participating``, with the phases they reached."""
+    by_id: dict[str, _Open] = {}
+    closed: set[str] = set()
+    for r in records:
+        if r.get("event") != RECOVERY_PHASE:
+            continue
+        rid, phase = str(r.get("recovery_id")), str(r.get("phase"))
+        if phase == "participating":
+            closed.add(rid)
+        rec = by_id.get(rid)
+        if rec is None and phase == "detected":
+            rec = by_id[rid] = _Open(
+                rid, r.get("replica"), r.get("fault_id"), str(r.get("cause")), float(r["t"])
+            )
+        if rec is not None:
+            rec.phases.add(phase)
+    return [rec for rid, rec in by_id.items() if rid not in closed]

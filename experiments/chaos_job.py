@@ -1,0 +1,146 @@
+"""A chaos run whose controller may be killed (``controller_crash``): its job runs under a keeper.
+
+``ftharness chaos`` runs a run's job in its own process, except when the plan can kill the
+controller (``ExperimentSpec.kills_controller``). Then it does what ``ftharness run`` does: it
+writes the job, and what the controller needs of the experiment, to ``RUN/job.json``
+(:func:`run_under_keeper`), and keeps the controller (``harness.job.controller_proc``) running
+under a :class:`harness.job.keeper.Keeper` in its own process, which hands the run to a new
+controller each time one dies (docs/controller.md).
+
+In the controller, :class:`ChaosHook` starts the fault injector once training is under way, as
+the in-process runner does; a controller that takes over resumes it from the journal (the plan
+is there, as ``fault.plan``: no fault fired twice, held faults healed at their time), and its
+run lasts what the first controller's duration left. The runner then reads the outcome from the
+journal's ``job.end``; processes the keeper had to stop at the end count as orphans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from experiments.spec import ExperimentSpec, Run, load_experiment
+from runtime.journal import FAULT_INJECT, JOB_END, JOB_START, RECOVERY_PHASE, Record, read_journal
+
+
+def run_under_keeper(
+    spec: ExperimentSpec,
+    run: Run,
+    run_dir: Path,
+    cfg: Any,
+    *,
+    quiet: bool,
+    extra_overrides: tuple[str, ...],
+) -> dict[str, Any]:
+    """Run ``run`` of ``spec`` (``cfg``, its job config) in ``run_dir`` with its controller in a
+    process of its own under a keeper; returns the runner's outcome dict, with ``left_behind``
+    (what the keeper had to stop) and ``takeovers``."""
+    from harness.job.keeper import Keeper, write_job_file
+
+    if spec.source is None:
+        raise ValueError("an experiment that kills its controller must come from a file")
+    section = {
+        "experiment": str(Path(spec.source).resolve()),
+        "overrides": list(extra_overrides),
+        "policy": run.policy,
+        "duration_s": run.duration_s,
+    }
+    hook = {"factory": f"{__name__}:ChaosHook", "args": section}
+    write_job_file(run_dir, cfg, quiet=quiet, source=str(spec.source), hook=hook)
+    r = cfg.recovery
+    keeper = Keeper(
+        run_dir,
+        max_restarts=r.controller_max_restarts,
+        within_s=r.controller_within_s,
+        standby=True,
+        silence_s=cfg.timeouts.controller_silence,
+    )
+    rc = keeper.run()
+    records = read_journal(run_dir / "journal.jsonl")
+    outcome = outcome_of(records, rc)
+    outcome["left_behind"] = keeper.left_behind
+    outcome["takeovers"] = keeper.restarts
+    outcome["faults_fired"] = sum(1 for r in records if r.get("event") == FAULT_INJECT)
+    return outcome
+
+
+def outcome_of(records: list[Record], rc: int) -> dict[str, Any]:
+    """What ``run_job`` returns, read off a journal a keeper's controllers wrote."""
+    ends = [r for r in records if r.get("event") == JOB_END]
+    recoveries = sum(
+        1 for r in records if r.get("event") == RECOVERY_PHASE and r.get("phase") == "participating"
+    )
+    if not ends:
+        return {
+            "status": "failed",
+            "reason": f"the run's controllers ended (keeper status {rc}) without a job.end",
+            "steps": 0,
+            "recoveries": recoveries,
+        }
+    end = ends[-1]
+    return {
+        "status": str(end.get("status")),
+        "reason": str(end.get("reason") or ""),
+        "steps": int(end.get("steps") or 0),
+        "recoveries": recoveries,
+    }
+
+
+class ChaosHook:
+    """The experiment's part in each controller process (``harness.job.controller_proc``'s
+    ``make_hook``), from ``job.json``'s ``hook`` (:func:`run_under_keeper`)."""
+
+    def __init__(self, section: dict[str, Any]) -> None:
+        self.spec = load_experiment(section["experiment"], tuple(section.get("overrides", ())))
+        self.policy = str(section["policy"])
+        self.duration_s: float | None = section.get("duration_s")
+
+    def journal_stamp(self) -> dict[str, Any]:
+        """The fields every record of the run carries, as the in-process runner stamps them."""
+        return {"job": self.spec.name, "policy": self.policy}
+
+    def duration_left(self, records: list[Record] | None) -> float | None:
+        """The run's duration; for a controller that takes over (``records``: the journal so
+        far), what is left of it since the injector (or the job) started."""
+        if self.duration_s is None or records is None:
+            return self.duration_s
+        from faults.injector import plan_record
+
+        found = plan_record(records)
+        starts = [r["t"] for r in records if r.get("event") == JOB_START]
+        t0 = found[0] if found is not None else (starts[0] if starts else time.time())
+        return max(0.1, self.duration_s - (time.time() - t0))
+
+    def on_started(self, job: Any) -> Callable[[], None]:
+        """Start the injector (``run_job``'s ``on_started``); a controller that takes over
+        (``job.plan``) resumes its predecessor's. Returns what stops it."""
+        from faults.injector import Injector, plan_record
+        from faults.targets import Topology
+
+        records = job.plan.records if job.plan is not None else None
+        found = plan_record(records) if records is not None else None
+        spec = self.spec
+        plan = found[1] if found is not None else spec.plan(Topology.from_context(job.faults))
+        injector = Injector(
+            plan,
+            job.faults,
+            seed=spec.seed,
+            options=spec.faults.options,
+            keep_alive=spec.targets.keep_alive,
+            healthy=job.faults.healthy_replicas,
+        )
+        if found is not None and records is not None:
+            injector.resume(records)
+            job.progress.say(
+                f"{self.policy}: the fault plan resumed ({len(injector.fired)} of {len(plan)} "
+                "faults fired before the takeover)"
+            )
+        else:
+            job.progress.say(
+                f"{self.policy}: {len(plan)} faults planned over {spec.duration_s} s "
+                f"(seed {spec.seed}), the controller run under a keeper"
+            )
+        injector.start_thread()
+        return injector.close
