@@ -77,9 +77,11 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   at 0; the recovery's stall_s is the largest over survivors (each one is in ``survivor_gaps``).
   None without a ``participating`` phase or a survivor. A group's commits are those of its rank 0
   (a record without a rank counts as rank 0).
-* **steps_lost** (per fault): with m = the smallest step committed after the fault (and before the
-  next fault), first committed at t_m, and M = the largest step committed before t_m:
-  max(0, M - m + 1). In place: 0. Full restart: the steps since the checkpoint. A semi-synchronous
+* **steps_lost** (per fault): for each group, with m = the smallest step it committed after the
+  fault (and before the next fault), first at t_m, and M = the largest step it committed before
+  t_m: max(0, M - m + 1); the fault's figure is the largest over the groups. A step is lost when
+  a group commits it again, not when one group commits before the fault a step another commits
+  after it. In place: 0. Full restart: the steps since the checkpoint. A semi-synchronous
   program's commits (``sync_every`` on the record: each covers that many inner steps, its step
   counts inner steps) use ``+ sync_every`` for ``+ 1``: a sync done again costs its inner steps.
   Every recovery of a fault shows its fault's figure; a kind's ``steps_lost`` is the sum over its
@@ -401,20 +403,27 @@ def recovery_figures(
 
 def steps_lost(records: Sequence[Record], fault_t: float, next_fault_t: float | None) -> int:
     """See the module docstring (steps_lost)."""
-    commits = _of(records, STEP_COMMIT)
-    after = [
-        r for r in commits if r["t"] > fault_t and (next_fault_t is None or r["t"] < next_fault_t)
-    ]
-    if not after:
-        return 0
-    m = min(r["step"] for r in after)
-    t_m = min(r["t"] for r in after if r["step"] == m)
-    before = [r["step"] for r in commits if r["t"] < t_m]
-    if not before:
-        return 0
-    # a commit covers one step, or a semi-synchronous program's sync_every inner steps
-    width = int(next(r for r in after if r["step"] == m).get("sync_every") or 1)
-    return max(0, max(before) - m + width)
+    by_group: dict[Any, list[Record]] = defaultdict(list)
+    for r in _of(records, STEP_COMMIT):
+        by_group[r.get("replica")].append(r)
+    lost = 0
+    for commits in by_group.values():
+        after = [
+            r
+            for r in commits
+            if r["t"] > fault_t and (next_fault_t is None or r["t"] < next_fault_t)
+        ]
+        if not after:
+            continue
+        m = min(r["step"] for r in after)
+        t_m = min(r["t"] for r in after if r["step"] == m)
+        before = [r["step"] for r in commits if r["t"] < t_m]
+        if not before:
+            continue
+        # a commit covers one step, or a semi-synchronous program's sync_every inner steps
+        width = int(next(r for r in after if r["step"] == m).get("sync_every") or 1)
+        lost = max(lost, max(before) - m + width)
+    return lost
 
 
 def _phases(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
