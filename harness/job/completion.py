@@ -82,7 +82,7 @@ class Completion:
             if fatal is not None:
                 return "failed", fatal.report()
             if end is not None and time.monotonic() > end:
-                return "ok", f"ran for its duration of {duration_s:g} s"
+                return "ok", f"ran for its duration ({duration_s:.1f} s under this controller)"
             if stop_event is not None and stop_event.is_set():
                 return "ok", "stopped by its caller"
             if deadline is not None and time.monotonic() > deadline:

@@ -171,8 +171,7 @@ class JobFaultContext:
         """Whether the job is in ``phase`` now (``faults.controller``)."""
         job = self._job
         if phase == "quorum":  # a round is open: someone asked, nothing issued yet
-            tree = getattr(job.quorum, "tree", None)
-            return tree is not None and bool(tree.status()["participants"])
+            return job.quorum.round_open()
         if phase == "heal":  # a group is recovering (restarting, healing from a peer)
             return bool(job.tracker.open_replicas() - {None})
         if phase == "checkpoint":  # a checkpoint step just committed: its writers at work

@@ -271,8 +271,7 @@ def next_incarnation(job: Any, plan: GroupPlan) -> int:
     """The incarnation a group that could not be adopted restarts as: past the journal's and
     past any the quorum service admitted (the dead controller may have admitted a replacement
     it did not live to journal)."""
-    admitted = getattr(getattr(job.quorum, "tree", None), "incarnations", {})
-    return max(plan.incarnation, admitted.get(plan.replica, -1)) + 1
+    return max(plan.incarnation, job.quorum.admitted().get(plan.replica, -1)) + 1
 
 
 def release_unclaimed(job: Any) -> None:

@@ -123,3 +123,9 @@ class LighthouseService:
 
     def shutdown(self) -> None:
         """Nothing here: the process stops with the job's tree."""
+
+    def admitted(self) -> dict[int, int]:
+        return {}  # torchft's Lighthouse takes any replica id
+
+    def round_open(self) -> bool:
+        return False  # not visible from outside the Lighthouse

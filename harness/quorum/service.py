@@ -89,6 +89,14 @@ class QuorumService(Protocol):
     def shutdown(self) -> None:
         """Stop serving (the job is over). Idempotent."""
 
+    def admitted(self) -> dict[int, int]:
+        """Each group's newest incarnation the service admitted (empty: it does not name its
+        members). A takeover restarts a group past it (``harness.job.takeover``)."""
+
+    def round_open(self) -> bool:
+        """Whether a quorum is forming now: a member asked and the round is not decided
+        (False where the service cannot tell). ``controller_crash`` can wait for it."""
+
 
 class QuorumPortTaken(OSError):
     """A resumed tree quorum cannot serve on its saved port: something else holds it."""
@@ -290,3 +298,9 @@ class TreeQuorumService:
             self._tree.shutdown()
         if self._writer is not None:
             self._writer.close()
+
+    def admitted(self) -> dict[int, int]:
+        return self.tree.incarnations
+
+    def round_open(self) -> bool:
+        return bool(self.tree.status()["participants"])
