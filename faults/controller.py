@@ -1,9 +1,12 @@
-"""The controller itself dies: ``controller_crash``.
+"""The controller itself dies, or wedges: ``controller_crash``.
 
 The job's root is a process too (``harness.job.controller_proc``), run under a keeper that hands
 the run to a new controller when it dies (``harness.job.keeper``, ``harness.job.takeover``,
-docs/controller.md). This fault SIGKILLs it, with no warning and nothing flushed beyond what the
-journal already holds, at a seeded moment or at a chosen phase of the job:
+docs/controller.md). This fault SIGKILLs it (``how = "kill"``), with no warning and nothing
+flushed beyond what the journal already holds, or wedges it (``how = "wedge"``: a thread takes
+the control plane's lock and never gives it back, a deadlock the process does not notice; its
+beat to the keeper stops, and the keeper kills it after ``timeouts.controller_silence``), at a
+seeded moment or at a chosen phase of the job:
 
 * ``any``: at once;
 * ``quorum``: while a quorum is forming (a member has asked and the round is not decided);
@@ -33,6 +36,8 @@ from faults.fault import FaultContext, Target, TargetKind, register
 PHASES = ("any", "quorum", "heal", "checkpoint")
 #: ``phase`` may also be this: one of PHASES drawn per fault.
 RANDOM = "random"
+#: How the controller is hit (module docstring).
+HOW = ("kill", "wedge")
 
 
 @register("controller_crash")
@@ -46,6 +51,7 @@ class ControllerCrash:
     hold_s: float = 0.0
     phase: str = "any"
     wait_s: float = 30.0
+    how: str = "kill"
 
     def __post_init__(self) -> None:
         if self.phase not in (*PHASES, RANDOM):
@@ -53,6 +59,8 @@ class ControllerCrash:
                 f"controller_crash: phase {self.phase!r} is not one of "
                 f"{', '.join((*PHASES, RANDOM))}"
             )
+        if self.how not in HOW:
+            raise ValueError(f"controller_crash: how {self.how!r} is not one of {', '.join(HOW)}")
         if not self.wait_s > 0:
             raise ValueError(f"controller_crash: wait_s must be > 0, got {self.wait_s!r}")
 
@@ -65,10 +73,13 @@ class ControllerCrash:
         return phase == "any" or ctx.in_phase(phase)
 
     def inject_fields(self, rng: random.Random) -> dict[str, str]:
-        return {"phase": self._phase(rng)}
+        return {"phase": self._phase(rng), "how": self.how}
 
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
-        ctx.kill_controller()
+        if self.how == "wedge":
+            ctx.wedge_controller()
+        else:
+            ctx.kill_controller()
 
     def heal(self, ctx: FaultContext, target: Target) -> None:
         return None

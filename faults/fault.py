@@ -162,6 +162,11 @@ class FaultContext(Protocol):
         otherwise. Returns first (the kill comes from a thread of its own, a moment later)."""
         ...
 
+    def wedge_controller(self) -> None:
+        """Have a thread of the controller take its control plane's lock and never give it
+        back (same conditions as :meth:`kill_controller`)."""
+        ...
+
 
 class Fault(Protocol):
     """One fault kind's behaviour (see the module docstring for the contract)."""

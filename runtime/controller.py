@@ -177,6 +177,15 @@ class Controller:
         self.shutdown()
 
     # -- journal ------------------------------------------------------------------------------
+    def responsive(self, timeout_s: float) -> bool:
+        """Whether the control plane's lock can be taken within ``timeout_s``: False while a
+        deadlock (or a thread wedged holding it) stops every supervision decision. Its keeper's
+        beat depends on it (``harness.job.controller_proc``)."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        self._lock.release()
+        return True
+
     def emit(self, event: str, **fields: Any) -> None:
         """Write a journal record (if the controller has a journal)."""
         if self.journal is not None:

@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,20 +91,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+#: What must answer for the controller to beat: once the job runs, its control plane's lock
+#: (``Controller.responsive``), so that a controller deadlocked on it stops beating.
+_PROBES: list[Callable[[], bool]] = []
+
+
 def beat_to_keeper() -> None:
     """Write a byte to the keeper's beat pipe (``FTHARNESS_KEEPER_BEAT_FD``) every
-    ``BEAT_INTERVAL_S`` from a thread of its own: a controller that stops beating (SIGSTOPped,
-    its interpreter wedged) is killed by the keeper and replaced (``harness.job.keeper``)."""
+    ``BEAT_INTERVAL_S`` from a thread of its own, while every probe in ``_PROBES`` answers: a
+    controller that stops beating (SIGSTOPped, its interpreter wedged, its control plane
+    deadlocked) is killed by the keeper and replaced (``harness.job.keeper``)."""
     fd = os.environ.get(BEAT_ENV, "")
     if not fd.isdigit():
         return
 
     def beat() -> None:
         while True:
-            try:
-                os.write(int(fd), b".")
-            except OSError:
-                return  # the keeper is gone (and this process with it, by die_with_parent)
+            if all(probe() for probe in list(_PROBES)):
+                try:
+                    os.write(int(fd), b".")
+                except OSError:
+                    return  # the keeper is gone (and this process with it, by die_with_parent)
             time.sleep(BEAT_INTERVAL_S)
 
     threading.Thread(target=beat, daemon=True, name="ftharness-keeper-beat").start()
@@ -154,6 +161,13 @@ def _run(
         kwargs["on_started"] = extra.on_started
         before = read_journal(run_dir / "journal.jsonl") if takeover else None
         kwargs["duration_s"] = extra.duration_left(before)
+    first = kwargs["on_started"]
+
+    def started(job: Any) -> Any:  # from now on, a deadlocked control plane stops the beat
+        _PROBES.append(lambda: job.controller.responsive(BEAT_INTERVAL_S))
+        return first(job) if first is not None else None
+
+    kwargs["on_started"] = started
     journal = Journal(run_dir / "journal.jsonl", **stamp)
     kwargs["journal"] = journal
     telemetry = attach_telemetry(cfg, journal, quiet=quiet)

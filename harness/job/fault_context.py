@@ -167,6 +167,24 @@ class JobFaultContext:
             raise ValueError(f"a controller crash would end this job: {why}")
         threading.Thread(target=_kill_self, daemon=True, name="controller-crash").start()
 
+    def wedge_controller(self) -> None:
+        """A thread takes the control plane's lock and keeps it: every supervision decision
+        waits forever, while the process lives on (its keeper's beat stops with it)."""
+        why = self.takeover
+        if why is not None:
+            raise ValueError(f"a wedged controller would end this job: {why}")
+        lock = self._job.controller._lock  # the one lock of the control plane (runtime.controller)
+        ready = threading.Event()
+
+        def wedge() -> None:
+            with lock:
+                ready.set()
+                print("[ftharness] controller_crash: the controller wedged", file=sys.stderr)
+                threading.Event().wait()  # forever
+
+        threading.Thread(target=wedge, daemon=True, name="controller-wedge").start()
+        ready.wait(5.0)
+
     def in_phase(self, phase: str) -> bool:
         """Whether the job is in ``phase`` now (``faults.controller``)."""
         job = self._job

@@ -30,8 +30,11 @@ A controller beats into a pipe the keeper gave it (``FTHARNESS_KEEPER_BEAT_FD``,
 ``BEAT_INTERVAL_S``, from a thread of its own); one silent for ``timeouts.controller_silence``
 while alive (SIGSTOPped, its interpreter wedged) is killed and replaced like one that died.
 
-Not guaranteed: a controller deadlocked with its beat thread still running is not detected; a
-keeper that is itself killed takes its run down (the controller gets SIGTERM and stops cleanly).
+The beat needs the controller's control-plane lock once the job runs
+(``Controller.responsive``), so a controller deadlocked on it stops beating too. Not
+guaranteed: a controller stuck elsewhere with that lock free (its main thread in a loop, say) is
+not detected; a keeper that is itself killed takes its run down (the controller gets SIGTERM and
+stops cleanly).
 """
 
 from __future__ import annotations

@@ -85,3 +85,55 @@ def test_the_controller_killed_while_a_group_heals_is_taken_over_and_the_heal_fi
     # the killed groups' replacements (one each) and the spares that replaced those
     starts = [r for r in records if r["event"] == "group.start"]
     assert len(starts) == 3 + 2, [(r["replica"], r["incarnation"]) for r in starts]
+
+
+WEDGE = """
+name = "controller_wedge"
+seed = 1
+duration_s = 25
+policies = ["in_place"]
+job = "{tiny}"
+overrides = ["steps=1000000", "timeouts.controller_silence=4"]
+
+[schedule]
+kind = "at_times"
+at_times = [6]
+
+[faults]
+mix = {{ controller_crash = 1 }}
+
+[faults.options.controller_crash]
+how = "wedge"                         # its control plane's lock taken and never given back
+
+[hypotheses]
+committed_steps_rise = true
+replicas_equal_after_heal = true
+every_fault_recovered = true
+journal_complete = true
+no_orphans = true
+"""
+
+
+def test_a_deadlocked_controller_stops_beating_and_is_taken_over(tmp_path):
+    """The keeper watches a beat that needs the control plane's lock: a controller alive but
+    deadlocked on it is killed after ``timeouts.controller_silence`` and taken over, nothing
+    restarted (the quorum service kept serving meanwhile: it has locks of its own)."""
+    experiment = tmp_path / "wedge.toml"
+    experiment.write_text(WEDGE.format(tiny=REPO / "experiments" / "tiny.toml"))
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "chaos", str(experiment), "--out", str(out)],
+        capture_output=True, text=True, timeout=200, cwd=REPO,
+    )  # fmt: skip
+    tail = done.stdout[-3000:] + done.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    failed = {h["name"]: h["detail"] for h in report["hypotheses"] if not h["passed"]}
+    assert not failed, (failed, tail)
+    assert done.returncode == 0, tail
+    assert "the controller wedged" in done.stderr and "has not been heard from" in done.stderr
+    records = read_journal(out / "in_place" / "journal.jsonl")
+    (crash,) = [r for r in records if r["event"] == FAULT_INJECT]
+    assert crash["how"] == "wedge"
+    takeovers = [r for r in records if r["event"] == CONTROLLER_TAKEOVER and "epoch" in r]
+    assert [r["epoch"] for r in takeovers] == [2], tail
+    assert len([r for r in records if r["event"] == "group.start"]) == 3  # none restarted

@@ -79,6 +79,8 @@ def test_the_crash_options_are_checked_and_a_random_phase_is_seeded():
         make_fault("controller_crash", phase="later")
     with pytest.raises(ValueError, match="wait_s"):
         make_fault("controller_crash", wait_s=0)
+    with pytest.raises(ValueError, match="how 'freeze'"):
+        make_fault("controller_crash", how="freeze")
     killed: list[str] = []
 
     class Ctx:
