@@ -49,14 +49,7 @@ def run_under_keeper(
     }
     hook = {"factory": f"{__name__}:ChaosHook", "args": section}
     write_job_file(run_dir, cfg, quiet=quiet, source=str(spec.source), hook=hook)
-    r = cfg.recovery
-    keeper = Keeper(
-        run_dir,
-        max_restarts=r.controller_max_restarts,
-        within_s=r.controller_within_s,
-        standby=True,
-        silence_s=cfg.timeouts.controller_silence,
-    )
+    keeper = Keeper.for_job(run_dir, cfg)
     rc = keeper.run()
     records = read_journal(run_dir / "journal.jsonl")
     outcome = outcome_of(records, rc)
@@ -116,21 +109,14 @@ class ChaosHook:
     def on_started(self, job: Any) -> Callable[[], None]:
         """Start the injector (``run_job``'s ``on_started``); a controller that takes over
         (``job.plan``) resumes its predecessor's. Returns what stops it."""
-        from faults.injector import Injector, plan_record
+        from faults.injector import plan_record
         from faults.targets import Topology
 
         records = job.plan.records if job.plan is not None else None
         found = plan_record(records) if records is not None else None
         spec = self.spec
         plan = found[1] if found is not None else spec.plan(Topology.from_context(job.faults))
-        injector = Injector(
-            plan,
-            job.faults,
-            seed=spec.seed,
-            options=spec.faults.options,
-            keep_alive=spec.targets.keep_alive,
-            healthy=job.faults.healthy_replicas,
-        )
+        injector = spec.injector(plan, job.faults)
         if found is not None and records is not None:
             injector.resume(records)
             job.progress.say(

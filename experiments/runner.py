@@ -42,7 +42,6 @@ def run_policy(
     limit: Any = None,
     extra_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    from faults.injector import Injector
     from faults.targets import Topology
     from harness.job.launch import attach_telemetry, run_job
 
@@ -73,14 +72,7 @@ def run_policy(
             job.progress.say(f"{run.folder}: no faults, {run.duration_s} s (goodput's baseline)")
             return None
         plan = spec.plan(Topology.from_context(job.faults))
-        injector = Injector(
-            plan,
-            job.faults,
-            seed=spec.seed,
-            options=spec.faults.options,
-            keep_alive=spec.targets.keep_alive,
-            healthy=job.faults.healthy_replicas,
-        )
+        injector = spec.injector(plan, job.faults)
         injectors.append(injector)
         job.progress.say(
             f"{policy}: {len(plan)} faults planned over {spec.duration_s} s (seed {spec.seed})"

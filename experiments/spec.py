@@ -221,6 +221,20 @@ class ExperimentSpec:
             out.append(Run(p, p, self.duration_s))
         return out + controls
 
+    def injector(self, plan: list[PlannedFault], ctx: Any) -> Any:
+        """A ``faults.injector.Injector`` walking ``plan`` through the job's fault context
+        ``ctx``, with the experiment's seed, fault options and keep-alive set."""
+        from faults.injector import Injector
+
+        return Injector(
+            plan,
+            ctx,
+            seed=self.seed,
+            options=self.faults.options,
+            keep_alive=self.targets.keep_alive,
+            healthy=getattr(ctx, "healthy_replicas", None),
+        )
+
     def plan(self, topology: Topology | None = None) -> list[PlannedFault]:
         """The fault plan (pure: same spec and topology -> same plan). Pass the live topology
         (``Topology.from_context(ctx)``) once the job runs; the default is the planned one."""

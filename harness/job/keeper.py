@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import select
 import signal
@@ -56,12 +55,15 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import JobConfig, config_from_dict, config_to_dict
-from harness.job.rundir import CONSOLE_FILE, JOB_FILE, KEEPER_FILE, read_json, write_json_atomic
-from runtime.journal import JOB_END, Record
+from harness.job.rundir import (
+    CONSOLE_FILE,
+    JOB_FILE,
+    KEEPER_FILE,
+    find_job_end,
+    read_json,
+    write_json_atomic,
+)
 
-#: How far from its end a journal is searched for ``job.end``: the controller writes it last
-#: (then closes the journal), so it is in the last records or nowhere.
-_END_WINDOW = 1 << 20
 #: A controller exit status that means it ended by itself (ok, failed, bad input): not replaced.
 _OWN_ENDS = (0, 1, 2)
 #: The environment variable that carries the keeper's pid to the controller.
@@ -155,25 +157,6 @@ class RestartIntensity:
         return len(self._times)
 
 
-def find_job_end(journal: Path) -> Record | None:
-    """The journal's ``job.end`` record, or None (no such record, or no journal)."""
-    try:
-        with open(journal, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, size - _END_WINDOW))
-            tail = fh.read()
-    except FileNotFoundError:
-        return None
-    for line in reversed(tail.splitlines()):
-        if b'"' + JOB_END.encode() + b'"' not in line:
-            continue
-        with contextlib.suppress(ValueError, RecursionError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get("event") == JOB_END:
-                return record
-    return None
-
-
 def describe_exit(status: int) -> str:
     """How a process ended, from its wait status, for the console."""
     if os.WIFSIGNALED(status):
@@ -225,6 +208,22 @@ class Keeper:
         # What the keeper had to stop when the run ended (``ftharness chaos`` counts them as
         # orphans: a run should not need it), one "pid name: cmdline" each.
         self.left_behind: list[str] = []
+
+    @classmethod
+    def for_job(cls, run_dir: Path, cfg: JobConfig, *, detached: bool = False) -> Keeper:
+        """The keeper of ``cfg``'s run: its restart intensity and silence from the config, a
+        standby controller when a new controller could take the job over."""
+        from harness.job.takeover import supported
+
+        r = cfg.recovery
+        return cls(
+            run_dir,
+            max_restarts=r.controller_max_restarts,
+            within_s=r.controller_within_s,
+            detached=detached,
+            standby=supported(cfg) is None,
+            silence_s=cfg.timeouts.controller_silence,
+        )
 
     def run(self) -> int:
         """Keep a controller running until the run ends; returns the run's exit status."""
@@ -483,18 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if read is None:
         return 2
     cfg, _ = read
-    r = cfg.recovery
-    from harness.job.takeover import supported
-
-    keeper = Keeper(
-        run_dir,
-        max_restarts=r.controller_max_restarts,
-        within_s=r.controller_within_s,
-        detached=True,
-        standby=supported(cfg) is None,
-        silence_s=cfg.timeouts.controller_silence,
-    )
-    return keeper.run()
+    return Keeper.for_job(run_dir, cfg, detached=True).run()
 
 
 if __name__ == "__main__":

@@ -169,14 +169,7 @@ def main(args: argparse.Namespace) -> int:
             f"  stop it:    ftharness stop {run_dir}"
         )
         return 0
-    r = cfg.recovery
-    return Keeper(
-        run_dir,
-        max_restarts=r.controller_max_restarts,
-        within_s=r.controller_within_s,
-        standby=takeover.supported(cfg) is None,  # a job a new controller could take over
-        silence_s=cfg.timeouts.controller_silence,
-    ).run()
+    return Keeper.for_job(run_dir, cfg).run()
 
 
 def attach_telemetry(cfg: JobConfig, journal: Journal, *, quiet: bool = False) -> Any:

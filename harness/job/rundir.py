@@ -15,10 +15,13 @@ weights, tracebacks and logs of the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from runtime.journal import JOB_END, Record
 
 DEFAULT_ROOT = Path("runs")
 # Enough for any sane number of reruns of one config; past it something is looping.
@@ -160,3 +163,27 @@ def _user(uid: int) -> str:
         return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
+
+
+#: How far from its end a journal is searched for ``job.end``: the controller writes it last
+#: (then closes the journal), so it is in the last records or nowhere.
+_END_WINDOW = 1 << 20
+
+
+def find_job_end(journal: Path) -> Record | None:
+    """The journal's ``job.end`` record, or None (no such record, or no journal)."""
+    try:
+        with open(journal, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - _END_WINDOW))
+            tail = fh.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.splitlines()):
+        if b'"' + JOB_END.encode() + b'"' not in line:
+            continue
+        with contextlib.suppress(ValueError, RecursionError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == JOB_END:
+                return record
+    return None
