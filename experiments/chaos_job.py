@@ -51,6 +51,8 @@ def run_under_keeper(
     write_job_file(run_dir, cfg, quiet=quiet, source=str(spec.source), hook=hook)
     keeper = Keeper.for_job(run_dir, cfg)
     rc = keeper.run()
+    if rc == 130:  # Ctrl-C: the controller stopped the job; the experiment stops too
+        raise KeyboardInterrupt
     records = read_journal(run_dir / "journal.jsonl")
     outcome = outcome_of(records, rc)
     outcome["left_behind"] = keeper.left_behind
