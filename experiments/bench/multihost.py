@@ -7,7 +7,9 @@ Figures, all from one run:
 * ``partition`` / ``eviction``: a job of 3 replica groups on 3 namespace hosts (tiny model, tree
   quorum, a warm spare per host, heals over the data plane) in which a host running a group is
   cut off for ``PARTITION_S`` (``network_partition``) or evicted (``host_eviction``), ``--reps``
-  times each, once the previous recovery has finished. Per recovery, from the journal with
+  times each, once the previous recovery has finished and every host is back (ready for a group:
+  a fault before an evicted host is back puts every group on one host, and the next one takes the
+  whole job, leaving no survivors to measure). Per recovery, from the journal with
   ``dashboards.metrics``' definitions: ``survivor_stall_s`` and ``replacement_back_s`` (the time
   to participate), each ``{median, p95, min, max}``; ``weights_match`` (every step committed by
   several groups has one checksum); ``stale_commits``: commits by a process of a group's
@@ -77,16 +79,21 @@ def _stats(xs: list[float | None]) -> dict[str, float] | None:
     }
 
 
+def _hosts_back(job: Any) -> bool:
+    """Every host of the job could take a group now (its agent up and checked, not cooling)."""
+    return set(job.hosts.ready_hosts()) == set(job.host_names())
+
+
 def _faulter(job: Any, kind: str, reps: int, seed: int, done: threading.Event, log: Any) -> None:
     """``reps`` faults of ``kind``, each on a host that runs a group now (a random one), once
-    the job has no open recovery and has trained 10 more steps."""
+    the job has no open recovery, every host is back and it has trained 10 more steps."""
     ctx = job.faults
     rng = random.Random(seed)
     for i in range(reps):
         deadline = time.monotonic() + 120
         target = ctx.committed_step() + 10
-        while (ctx.committed_step() < target or job.tracker.open_count) and (
-            time.monotonic() < deadline
+        while time.monotonic() < deadline and (
+            ctx.committed_step() < target or job.tracker.open_count or not _hosts_back(job)
         ):
             time.sleep(0.05)
         host = rng.choice(sorted({job.group_host(r) for r in range(job.replicas)}))

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from harness.job.placement import HostState, place
+from harness.job.placement import HostState, place, ready
 from harness.job.site import Site
 from runtime.controller import Controller
 from runtime.failure import Cause, Failure
@@ -80,6 +80,9 @@ class HostPool:
         # One round at a time, its verdict recorded before the next starts: two agents that join
         # at once check each other in the second one.
         self._rounds = threading.Lock()
+        # replica -> the host it was last placed on (its load on that host; the placement rule
+        # spreads groups that leave their home host over the least loaded ready hosts)
+        self._placed: dict[int, str] = {}
         site.node_events.listener = self._on_node_gone
 
     def names(self) -> list[str]:
@@ -124,12 +127,23 @@ class HostPool:
         """The host for a group now (the placement rule); waits while none is ready."""
         with self._change:
             while True:
-                decision = place(replica, self._states(), time.monotonic())
+                load: dict[str, int] = {}
+                for r, name in self._placed.items():
+                    if r != replica:
+                        load[name] = load.get(name, 0) + 1
+                decision = place(replica, self._states(), time.monotonic(), load=load)
                 for name in decision.respawn:
                     self._respawn(name)
                 if decision.host is not None:
+                    self._placed[replica] = decision.host
                     return self.controller.hosts[decision.host]
                 self._change.wait(decision.wait_s)
+
+    def ready_hosts(self) -> list[str]:
+        """The hosts a group could be placed on now (up, checked, not cooling down, not gone)."""
+        with self._change:
+            now = time.monotonic()
+            return [h.name for h in self._states() if ready(h, now)]
 
     def _states(self) -> list[HostState]:
         hosts, slurm = self.controller.hosts, self.site.slurm

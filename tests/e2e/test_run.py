@@ -111,8 +111,11 @@ def test_segfault_in_one_rank_restarts_only_its_group(tmp_path):
 
     records = run_ok(cfg, tmp_path, on_started=started)
     failures = [r for r in records if r["event"] == "failure"]
-    assert failures[0]["signal"] == "SIGSEGV"
-    assert (failures[0]["replica"], failures[0]["rank"]) == (0, 1)
+    # the segfault, and maybe its group's rank 0 first (its collective with rank 1 broke, and
+    # under load its exception can reach the controller before the agent's exit notice)
+    segv = [r for r in failures if r["signal"] == "SIGSEGV"]
+    assert [(r["replica"], r["rank"]) for r in segv] == [(0, 1)], failures
+    assert {r["replica"] for r in failures} == {0}
     decisions = [r for r in records if r["event"] == "supervisor"]
     assert [(d["supervisor"], d["decision"]) for d in decisions] == [
         ("job/replica0", "restart_all")

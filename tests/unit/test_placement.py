@@ -71,3 +71,45 @@ def test_up_but_cooling_is_not_ready() -> None:
 def test_no_hosts_is_an_error() -> None:
     with pytest.raises(ValueError, match="no hosts"):
         place(0, [], now=0)
+
+
+def test_a_group_off_its_home_goes_back_home_when_it_next_restarts() -> None:
+    """Evicted: group 1 runs on h2 meanwhile; its home host back (up, checked, cooled down), its
+    next restart is there again, whatever else runs on h2."""
+    away = hosts(
+        HostState(name="h0", **UP),
+        HostState(name="h1", up=False, cooling_until=20),
+        HostState(name="h2", **UP),
+    )
+    assert place(1, away, now=10, load={"h0": 1, "h2": 1}).host == "h2"
+    back = hosts(HostState(name="h0", **UP), HostState(name="h1", **UP), HostState(name="h2", **UP))
+    d = place(1, back, now=30, load={"h0": 1, "h2": 2})
+    assert (d.host, d.reason) == ("h1", "home host")
+    not_checked = [back[0], HostState(name="h1", up=True, checked=False), back[2]]
+    assert place(1, not_checked, now=30).host == "h2"  # its agent's preflight still runs
+
+
+def test_off_home_the_least_loaded_ready_host_is_taken() -> None:
+    """Four hosts, three groups: h3 is no group's home and idle; a group whose home is lost goes
+    there, not onto the next busy host in the ring."""
+    hs = hosts(
+        HostState(name="h0", **UP),
+        HostState(name="h1", up=False),
+        HostState(name="h2", **UP),
+        HostState(name="h3", **UP),
+    )
+    d = place(1, hs, now=10, load={"h0": 1, "h2": 1})
+    assert d.host == "h3" and "least loaded" in d.reason
+    # Among equally loaded hosts, ring order from home (as without loads).
+    assert place(1, hs, now=10, load={"h0": 1, "h2": 1, "h3": 1}).host == "h2"
+    assert place(1, hs, now=10).host == "h2"
+
+
+def test_a_ready_spare_comes_before_the_other_hosts_however_loaded() -> None:
+    hs = hosts(
+        HostState(name="a0", **UP),
+        HostState(name="a1", up=False),
+        HostState(name="s0", spare=True, **UP),
+    )
+    d = place(1, hs, now=10, load={"s0": 3})
+    assert d.host == "s0" and "spare" in d.reason

@@ -479,3 +479,71 @@ def test_next_change_is_when_time_alone_could_change_the_answer() -> None:
     assert members is None
     members, _ = rule.compute(state, T + opts.join_timeout_s, opts)
     assert ids(members) == ["a", "b"]
+
+
+# --- a replacement that must heal joins after the survivors' first step --------------------------
+
+
+def _after_death() -> tuple[rule.QuorumState, str, str, str]:
+    """a, b, c trained to step 10 together; b died (fenced); b's replacement b2 (a warm spare,
+    step 0: it must heal) asked before the survivors did."""
+    a, b, b2, c = "replica_0:u1", "replica_1:u2", "replica_1:new", "replica_2:u3"
+    state, quorum, _ = rule.tick(joined(rule.QuorumState(), a, b, c, step=10), T, OPTS)
+    assert quorum is not None
+    state, _ = rule.drop_failed(state, rule.ids_of_replica(1))
+    return rule.join(state, member(b2, step=0), T), a, b2, c
+
+
+def test_a_replacement_behind_waits_for_the_survivors_first_step_after_a_death() -> None:
+    """bench multihost: a warm spare adopted 20 ms after the detection was in the survivors'
+    first quorum, and the survivors resumed only after its cross-host heal (2.07 s)."""
+    state, a, b2, c = _after_death()
+    state = joined(state, a, c, step=10)
+    members, reason = rule.compute(state, T, OPTS)
+    assert ids(members) == [a, c] and reason.startswith("Fast quorum found!")
+    assert "1 newcomer(s) behind" in reason
+    state, quorum, _ = rule.tick(state, T, OPTS)
+    assert quorum is not None and quorum.replica_ids == (a, c) and quorum.quorum_id == 2
+    # It asks again (harness.quorum.tree does, for a request a quorum was issued without) and is
+    # in the survivors' next round: deferred once, not left out of every fast quorum.
+    state = joined(rule.join(state, member(b2, step=0), T + 1), a, c, step=11, now=T + 1)
+    state, quorum, reason = rule.tick(state, T + 1, OPTS)
+    assert quorum is not None and quorum.replica_ids == (a, b2, c) and quorum.quorum_id == 3
+    assert "behind" not in reason
+
+
+def test_a_newcomer_at_the_survivors_step_is_not_held_back() -> None:
+    """A group coming back with its state (step 10, as the survivors) needs no heal."""
+    state, a, b2, c = _after_death()
+    state = rule.join(state, member(b2, step=10), T)
+    members, reason = rule.compute(joined(state, a, c, step=10), T, OPTS)
+    assert ids(members) == [a, b2, c] and "behind" not in reason
+
+
+def test_a_newcomer_behind_rides_along_when_no_member_died() -> None:
+    """A group that starts late (no fence since the last quorum) joins the next fast quorum as in
+    torchft, and heals in it: nobody else's step is at stake twice."""
+    a, b = "replica_0:u1", "replica_1:u2"
+    state = joined(with_quorum(a), b, step=0)
+    members, _ = rule.compute(joined(state, a, step=10), T, OPTS)
+    assert ids(members) == [a, b]
+
+
+def test_a_newcomer_is_not_deferred_below_min_replicas() -> None:
+    state, a, b2, c = _after_death()
+    opts = dataclasses.replace(OPTS, min_replicas=3)
+    members, reason = rule.compute(joined(state, a, c, step=10), T, opts)
+    assert ids(members) == [a, b2, c] and "behind" not in reason
+
+
+def test_deferring_keeps_the_first_quorum_and_the_high_water_mark_as_they_were() -> None:
+    # The job's first quorum (none issued): every participant, at any step, as before.
+    state = joined(joined(rule.QuorumState(), "a", step=10), "b", step=0)
+    assert ids(rule.compute(state, T, OPTS)[0]) == ["a", "b"]
+    # Survivors behind a live member's step still wait for it (no step goes back).
+    state, a, _, c = _after_death()
+    x = "replica_3:x"  # alive (not fenced), reported step 12, not asking now
+    state = dataclasses.replace(state, reported=rule._with(state.reported, x, 12))
+    state = rule.heartbeat(joined(state, a, c, step=10), x, T)
+    members, reason = rule.compute(state, T, OPTS)
+    assert members is None and "Waiting for a member at step 12" in reason
