@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.spec import ExperimentSpec, Run, load_experiment
-from runtime.journal import FAULT_INJECT, JOB_END, JOB_START, RECOVERY_PHASE, Record, read_journal
+from harness.job.recovery import completed
+from runtime.journal import FAULT_INJECT, JOB_END, JOB_START, Record, read_journal
 
 
 def run_under_keeper(
@@ -36,7 +37,7 @@ def run_under_keeper(
 ) -> dict[str, Any]:
     """Run ``run`` of ``spec`` (``cfg``, its job config) in ``run_dir`` with its controller in a
     process of its own under a keeper; returns the runner's outcome dict, with ``left_behind``
-    (what the keeper had to stop) and ``takeovers``."""
+    (what the keeper had to stop)."""
     from harness.job.keeper import Keeper, write_job_file
 
     if spec.source is None:
@@ -56,7 +57,6 @@ def run_under_keeper(
     records = read_journal(run_dir / "journal.jsonl")
     outcome = outcome_of(records, rc)
     outcome["left_behind"] = keeper.left_behind
-    outcome["takeovers"] = keeper.restarts
     outcome["faults_fired"] = sum(1 for r in records if r.get("event") == FAULT_INJECT)
     return outcome
 
@@ -64,9 +64,7 @@ def run_under_keeper(
 def outcome_of(records: list[Record], rc: int) -> dict[str, Any]:
     """What ``run_job`` returns, read off a journal a keeper's controllers wrote."""
     ends = [r for r in records if r.get("event") == JOB_END]
-    recoveries = sum(
-        1 for r in records if r.get("event") == RECOVERY_PHASE and r.get("phase") == "participating"
-    )
+    recoveries = completed(records)
     if not ends:
         return {
             "status": "failed",

@@ -120,10 +120,9 @@ def _run_under_keeper(
         before, read_journal(run_dir / "journal.jsonl"), policy=run.policy, run_end=time.time()
     )
     checked["orphans"] += [
-        {"pid": int(w.split()[0]), "name": "?", "cmdline": w, "create_time": 0.0,
-         "source": "stopped by the keeper when the run ended"}
-        for w in outcome["left_behind"]
-    ]  # fmt: skip
+        {**left, "source": "stopped by the keeper when the run ended"}
+        for left in outcome["left_behind"]
+    ]
     postrun.write(run_dir, checked)
     return outcome
 

@@ -199,10 +199,15 @@ class ExperimentSpec:
         return config_from_table(self.job_table, overrides)
 
     @property
+    def controller_kinds(self) -> list[str]:
+        """The kinds of the mix that kill the job's controller (``controller_crash``)."""
+        return [k for k in self.faults.weights if getattr(fault_class(k), "needs_takeover", False)]
+
+    @property
     def kills_controller(self) -> bool:
-        """Whether the plan may kill the job's controller (``controller_crash``): then each run
-        runs under a keeper, its controller in a process of its own (experiments/runner.py)."""
-        return any(getattr(fault_class(k), "needs_takeover", False) for k in self.faults.weights)
+        """Whether the plan may kill the job's controller: then each run runs under a keeper,
+        its controller in a process of its own (experiments/runner.py)."""
+        return bool(self.controller_kinds)
 
     def runs(self) -> list[Run]:
         """The runs in the order they happen: each recovery policy once for ``duration_s``; the
@@ -406,9 +411,8 @@ def _check_takeover(w: _Where, spec: ExperimentSpec) -> None:
             continue
         why = supported(spec.job_config(policy))
         if why is not None:
-            kinds = [k for k in spec.faults.weights if getattr(fault_class(k), "needs_takeover", 0)]
             raise w.error(
-                f"faults.mix.{kinds[0]}",
+                f"faults.mix.{spec.controller_kinds[0]}",
                 f"it kills the job's controller, and in the {policy!r} run a new controller "
                 f"could not take the job over: {why}",
             )

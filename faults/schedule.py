@@ -165,11 +165,6 @@ def plan(
                 f"{kind} needs hosts with a network of their own: set the job's "
                 "launcher = 'netns' (test hosts in network namespaces; root only)"
             )
-        if getattr(fault_class(kind), "needs_takeover", False) and topology.takeover is not None:
-            raise TargetError(
-                f"{kind} kills the job's controller, and a new controller could not take this "
-                f"job over: {topology.takeover}"
-            )
         needed = getattr(fault_class(kind), "needs_launcher", None)
         if needed is not None and topology.launcher != needed:
             raise TargetError(

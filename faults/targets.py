@@ -34,9 +34,6 @@ class Topology:
     replica_hosts: tuple[str, ...]
     networked: bool = False  # each host has a link of its own (network faults can act on it)
     launcher: str = "local"  # the job's launcher (SLURM faults need "slurm")
-    # Why a new controller could not take this job over (``harness.job.takeover.supported``);
-    # None: it could (a controller crash needs that).
-    takeover: str | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks < 1 or not self.hosts:
@@ -74,7 +71,6 @@ class Topology:
             replica_hosts=tuple(ctx.replica_host(r) for r in range(ctx.replicas)),
             networked=ctx.networked,
             launcher=getattr(ctx, "launcher", "local"),
-            takeover=getattr(ctx, "takeover", None),
         )
 
 

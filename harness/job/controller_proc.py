@@ -147,7 +147,7 @@ def _run(
     ``hook``: what the program that wrote ``job.json`` adds to each of its controllers
     (:func:`make_hook`; ``ftharness chaos``'s injector, ``experiments.chaos_job``)."""
     from harness.job.launch import attach_telemetry, run_job
-    from runtime.journal import Journal, read_journal
+    from runtime.journal import Journal
 
     stamp: dict[str, Any] = {"job": cfg.name, "policy": cfg.recovery.policy}
     kwargs: dict[str, Any] = {
@@ -159,8 +159,10 @@ def _run(
         extra = make_hook(hook)
         stamp = extra.journal_stamp()
         kwargs["on_started"] = extra.on_started
-        before = read_journal(run_dir / "journal.jsonl") if takeover else None
-        kwargs["duration_s"] = extra.duration_left(before)
+        if takeover:  # from the journal the takeover reads anyway
+            kwargs["duration_for"] = extra.duration_left
+        else:
+            kwargs["duration_s"] = extra.duration_left(None)
     first = kwargs["on_started"]
 
     def started(job: Any) -> Any:  # from now on, a deadlocked control plane stops the beat

@@ -179,7 +179,8 @@ class JobFaultContext:
         def wedge() -> None:
             with lock:
                 ready.set()
-                print("[ftharness] controller_crash: the controller wedged", file=sys.stderr)
+                say = "[ftharness] controller_crash: the controller wedged"
+                print(say, file=sys.stderr, flush=True)
                 threading.Event().wait()  # forever
 
         threading.Thread(target=wedge, daemon=True, name="controller-wedge").start()

@@ -206,8 +206,8 @@ class Keeper:
         # replaced; None: not watched (a stand-in controller that does not beat).
         self.silence_s = silence_s
         # What the keeper had to stop when the run ended (``ftharness chaos`` counts them as
-        # orphans: a run should not need it), one "pid name: cmdline" each.
-        self.left_behind: list[str] = []
+        # orphans: a run should not need it): pid, name, cmdline, create_time of each.
+        self.left_behind: list[dict[str, Any]] = []
 
     @classmethod
     def for_job(cls, run_dir: Path, cfg: JobConfig, *, detached: bool = False) -> Keeper:
@@ -459,7 +459,10 @@ class Keeper:
             return
         for p in left:
             with contextlib.suppress(psutil.Error):
-                self.left_behind.append(f"{p.pid} {p.name()}: {' '.join(p.cmdline())[:200]}")
+                self.left_behind.append(
+                    {"pid": p.pid, "name": p.name(), "cmdline": " ".join(p.cmdline())[:200],
+                     "create_time": p.create_time()}
+                )  # fmt: skip
         self.say(f"stopping {len(left)} process(es) the run left behind")
         signal_all(left, signal.SIGTERM)
         _, alive = psutil.wait_procs(left, timeout=5.0)

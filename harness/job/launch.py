@@ -11,6 +11,7 @@ import argparse
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from harness.job.site import prepare_site
 from harness.job.takeover import Plan
 from runtime.channel import ChannelError
 from runtime.failure import SupervisionError
-from runtime.journal import JOB_END, Journal
+from runtime.journal import JOB_END, Journal, Record
 from runtime.launchers.netns import NetnsError
 from runtime.launchers.slurm_text import SlurmError
 
@@ -108,11 +109,17 @@ def run_job(
     return outcome
 
 
-def take_over(cfg: JobConfig, run_dir: Path, **run_kwargs: Any) -> dict[str, Any]:
+def take_over(
+    cfg: JobConfig,
+    run_dir: Path,
+    duration_for: Callable[[list[Record]], float | None] | None = None,
+    **run_kwargs: Any,
+) -> dict[str, Any]:
     """Take over the job running in ``run_dir`` (``ftharness`` keeper: ``python -m
     harness.job.controller_proc RUN --takeover``) and see it to its end, as :func:`run_job` does
     for a job it starts; ``harness.job.takeover.TakeoverRefused``, before anything changes, if
-    it cannot be."""
+    it cannot be. ``duration_for(records)``: the run's duration, from the journal the takeover
+    read (read once: it can be long)."""
     from runtime import control_file
 
     why = takeover.supported(cfg)
@@ -125,6 +132,8 @@ def take_over(cfg: JobConfig, run_dir: Path, **run_kwargs: Any) -> dict[str, Any
         )
     secret = control_file.read_secret(run_dir / "secret")
     plan = takeover.read_run(run_dir, secret, info.epoch)
+    if duration_for is not None:
+        run_kwargs["duration_s"] = duration_for(plan.records)
     return run_job(cfg, run_dir, plan=plan, **run_kwargs)
 
 

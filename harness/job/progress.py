@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from harness.job.recovery import CONTROLLER_CRASH
 from runtime.journal import FAILURE, FAULT_INJECT, RECOVERY_PHASE, STEP_COMMIT, Record
 
 
@@ -64,7 +65,7 @@ class Progress:
             )
         elif event == RECOVERY_PHASE and r.get("phase") == "participating":
             what = f"replica {r.get('replica')} participating again"
-            if r.get("cause") == "controller_crash":
+            if r.get("cause") == CONTROLLER_CRASH:
                 what = "the controller taken over, the groups committing again"
             elif r.get("replica") is None:
                 what = "the quorum service back, the groups committing again"

@@ -60,8 +60,12 @@ class _Open:
 
     @property
     def key(self) -> int | str | None:
-        """Where it is open: its group, None for the quorum service, ROOT for a takeover."""
-        return ROOT if self.cause == CONTROLLER_CRASH else self.replica
+        return _key(self.cause, self.replica)
+
+
+def _key(cause: str, replica: int | None) -> int | str | None:
+    """Where a recovery is open: its group, None for the quorum service, ROOT for a takeover."""
+    return ROOT if cause == CONTROLLER_CRASH else replica
 
 
 class RecoveryTracker:
@@ -128,11 +132,7 @@ class RecoveryTracker:
             if r.get("event") == RECOVERY_PHASE and str(r.get("recovery_id", ""))[4:].isdigit()
         ]
         self._ids = itertools.count(max(numbers, default=0) + 1)
-        self.completed = sum(
-            1
-            for r in records
-            if r.get("event") == RECOVERY_PHASE and r.get("phase") == "participating"
-        )
+        self.completed = completed(records)
         for rec in _still_open(records):
             with self._lock:
                 self._open[rec.key] = rec
@@ -198,7 +198,7 @@ class RecoveryTracker:
 
     def _begin(self, replica: int | None, cause: str, t: float, host: str | None) -> None:
         with self._lock:
-            key = ROOT if cause == CONTROLLER_CRASH else replica
+            key = _key(cause, replica)
             if key in self._open:
                 return  # one recovery per group at a time; later failures belong to it
             fault_id = self._link(replica, host, t, cause)
@@ -272,12 +272,6 @@ class RecoveryTracker:
             return {k for k in self._open if k != ROOT}  # type: ignore[misc]
 
     @property
-    def recovering(self) -> bool:
-        """Whether any recovery is open (a group's, the quorum service's, a takeover's)."""
-        with self._lock:
-            return bool(self._open)
-
-    @property
     def open_count(self) -> int:
         with self._lock:
             return len(self._open)
@@ -302,3 +296,14 @@ def _still_open(records: list[Record]) -> list[_Open]:
         if rec is not None:
             rec.phases.add(phase)
     return [rec for rid, rec in by_id.items() if rid not in closed]
+
+
+def completed(records: list[Record]) -> int:
+    """How many recoveries ``records`` (a journal) saw reach ``participating``."""
+    return len(
+        {
+            r.get("recovery_id")
+            for r in records
+            if r.get("event") == RECOVERY_PHASE and r.get("phase") == "participating"
+        }
+    )

@@ -263,7 +263,7 @@ def test_a_new_controller_continues_the_recoveries_its_predecessor_left_open(tmp
     root = [r for r in out if r["cause"] == "controller_crash"]
     assert {r["phase"] for r in root} >= {"detected", "replacement_started", "participating"}
     assert {r["fault_id"] for r in root} == {"f001"} and root[0]["recovery_id"] == "rec-3"
-    assert not tracker.open_replicas() and not tracker.recovering
+    assert not tracker.open_replicas() and tracker.open_count == 0
 
 
 # -- an inherited idle spare is the new controller's ------------------------------------------
