@@ -210,6 +210,7 @@ class Trainer:
             quorum_retries=quorum_retries(cfg) if controller_survivable() else 0,
         )
         self._heldout = HeldOut(cfg.data) if cfg.data.eval_every else None
+        self._initial_eval_due = self._heldout is not None
         self._ckpt_dir = self._checkpoint_root(run_dir)
         self._resume()
 
@@ -225,8 +226,6 @@ class Trainer:
         last_loss = float("nan")
         t0 = time.perf_counter()
         try:
-            if self.manager.current_step() == 0 and self.replica_id == 0:
-                self._maybe_eval(0)  # the held-out loss of the initial weights
             while self.manager.current_step() < min(target, self._stop_after):
                 committed, last_loss = self.train_step()
                 commits += committed
@@ -331,6 +330,17 @@ class Trainer:
             record = self._heldout.record(self.model, step=step, replica=self.replica_id, rank=0)
         self._emit(EVAL, record)
 
+    def _maybe_eval_initial(self) -> None:
+        """The held-out loss of the initial weights, once per job: by the group that is replica
+        rank 0 of the quorum that trains step 1, before it does. Not by a fixed group: one that
+        starts late may find the others past step 0 already, and load a checkpoint past it."""
+        if not self._initial_eval_due:
+            return
+        self._initial_eval_due = False  # decided at this trainer's first quorum either way
+        # participating_rank() first: it waits for the quorum, and a heal moves current_step()
+        if self.manager.participating_rank() == 0 and self.manager.current_step() == 0:
+            self._maybe_eval(0)
+
     def _checksum_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every_steps
         return step % CHECKSUM_EVERY == 0 or (every > 0 and step % every == 0)
@@ -342,6 +352,7 @@ class Trainer:
         the quorum, data position, loss), or None if the quorum failed (an aborted step)."""
         if not self._join_quorum():
             return None
+        self._maybe_eval_initial()
         return self._pass()
 
     def _quorum_overlapped(self) -> tuple[int, int | None, int, torch.Tensor] | None:
