@@ -1,8 +1,8 @@
 """torchft's own Lighthouse as the job's quorum service (``recovery.quorum = "torchft"``): a
 supervised worker process that the job's tree restarts on the same port.
 
-Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port (it binds
-``bind_host`` and nothing more can be asked of it), fences a dead group only by heartbeat
+Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port (it binds an
+address and nothing more can be asked of it), fences a dead group only by heartbeat
 timeout, and numbers its quorums from 1 again after a restart (the job's quorum tap continues
 them for a program: ``QuorumEvents.quorum_ids_reset``). ``recovery.quorum = "tree"`` admits
 only the members the job started (``harness.quorum.tree``).
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ class LighthouseActor(Actor):
     """torchft's Lighthouse as a supervised process; a restart binds the same port.
 
     Not guaranteed: torchft's Lighthouse (Rust) admits any replica id that reaches its port; it
-    binds ``bind_host`` and nothing more can be asked of it. ``recovery.quorum = "tree"``
+    binds an address and nothing more can be asked of it. ``recovery.quorum = "tree"``
     admits only the members the job started (``harness.quorum.tree``)."""
 
     def __init__(self, cfg: dict[str, Any], port: int) -> None:
@@ -39,12 +40,31 @@ class LighthouseActor(Actor):
 
         c = config_from_dict(cfg)
         self.lighthouse = Lighthouse(
-            bind_host=c.bind_host, min_replicas=c.min_replica_size, timeouts=c.timeouts, port=port
+            bind_host=_listen_address(c.bind_host),
+            min_replicas=c.min_replica_size,
+            timeouts=c.timeouts,
+            port=port,
         )
 
     @endpoint
     def address(self) -> str:
         return self.lighthouse.address
+
+
+def _listen_address(bind_host: str) -> str:
+    """Where the Lighthouse listens: ``bind_host`` (the controller's address) where this host
+    holds it, as local hosts do; else this host's advertised address, where the groups and the
+    quorum tap reach it. A host with a network of its own (a namespace, another node) does not
+    hold the controller's address: binding it failed there with EADDRNOTAVAIL, so
+    ``quorum = "torchft"`` could not start on ``launcher = "netns"``."""
+    from runtime.actor import host_address
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
+            s.bind((bind_host.strip("[]"), 0))
+        return bind_host
+    except OSError:
+        return host_address(bind_host)
 
 
 class LighthouseService:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from harness.config import load_config
@@ -67,6 +69,18 @@ def train_on_then_stop(job: Any, steps: int, stop: threading.Event, deadline: fl
     target = job.faults.committed_step() + steps
     wait_until(lambda: job.faults.committed_step() >= target, deadline)
     stop.set()
+
+
+#: What the example semi-synchronous programs (tests/programs/train_diloco.py, train_localsgd.py)
+#: print after every committed sync.
+SYNC_LINE = re.compile(r"^sync (\d+) checksum ([0-9a-f]+)", re.M)
+
+
+def sync_checksums(log: Path) -> list[dict[int, str]]:
+    """Each incarnation's ``{sync: checksum}`` from a program rank's log, in order (the harness
+    starts each incarnation's part with an ``=== ftharness:`` header)."""
+    parts = log.read_text().split("=== ftharness:")[1:]
+    return [{int(s): c for s, c in SYNC_LINE.findall(p)} for p in parts]
 
 
 def events(run_dir, name: str | None = None) -> list[dict]:

@@ -11,20 +11,18 @@ optimizer state) bitwise equal to the peer's, by the checksums the programs prin
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from e2e_helpers import chaos_argv, events
+from e2e_helpers import chaos_argv, events, sync_checksums
 
 pytestmark = [pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / "tests" / "programs"
-SYNC = re.compile(r"^sync (\d+) checksum ([0-9a-f]+)", re.M)
 
 
 def _write_experiment(path: Path, program: str, edits: dict[str, str], steps: int) -> dict:
@@ -41,12 +39,6 @@ def _write_experiment(path: Path, program: str, edits: dict[str, str], steps: in
         lines[hits[0]] = new
     path.write_text("\n".join(lines) + "\n")
     return tomllib.loads(path.read_text())
-
-
-def _incarnations(log: Path) -> list[dict[int, str]]:
-    """Each incarnation's ``{sync: checksum}`` from a rank's log, in order."""
-    parts = log.read_text().split("=== ftharness:")[1:]
-    return [{int(s): c for s, c in SYNC.findall(p)} for p in parts]
 
 
 # (program, inner steps, edits): DiLoCo takes all three process faults as its experiment file
@@ -100,7 +92,7 @@ def test_semisync_program_recovers_and_heals_to_its_peers_state(tmp_path, progra
 
     # every replacement healed from a peer (its first sync is past the job's first) and holds
     # the peer's parameters (and outer optimizer state) at every sync both committed
-    logs = {r: _incarnations(run / "logs" / f"replica{r}-rank0.log") for r in (0, 1)}
+    logs = {r: sync_checksums(run / "logs" / f"replica{r}-rank0.log") for r in (0, 1)}
     assert sum(len(v) - 1 for v in logs.values()) == len(kinds), logs
     for r, incs in logs.items():
         peer: dict[int, str] = {}
