@@ -87,7 +87,8 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   Every recovery of a fault shows its fault's figure; a kind's ``steps_lost`` is the sum over its
   faults (a fault counted once however many groups it took down).
 * **per kind**: ``count`` = faults of that kind; ``recovered`` = those whose every recovery reached
-  ``participating``; detection_s, stall_s and participate_s = mean/p50/p95 over the kind's
+  ``participating``; ``overtaken`` = those with a recovery the job's end overtook
+  (``OVERTAKEN``); detection_s, stall_s and participate_s = mean/p50/p95 over the kind's
   recoveries (one value per recovery, so a host fault that took down two groups adds two).
   ``all_faults``: the same over every recovery a fault explains (unplanned ones excluded).
 * A fault with no ``recovery.phase`` records but ``failure`` records after it gets **derived**
@@ -124,6 +125,7 @@ from runtime.journal import (
     FAULT_INJECT,
     JOB_END,
     JOB_START,
+    OVERTAKEN,
     PHASES,
     PROC_START,
     RECOVERY_PHASE,
@@ -580,6 +582,10 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
             "recovered": len(recovered),
             # faults that took down no group (the report's every_fault_recovered judges them)
             "no_recovery": sum(1 for i in ids if not any(r["fault_id"] == i for r in mine)),
+            # faults whose group was still rejoining when the job ended (runtime.journal.OVERTAKEN)
+            "overtaken": sum(
+                1 for i in ids if any(r["fault_id"] == i and OVERTAKEN in r["phases"] for r in mine)
+            ),
             **_figure_stats(mine),
             "steps_lost": sum(lost_by_fault.get(i, 0) or 0 for i in ids),
         }

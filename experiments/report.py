@@ -39,6 +39,7 @@ from runtime.journal import (
     JOB_END,
     JOB_RESTART,
     JOB_START,
+    OVERTAKEN,
     RECOVERY_PHASE,
     STEP_COMMIT,
     read_journal,
@@ -165,6 +166,7 @@ def _every_fault_recovered(
     commits = [r for r in records if r.get("event") == STEP_COMMIT]
     problems: list[str] = []
     no_recovery: list[str] = []
+    overtaken: list[str] = []
     for f in faults:
         fid, kind = f.get("fault_id"), f.get("kind")
         label = f"{fid} ({kind}) at {at(f['t'])}"
@@ -176,6 +178,10 @@ def _every_fault_recovered(
         mine = [r for r in recs if r.get("fault_id") == fid]
         if not mine:
             no_recovery.append(f"{fid} ({kind})")
+        # the job ended while the group rejoined (runtime.journal.OVERTAKEN): nothing to rejoin
+        ended = {r.get("replica") for r in mine if OVERTAKEN in (r.get("phases") or {})}
+        overtaken += [f"{fid} ({kind}) of replica {g}" for g in sorted(ended, key=str)]
+        mine = [r for r in mine if r.get("replica") not in ended]
         for r in mine:
             # A recovery the tracker never wrote (``derived``, read off failures by
             # dashboards/metrics.py) of the quorum service has no group of its own, so it can
@@ -191,7 +197,7 @@ def _every_fault_recovered(
                 )
         since = heal["t"] if heal is not None else f["t"]
         target = f.get("target") or {}
-        groups = {target.get("replica")} | {r.get("replica") for r in mine}
+        groups = ({target.get("replica")} | {r.get("replica") for r in mine}) - ended
         groups.discard(None)
         back = {c.get("replica") for c in commits if c["t"] > since}
         if groups and not groups <= back:
@@ -217,6 +223,11 @@ def _every_fault_recovered(
         detail += (
             f"; {len(no_recovery)} caused no recovery and the group(s) they hit committed after "
             f"the heal: {_listed(no_recovery)}"
+        )
+    if overtaken:
+        detail += (
+            f"; {len(overtaken)} overtaken by the job's end (the other groups finished the last "
+            f"step while the group rejoined): {_listed(overtaken)}"
         )
     return _result(name, True, detail)
 
@@ -273,7 +284,7 @@ def _journal_complete(policy: str, records: Sequence[Record], problems: Sequence
     end_t = max((r["t"] for r in ends), default=None)
     open_at_end, never_closed = [], []
     for rid, ph in phases.items():
-        if "participating" in ph or "detected" not in ph:
+        if "participating" in ph or OVERTAKEN in ph or "detected" not in ph:
             continue
         last = max(ph, key=ph.get)
         what = f"{rid} (replica {replica_of[rid]}, last phase {last} at {at(ph[last])})"
@@ -286,7 +297,7 @@ def _journal_complete(policy: str, records: Sequence[Record], problems: Sequence
     detail = (
         f"{len(records)} records, none skipped; job.start {len(starts)}, job.end {len(ends)}; "
         f"{len(injected)} faults, each healed; {closed} of {len(phases)} recoveries reached "
-        "participating"
+        "participating or were overtaken by the job's end"
     )
     if open_at_end:
         detail += f"; open when the job ended: {_listed(open_at_end)}"
@@ -509,6 +520,8 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
             for kind, k in p["faults"].items():
                 none = k.get("no_recovery", 0)
                 recovered = f"{k['recovered']}" + (f" ({none} took down no group)" if none else "")
+                if k.get("overtaken"):
+                    recovered += f" ({k['overtaken']} overtaken by the job's end)"
                 lines.append(
                     f"| {kind} | {k['count']} | {recovered} | "
                     + " | ".join(_stat(k[str(m.quantity)]) for m in N.RECOVERY_METRICS)

@@ -46,7 +46,8 @@ Event names and their extra fields:
                           ``target``, ``at_s``, ``at_step`` each), written as it starts: a
                           controller that takes over resumes it (faults/injector.py)
 ``recovery.phase``        ``recovery_id``, ``fault_id`` (or null), ``replica``, ``phase`` (one of
-                          ``PHASES``), ``cause``
+                          ``PHASES``, or ``OVERTAKEN``: it ends the recovery, see there),
+                          ``cause``
 ``checkpoint.save``       ``step``, ``path``, ``seconds`` (serialize + write), ``blocked_s`` (the
                           training thread's share); logged once the checkpoint is durable
 ``checkpoint.load``       ``step``, ``path``
@@ -119,6 +120,10 @@ FAULT_PLAN = "fault.plan"
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")
+#: The phase that ends a recovery instead of ``participating``: every other group finished the
+#: job's last step while this one was still rejoining, so no peer was left to heal it from and
+#: the job ended (harness.job.programs). Not a failure to recover: there was nothing to rejoin.
+OVERTAKEN = "overtaken"
 
 Record = dict[str, Any]
 Sink = Callable[[Record], None]

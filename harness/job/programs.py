@@ -58,6 +58,7 @@ from harness.job.program_progress import (
     step_events,
 )
 from harness.job.program_unblock import RemoteUnblock
+from harness.job.recovery import RecoveryTracker
 from harness.program_config import WARM_NEEDS, cold_reason
 from harness.quorum import rule
 from harness.quorum.service import QuorumService
@@ -107,6 +108,9 @@ class ProgramJob(Protocol):
 
     def finished(self) -> None:
         """Every group is done (every rank exited with code 0)."""
+
+    @property
+    def tracker(self) -> RecoveryTracker: ...
 
 
 class ProgramGroups:
@@ -269,10 +273,31 @@ class ProgramGroups:
             self.job.say(f"replica group {g.replica} {why}; it is done, the others train on")
 
     def _check_all_done(self) -> None:
+        """A group is done: the job is, once every group is, or once every group that is not
+        is still rejoining after a failure while the others finished the job's last step (it
+        has no peer left to heal from: its recovery is overtaken, ``runtime.journal.OVERTAKEN``,
+        and it is stopped with the job instead of waiting out the quorum's timeout)."""
         with self._lock:
             groups = list(self._groups.values())
-        if len(groups) == self.cfg.replicas and all(g.training.done() for g in groups):
-            self.job.finished()
+        if len(groups) < self.cfg.replicas:
+            return
+        left = [g for g in groups if not g.training.done()]
+        if left:
+            every = self.cfg.program.steps_per_quorum
+            done = [g for g in groups if g.training.done()]
+            if all(ended_early(g.last_step, self.cfg.steps, every) for g in done):
+                return  # none reached the last step
+            rejoining = self.job.tracker.stateless_replicas()  # failed, not back yet
+            if any(g.replica not in rejoining for g in left):
+                return  # one still trains
+            for g in left:
+                if self.job.tracker.overtaken(g.replica):
+                    self.job.say(
+                        f"replica group {g.replica} was still rejoining when every other group "
+                        "finished the job's last step: the job is done (no peer is left to heal "
+                        "it from)"
+                    )
+        self.job.finished()
 
     def member_ids(self, replica: int) -> tuple[str, ...]:
         """The current incarnation's Managers' ids at the quorum service (tap.upstream_id)."""

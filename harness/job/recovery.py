@@ -35,6 +35,7 @@ from runtime.failure import Failure
 from runtime.journal import (
     FAULT_INJECT,
     HEALED,
+    OVERTAKEN,
     RECOVERY_PHASE,
     STEP_ABORT,
     STEP_COMMIT,
@@ -261,6 +262,17 @@ class RecoveryTracker:
         }
         self.journal.emit(RECOVERY_PHASE, t=t, **fields)
 
+    def overtaken(self, replica: int) -> bool:
+        """The job ended while ``replica`` was still rejoining (``runtime.journal.OVERTAKEN``):
+        close its open recovery with that phase. Returns whether one was open."""
+        with self._lock:
+            rec = self._open.pop(replica, None)
+            self._stateless.discard(replica)
+        if rec is None:
+            return False
+        self._write(rec, OVERTAKEN, None)
+        return True
+
     def stateless_replicas(self) -> set[int]:
         """Groups whose processes failed and that have not committed a step since."""
         with self._lock:
@@ -286,7 +298,7 @@ def _still_open(records: list[Record]) -> list[_Open]:
         if r.get("event") != RECOVERY_PHASE:
             continue
         rid, phase = str(r.get("recovery_id")), str(r.get("phase"))
-        if phase == "participating":
+        if phase in ("participating", OVERTAKEN):
             closed.add(rid)
         rec = by_id.get(rid)
         if rec is None and phase == "detected":

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ROOT / "tests" / "programs" / "train_ddp.py"
-STEPS = 100
+STEPS = 120  # the last kill at step 85 leaves the replacement 35 steps to rejoin
 
 EXPERIMENT = f"""
 name = "program_fastpath"

@@ -68,6 +68,9 @@ class _Journal:
     def emit(self, event: str, **fields) -> None:
         self.records.append((event, fields))
 
+    def add_sink(self, sink) -> None:  # RecoveryTracker's: not needed here
+        pass
+
 
 def _one_group(*overrides: str):
     """A stand-in job (its journal, what it says) and ProgramGroups with replica group 0
@@ -197,3 +200,45 @@ def test_a_group_that_fails_after_every_other_finished_the_last_step_ends_the_jo
     groups._groups[1].last_step = 40  # had no group reached the last step, the job goes on
     fail(0, "p0")
     assert not ended
+
+
+def test_a_group_still_rejoining_when_the_others_finish_the_last_step_is_overtaken():
+    """Group 0 failed at step 86 of 100; the survivors finished before its replacement could
+    rejoin: its recovery ends ``overtaken`` and the job ends at once (not after the replacement
+    waits out the quorum's timeout). Not while a group that did not fail still trains."""
+    from harness.job.recovery import RecoveryTracker
+    from runtime.failure import Cause, Failure
+    from runtime.journal import OVERTAKEN, RECOVERY_PHASE
+
+    ended: list[bool] = []
+    said: list[str] = []
+    journal = _Journal()
+    job = SimpleNamespace(
+        cfg=cfg("replicas=3", "steps=100"),
+        journal=journal,
+        say=said.append,
+        finished=lambda: ended.append(True),
+        tracker=RecoveryTracker(journal),  # type: ignore[arg-type]
+    )
+    groups = ProgramGroups(job)
+    for r in range(3):
+        rec = SimpleNamespace(host=SimpleNamespace(name="h0"), finished=cf.Future())
+        groups._register(r, 0, f"127.0.0.1:{1000 + r}", [rec], f"T{r}")
+    job.tracker.on_failure(
+        Failure(cause=Cause.SIGNAL, detail="killed", proc="p0", coords={"replica": 0})
+    )
+
+    def finish(replica: int) -> None:
+        g = groups._groups[replica]
+        g.last_step = 99
+        g.training.set_result(None)
+        groups._check_all_done()
+
+    finish(1)
+    assert not ended  # group 2 did not fail: it still trains
+    finish(2)
+    assert ended == [True]
+    assert any("replica group 0 was still rejoining" in s for s in said), said
+    phases = [f["phase"] for e, f in journal.records if e == RECOVERY_PHASE]
+    assert phases == ["detected", OVERTAKEN]
+    assert job.tracker.open_replicas() == set() and job.tracker.stateless_replicas() == set()

@@ -188,6 +188,9 @@ def soak_journal(path: Path, *, drop: tuple[str, ...] = ()) -> Path:
         commit(105.0, 5)
     else:
         commit(105.0, 5, (0, 2))
+        if "overtaken" in drop:  # the others finished while group 1 rejoined
+            j.emit("recovery.phase", t=107.5, recovery_id="rec-1", fault_id="f000", replica=1,
+                   phase="overtaken", cause="signal")  # fmt: skip
     j.emit("fault.inject", t=105.5, fault_id="f001", kind="slow_rank", target={"replica": 2},
            seed=0)  # fmt: skip
     if "heal" not in drop:
@@ -460,3 +463,18 @@ def test_skipped_sequences_are_reported_and_bounded(tmp_path):
     (res,) = evaluate_hypotheses(hyp, summary, records)
     assert not res["passed"] and "skipped = 8" in res["detail"]
     assert "8 of 24 sequences due were never trained" in render_markdown(summary, [res])
+
+
+def test_a_recovery_overtaken_by_the_jobs_end_is_not_a_failure_to_recover(tmp_path):
+    """The other groups finished the job's last step while group 1 rejoined (the job layer
+    journals ``overtaken``): nothing was left to rejoin, and the report says so."""
+    soak_journal(tmp_path / "j.jsonl", drop=("participating", "overtaken"))
+    res = soak_results(tmp_path, CLEAN)
+    r = res["every_fault_recovered[in_place]"]
+    assert r["passed"], r
+    assert "1 overtaken by the job's end" in r["detail"]
+    assert "f000 (kill) of replica 1" in r["detail"]
+    j = res["journal_complete[in_place]"]
+    assert j["passed"] and "open when the job ended" not in j["detail"], j
+    kill = summarize(read_journal(tmp_path))["policies"]["in_place"]["faults"]["kill"]
+    assert (kill["recovered"], kill["overtaken"]) == (0, 1)
