@@ -83,6 +83,13 @@ from runtime.worker import EXIT_ACTOR_CRASHED
 
 log = logging.getLogger("ftharness.controller")
 
+#: The monitor (heartbeats, lost hosts) is stuck once it has not run for this many agent
+#: heartbeat timeouts: a host's loss would go unjudged meanwhile (Controller.stuck).
+MONITOR_STUCK_BEATS = 3
+#: One failure's supervision may take a spawn (``spec.spawn_timeout_s``) and a host start; past
+#: the spawn timeout plus this, the supervision thread is stuck (Controller.stuck).
+SUPERVISION_STUCK_S = 60.0
+
 __all__ = ["Controller", "HostAgentHandle", "ProcFailedError", "ProcRecord"]
 
 
@@ -127,6 +134,10 @@ class Controller:
         )
         self._owner = threading.local()
         self.closed = False
+        # Liveness of the two duties that block no lock while stuck (see stuck()): when the
+        # monitor last ran, and since when the supervision thread handles one failure.
+        self._monitor_ran = time.monotonic()
+        self._supervising_since: float | None = None
         # Handshakes run on the listener's one thread, bounded in number and each by one
         # deadline; only an authenticated peer gets a thread (_serve_peer).
         sock, spec = channel.listen(self.spec.bind_host, 0), self.spec
@@ -178,13 +189,32 @@ class Controller:
 
     # -- journal ------------------------------------------------------------------------------
     def responsive(self, timeout_s: float) -> bool:
-        """Whether the control plane's lock can be taken within ``timeout_s``: False while a
-        deadlock (or a thread wedged holding it) stops every supervision decision. Its keeper's
-        beat depends on it (``harness.job.controller_proc``)."""
+        """Whether the control plane answers: :meth:`stuck` finds nothing."""
+        return self.stuck(timeout_s) is None
+
+    def stuck(self, timeout_s: float) -> str | None:
+        """Why the control plane is stuck now, or None. Its keeper's beat depends on it
+        (``harness.job.controller_proc``): a stuck controller is replaced.
+
+        - the lock cannot be taken within ``timeout_s``: a deadlock, or a thread wedged holding
+          it, stops every supervision decision;
+        - the monitor (host heartbeats, lost hosts) has not run for ``MONITOR_STUCK_BEATS``
+          agent heartbeat timeouts: blocked without the lock, hosts would never be judged lost;
+        - one failure has been in the supervision thread's hands for longer than a spawn and
+          a host start could take (``SUPERVISION_STUCK_S`` past the spawn timeout): every
+          later failure waits behind it."""
         if not self._lock.acquire(timeout=timeout_s):
-            return False
+            return f"its control plane's lock was not free within {timeout_s:g} s"
         self._lock.release()
-        return True
+        now, hb = time.monotonic(), self.spec.agent_heartbeat
+        quiet = now - self._monitor_ran
+        if not self.closed and quiet > MONITOR_STUCK_BEATS * hb.timeout_s:
+            return f"its monitor (host heartbeats and checks) has not run for {quiet:.1f} s"
+        since = self._supervising_since
+        limit = self.spec.spawn_timeout_s + SUPERVISION_STUCK_S
+        if since is not None and now - since > limit:
+            return f"its supervision thread has been handling one failure for {now - since:.1f} s"
+        return None
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write a journal record (if the controller has a journal)."""
@@ -647,6 +677,7 @@ class Controller:
                 rec.host.pool.forget(rec)
                 self._spawner.submit(rec.host.pool.replenish)
                 continue
+            self._supervising_since = time.monotonic()
             try:
                 if owner is not None:
                     owner.supervisor.handle_failure(failure, owner.child, owner.generation)
@@ -654,6 +685,8 @@ class Controller:
                     self._unhandled(failure)
             except Exception:
                 log.exception("supervision of %s raised", failure.summary())
+            finally:
+                self._supervising_since = None
 
     def _unhandled(self, failure: Failure) -> None:
         """A failure reached the root: the root handler may absorb it, else the job stops."""
@@ -694,6 +727,7 @@ class Controller:
 
     def _monitor_loop(self) -> None:
         while not self.closed:
+            self._monitor_ran = time.monotonic()
             time.sleep(self.spec.agent_heartbeat.interval_s / 2)
             self.succession.check("checking its hosts")
             self.host_table.beat_and_check()

@@ -91,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-#: What must answer for the controller to beat: once the job runs, its control plane's lock
-#: (``Controller.responsive``), so that a controller deadlocked on it stops beating.
-_PROBES: list[Callable[[], bool]] = []
+#: What must answer for the controller to beat: once the job runs, its control plane
+#: (``Controller.stuck``: its lock, its monitor, its supervision thread), so that a controller
+#: stuck there stops beating. Each returns why it is stuck, or None.
+_PROBES: list[Callable[[], str | None]] = []
 
 
 def beat_to_keeper() -> None:
@@ -106,12 +107,18 @@ def beat_to_keeper() -> None:
         return
 
     def beat() -> None:
+        told = False
         while True:
-            if all(probe() for probe in list(_PROBES)):
+            why = next((w for probe in list(_PROBES) if (w := probe()) is not None), None)
+            if why is None:
+                told = False
                 try:
                     os.write(int(fd), b".")
                 except OSError:
                     return  # the keeper is gone (and this process with it, by die_with_parent)
+            elif not told:
+                told = True
+                print(f"controller stuck, not beating to its keeper: {why}", file=sys.stderr)
             time.sleep(BEAT_INTERVAL_S)
 
     threading.Thread(target=beat, daemon=True, name="ftharness-keeper-beat").start()
@@ -166,7 +173,7 @@ def _run(
     first = kwargs["on_started"]
 
     def started(job: Any) -> Any:  # from now on, a deadlocked control plane stops the beat
-        _PROBES.append(lambda: job.controller.responsive(BEAT_INTERVAL_S))
+        _PROBES.append(lambda: job.controller.stuck(BEAT_INTERVAL_S))
         return first(job) if first is not None else None
 
     kwargs["on_started"] = started
