@@ -32,6 +32,11 @@ for the built-in trainer). A program's process group is its own, so the tap renu
 after :meth:`QuorumTap.upstream_restarted`, every reply's quorum id is raised by the highest id
 handed out before, so the ids a program sees never repeat. (The tree quorum continues its own.)
 
+A quorum service that cannot take a call (UNAVAILABLE: restarting, not serving yet, the
+connection to its previous process closed under the call) is asked again where it serves now,
+until the caller's deadline (``UPSTREAM_RETRY_S`` without one): a program's request waits for
+it, it does not fail, and the observer sees it once.
+
 Not guaranteed: like the services behind it, the tap speaks insecure gRPC (nothing is
 encrypted); it adds one local hop (about a millisecond) per request; a member that reaches the
 quorum service without the tap (torchft's Lighthouse admits anyone) is not the tap's to stop.
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+import tenacity
 
 from harness.quorum import rule
 from harness.quorum.wire import (
@@ -60,8 +66,26 @@ from harness.quorum.wire import (
     lighthouse_server,
 )
 
+#: A call the quorum service could not take (UNAVAILABLE: restarting, not serving yet, or the
+#: connection to its previous process closed under the call) is sent again until the caller's
+#: deadline, or for this long when the caller set none: the program's request waits, it does
+#: not fail (a repeated request replaces the earlier one at either service).
+UPSTREAM_RETRY_S = 30.0
+
+#: Reconnect to a restarted quorum service within tenths of a second (grpc's default backoff
+#: starts at 1 s and grows, and a call meanwhile fails without trying).
+_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
+
 _REPLICA_ID = 1  # QuorumMember.replica_id, LighthouseHeartbeatRequest.replica_id
 _STORE_ADDRESS = 3  # QuorumMember.store_address (harness.quorum.wire's module doc)
+
+
+def _unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -202,16 +226,33 @@ class QuorumTap:
         self.bind_host = bind_host
         self.port = int(self.address.rsplit(":", 1)[1])
 
-    def _call(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def _stub(self, method: str) -> Callable[..., bytes]:
+        """``method`` of the quorum service where it serves now (a restart may move it)."""
         target = self._upstream().split("://", 1)[-1]
         with self._lock:
             channel = self._channels.get(target)
             if channel is None:
-                channel = self._channels[target] = grpc.insecure_channel(target)
-        stub = channel.unary_unary(f"/{SERVICE}/{method}")
+                channel = self._channels[target] = grpc.insecure_channel(target, _RECONNECT)
+        return channel.unary_unary(f"/{SERVICE}/{method}")
+
+    def _call(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         left = context.time_remaining()  # without a deadline: about 9.2e18, which grpc refuses
+        budget = left if left is not None and left < 1e6 else UPSTREAM_RETRY_S
+        deadline = time.monotonic() + budget - 0.05  # answer before the caller gives up
+
+        def once() -> bytes:
+            timeout = max(0.01, deadline - time.monotonic())
+            # not wait_for_ready: a refused call is retried here, where the service is *now*
+            return self._stub(method)(request, timeout=timeout)
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_unavailable),
+            stop=tenacity.stop_after_delay(max(0.0, budget - 0.1)),
+            wait=tenacity.wait_exponential(multiplier=0.02, max=0.2),
+            reraise=True,
+        )
         try:
-            return stub(request, timeout=left if left is not None and left < 1e6 else None)
+            return retrying(once)
         except grpc.RpcError as e:
             context.abort(e.code(), e.details() or "")
             raise  # not reached: abort raises

@@ -199,6 +199,51 @@ def _lighthouse(port: int = 0):
     raise AssertionError(f"port {port} stayed taken")
 
 
+def test_a_quorum_request_waits_for_a_quorum_service_that_is_not_serving_yet():
+    """The quorum service is down (restarting; a new controller not serving yet): a program's
+    quorum request through the tap waits for it within its deadline and is answered once it
+    serves, instead of failing with UNAVAILABLE (which would crash a torchft program's step).
+    Forwarded once as far as the observer sees."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there yet
+    seen = Seen()
+    tap = QuorumTap(
+        bind_host="127.0.0.1", upstream=lambda: f"http://127.0.0.1:{port}", observer=seen
+    )
+    channel = grpc.insecure_channel(tap.address.split("://")[1])
+    got: dict[str, object] = {}
+
+    def ask() -> None:
+        try:
+            got["reply"] = channel.unary_unary(f"/{SERVICE}/Quorum")(
+                encode_field(1, _member("train_ddp_0:u1", "127.0.0.1:1234", 7)), timeout=20
+            )
+        except grpc.RpcError as e:
+            got["error"] = e.code()
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    lighthouse = None
+    try:
+        time.sleep(1.0)  # the request is in the tap, the service still down
+        assert asker.is_alive(), got
+        lighthouse = _lighthouse(port)
+        asker.join(20)
+        assert "reply" in got, got
+        assert decode_quorum_response(got["reply"])[0] == 1
+        assert len(seen.requests) == 1 and seen.answers == [1]
+    finally:
+        asker.join(20)
+        channel.close()
+        tap.shutdown()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+
+
 def test_quorum_tap_continues_the_ids_of_a_restarted_lighthouse():
     """torchft's Lighthouse numbers its quorums from 1 again after a restart; a program's torchft
     process group would rendezvous on the stale keys of the first quorum 1. Through the tap the
