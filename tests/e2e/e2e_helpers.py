@@ -4,6 +4,7 @@ would shadow the root one under pytest's default import mode)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -33,6 +34,19 @@ def chaos_argv(tmp_path, *options: str) -> list[str]:
     """``ftharness chaos`` on ``tmp_path/exp.toml``, writing ``tmp_path/run``."""
     exp, out = str(tmp_path / "exp.toml"), str(tmp_path / "run")
     return [sys.executable, "-m", "harness", "chaos", exp, "--out", out, *options]
+
+
+def run_chaos(tmp_path: Path, root: Path, timeout: float = 140) -> tuple[dict, str]:
+    """``ftharness chaos`` on ``tmp_path/exp.toml`` from ``root``; asserts it exited 0 and its
+    report passed. Returns the report and the console output."""
+    done = subprocess.run(
+        chaos_argv(tmp_path), cwd=root, capture_output=True, text=True, timeout=timeout
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["passed"], (report["hypotheses"], out[-4000:])
+    return report, out
 
 
 def kill_group(job: Any, replica: int) -> None:
@@ -155,3 +169,17 @@ def iptables_out(net: netns.TestNetwork, host: str, *rule: str) -> None:
         capture_output=True,
         timeout=30,
     )
+
+
+def our_namespaces() -> set[str]:
+    """The network namespaces of this project's test hosts that exist now."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {ln.split()[0] for ln in out.splitlines() if ln.startswith(netns.PREFIX)}
+
+
+def no_leftover_namespaces() -> Iterator[None]:
+    """A fixture body: fails the test if it left network namespaces behind. A module of
+    namespace tests makes it its own: ``pytest.fixture(autouse=True)(no_leftover_namespaces)``."""
+    before = our_namespaces()
+    yield
+    assert our_namespaces() - before == set(), "a test left network namespaces behind"

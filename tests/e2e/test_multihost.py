@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import after_step, check_invariants, events, tiny_cfg
+from e2e_helpers import after_step, check_invariants, events, no_leftover_namespaces, tiny_cfg
 
 from harness.job.launch import run_job
 from runtime.launchers import netns
@@ -37,16 +37,7 @@ def _cfg(*extra: str):
     )
 
 
-def _our_namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {ln.split()[0] for ln in out.splitlines() if ln.startswith(netns.PREFIX)}
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_namespaces():
-    before = _our_namespaces()
-    yield
-    assert _our_namespaces() - before == set(), "a test left network namespaces behind"
+_no_leftover_namespaces = pytest.fixture(autouse=True)(no_leftover_namespaces)
 
 
 def test_a_job_trains_across_hosts_with_their_own_addresses(tmp_path):
