@@ -25,6 +25,10 @@ nothing below it escapes. With survival on (``Boot.control_file``: a controller 
 replaced) it does neither: it keeps its workers for ``grace_s`` and re-dials the controller the
 run's control file names (``runtime.orphan``).
 
+It logs at WARNING; ``FTHARNESS_AGENT_LOG_LEVEL=INFO`` in its environment (a local agent
+inherits ``ftharness``'s) also logs each unblocking of a dead program group's survivors
+(``runtime.sockets``: how many connections of how many survivors, and how long it took).
+
 Why this module is longer than 500 lines: it is the whole host agent process: its one selector loop
 over the controller's connection, the workers' heartbeats and the reaping of children, which share
 the agent's state and are read together; forking and warm spares are ``runtime.spares``, programs
@@ -46,6 +50,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -634,9 +639,24 @@ def run(boot: Boot, dial_timeout_s: float = 60.0) -> None:
     agent.serve()
 
 
+#: The agent's log level (a name: ``INFO`` shows each unblocking of survivors); WARNING unless
+#: set. Read from the agent's environment, which a local launcher inherits from ``ftharness``.
+LOG_LEVEL_ENV = "FTHARNESS_AGENT_LOG_LEVEL"
+
+
+def log_level(environ: Mapping[str, str] = os.environ) -> int:
+    """The agent's log level: ``$FTHARNESS_AGENT_LOG_LEVEL`` if it names one, else WARNING."""
+    level = logging.getLevelName(environ.get(LOG_LEVEL_ENV, "").strip().upper())
+    return level if isinstance(level, int) else logging.WARNING
+
+
+def _log_setup() -> None:
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(message)s")
+
+
 def cli(args: Any) -> int:
     """``ftharness agent``: this host's agent for a controller elsewhere."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    _log_setup()
     host, _, port = args.controller.rpartition(":")
     if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         print(
@@ -672,7 +692,7 @@ def cli(args: Any) -> int:
 def main() -> None:
     """``python -m runtime.agent``: the boot settings as one JSON line on stdin (the local
     launcher's way; the secret never appears in argv)."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    _log_setup()
     raw = json.loads(sys.stdin.readline())
     os.dup2(2, 1)  # stdout is for worker logs and diagnostics
     run(

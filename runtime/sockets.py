@@ -30,6 +30,15 @@ checkpoint HTTP server is also a connection between groups) fails and is retried
 quorum. NCCL: shutting down NCCL's bootstrap or proxy sockets from outside does not abort a
 kernel already running on the GPU; a NCCL program needs ``ncclCommAbort`` in-process (torchft's
 ``ProcessGroupNCCL.abort``, reachable through ``program.hooks``), which this module cannot do.
+Nor can it wake a rank that gloo itself left waiting with no socket (issue #29): a gloo send
+already queued on a connection when it fails (the peer died just before, or its socket buffer was
+full) is never told of the failure (gloo's tcp ``Pair::signalException`` fails the pending
+operations but not an unbound buffer's send in its write queue; ``Pair::write`` drops
+ECONNRESET/EPIPE silently), so the rank's collective waits out the process group's timeout with
+every gloo connection of it already closed: the survivor whose send to the dead group was under
+way, about one kill in 130 under CPU load. The other groups go on without it after the
+quorum's join timeout; only killing that rank (or a shorter process-group timeout) ends its wait
+sooner.
 """
 
 from __future__ import annotations
