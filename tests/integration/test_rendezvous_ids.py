@@ -77,11 +77,12 @@ def test_the_communicator_id_is_shared_and_new_after_every_reconfigure() -> None
 
 
 def test_torchfts_own_process_group_reads_the_stale_keys() -> None:
-    """The control: torchft's process group, same two rounds, fails the second one. Up to three
-    tries: the stale address can come back to life when the first member's new listener happens
-    to get its old port again (once in a CI run), and then that round succeeds by chance."""
+    """The control: torchft's process group, same two rounds, fails the second one. Up to ten
+    tries: the second round succeeds by chance in about 2 tries of 5 (3 of 8 on this machine,
+    the stale address coming back to life), so three tries were not enough: all three succeeded
+    in one CI run. A try that succeeds takes 1 s, a failing one ends the test."""
     seconds = []
-    for _ in range(3):
+    for _ in range(10):
         pgs = [TorchftProcessGroupGloo(timeout=timedelta(seconds=3)) for _ in range(2)]
         for i, pg in enumerate(pgs):
             pg.set_rank_info(f"replica_{i}", 0, 1)
