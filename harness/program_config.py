@@ -84,7 +84,15 @@ class ProgramConfig:
     job's ``steps``, ``schedule.at_steps`` and every report's steps (steps lost among them) count
     inner steps, and ``steps`` must be a multiple of it. The tap cannot tell inner steps from
     syncs: a wrong value shows as a group done before the job's last step or asking past it, and
-    the job says so. ``progress_timeout_s`` must cover ``sync_every`` inner steps plus a sync."""
+    the job says so. ``progress_timeout_s`` must cover ``sync_every`` inner steps plus a sync.
+
+    ``survivor_grace_s``: after another group dies, a group that asks for no quorum within this
+    long (or three of its own usual gaps between requests, if longer) is blocked where nothing
+    from outside reaches it, and is restarted (``harness.job.program_progress.blocked_survivor``:
+    gloo loses the error of a send under way to the dead group, and the rank would wait out its
+    process-group timeout, torchft's default 60 s). 2 s is 30 times what a healthy survivor
+    takes here (0.05 s at p95, ``bench recovery``); 0 turns it off (a program whose own
+    process-group timeout is shorter than a restart and a heal)."""
 
     command: tuple[str, ...] = ()
     kind: Literal["torchft", "torchtitan"] = "torchft"
@@ -95,6 +103,7 @@ class ProgramConfig:
     hooks: bool = False
     warm: bool | None = None  # unset: warm where safe (python SCRIPT, python -m MODULE), else cold
     sync_every: int = 1  # inner steps per quorum: 1 (DDP), or LocalSGD's/DiLoCo's sync_every
+    survivor_grace_s: float = 2.0  # 0: a survivor that never asks again waits out its timeout
 
     @property
     def enabled(self) -> bool:
@@ -177,6 +186,8 @@ def program_problem(cfg: Any) -> str | None:
     for key in ("start_timeout_s", "progress_timeout_s"):
         if getattr(p, key) <= 0:
             return f"program.{key} = {getattr(p, key)}: must be > 0 seconds"
+    if p.survivor_grace_s < 0:
+        return f"program.survivor_grace_s = {p.survivor_grace_s}: must be >= 0 seconds (0: off)"
     if isinstance(p.sync_every, bool) or not isinstance(p.sync_every, int) or p.sync_every < 1:
         return (
             f"program.sync_every = {p.sync_every!r}: must be a whole number >= 1 (the program's "

@@ -37,8 +37,9 @@ operations but not an unbound buffer's send in its write queue; ``Pair::write`` 
 ECONNRESET/EPIPE silently), so the rank's collective waits out the process group's timeout with
 every gloo connection of it already closed: the survivor whose send to the dead group was under
 way, about one kill in 130 under CPU load. The other groups go on without it after the
-quorum's join timeout; only killing that rank (or a shorter process-group timeout) ends its wait
-sooner.
+quorum's join timeout; only killing that rank ends its wait sooner, which the controller does
+for a program (``harness.job.program_progress.blocked_survivor``: a survivor that asks for no
+quorum within 2 s of a death is restarted).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """A program's process: its environment (what a torchft launcher gives, and ftharness's own),
 its command line and its log, computed from the job's config (``harness.job.programs`` spawns
-it)."""
+it), and how an in-process fault reaches it."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -91,3 +92,24 @@ def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:
 
 def log_name(replica: int, rank: int) -> str:
     return f"replica{replica}-rank{rank}.log"
+
+
+def run_in_program(pid: int, hooks: Path | None, func: str, *args: Any) -> None:
+    """An in-process fault (``func``'s wire name) for the program rank ``pid``. With
+    ``program.hooks`` (``hooks``: the run's hook directory) it runs inside the rank
+    (harness/rank/program_hooks: a command file, then :data:`HOOK_SIGNAL`); without, a segfault
+    is a SIGSEGV sent from outside (the supervisor sees the same death) and the others are
+    refused."""
+    if hooks is not None:
+        tmp = hooks / f".{pid}.json"
+        tmp.write_text(json.dumps({"func": func, "args": list(args)}))
+        tmp.replace(hooks / f"{pid}.json")
+        os.kill(pid, HOOK_SIGNAL)
+        return
+    if func == "faults.inworker:segfault":
+        os.kill(pid, signal.SIGSEGV)
+        return
+    raise ValueError(
+        f"{func} runs inside the training process: a program of your own takes it only with "
+        "program.hooks = true (kill, segfault, hang, host and network faults need nothing)"
+    )

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import statistics
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 #: Lines of a failed rank's log shown on the console.
@@ -73,6 +75,67 @@ def hung_detail(replica: int, silent: float, asked: bool, sync_every: int) -> st
             "progress_timeout_s must cover that many steps and a sync"
         )
     return detail
+
+
+# -- a survivor that never asks again after another group's death (pure) -------------------------
+
+#: Gaps between a group's requests needed before it is held to ``program.survivor_grace_s`` (a
+#: group that just started, or healed, has no pace yet: only the progress timeout applies to it).
+SURVIVOR_PACE_GAPS = 3
+
+
+def survivor_grace(gaps: Sequence[float], floor_s: float) -> float | None:
+    """How long a survivor with these recent gaps between its quorum requests may stay silent
+    after another group's death: ``floor_s`` (``program.survivor_grace_s``), or three of its
+    gaps if longer (None: its pace is not known yet, or the rule is off)."""
+    if len(gaps) < SURVIVOR_PACE_GAPS or floor_s <= 0:
+        return None
+    return max(floor_s, 3 * statistics.median(gaps))
+
+
+def blocked_survivor(
+    *,
+    replica: int,
+    survived: tuple[int, float] | None,
+    last_step: int | None,
+    gaps: Sequence[float],
+    last: float | None,
+    waiting: int,
+    now: float,
+    steps: int,
+    sync_every: int,
+    floor_s: float,
+) -> tuple[float, str] | None:
+    """(how long it has been silent, the failure detail) if group ``replica`` survived another
+    group's death (``survived``: the dead replica, its monotonic time) and has asked for no
+    quorum since, nor been answered (``last``), for longer than :func:`survivor_grace`; else
+    None (why such a survivor is blocked: ``program.survivor_grace_s``). Not a group with a
+    request in flight (it waits on the quorum service, not on a collective), nor one whose pace
+    is unknown, nor one near the job's last step (``steps``, inner; it may finish and exit
+    without asking again: a margin of one request)."""
+    if survived is None or last_step is None or waiting > 0:
+        return None
+    if (last_step + 3) * sync_every > steps:
+        return None  # its last two requests: the last commit is followed by none
+    grace = survivor_grace(gaps, floor_s)
+    if grace is None:
+        return None
+    dead, died = survived
+    silent = now - max(died, last if last is not None else died)
+    if silent <= grace:
+        return None
+    return silent, silent_survivor_detail(replica, dead, silent, grace)
+
+
+def silent_survivor_detail(replica: int, dead: int, silent: float, grace: float) -> str:
+    """The failure detail of a survivor that asked for no quorum after ``dead`` died."""
+    return (
+        f"replica group {replica} asked for no quorum for {silent:.1f} s after replica group "
+        f"{dead} died (a survivor asks within {grace:.1f} s): one of its ranks is blocked in a "
+        "collective with the dead group where nothing from outside reaches it (gloo lost the "
+        "error of a send under way: runtime.sockets); restarting it instead of waiting out its "
+        "process-group timeout"
+    )
 
 
 # -- semi-synchronous programs (``program.sync_every``; pure) -----------------------------------

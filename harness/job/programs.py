@@ -16,6 +16,8 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
   request in flight and none for ``program.progress_timeout_s`` (``start_timeout_s`` after it
   started) is hung: rank 0 is failed like a missed heartbeat and killed.
 * **Unblock.** A dead or stopped group's peers are unblocked from outside (``runtime.sockets``).
+  A survivor that then asks for no quorum within ``program.survivor_grace_s`` (or three of its
+  steps) is blocked where that cannot reach, and is failed as hung (``program_progress``).
 * **Admit.** The tap lets in a call only from a group's rank-0 process, read from ``/proc``
   (``harness.job.program_admission``), under the tagged id of the group's incarnation.
 * **Observe.** The tap's view is journalled as the group's progress, so every report works
@@ -35,11 +37,10 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
-import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,8 +48,9 @@ from typing import Any, Protocol
 from harness.config import JobConfig
 from harness.job import peer_process, program_admission
 from harness.job.program_admission import GroupAdmission
-from harness.job.program_env import HOOK_SIGNAL, launcher_env, log_name, program_argv
+from harness.job.program_env import launcher_env, log_name, program_argv, run_in_program
 from harness.job.program_progress import (
+    blocked_survivor,
     ended_early,
     gap_warning,
     hung_detail,
@@ -89,6 +91,9 @@ class _Group:
     hung: bool = False
     long_gaps: int = 0  # consecutive requests close to the progress timeout (-1: told once)
     admission: GroupAdmission = field(default_factory=GroupAdmission)  # the tap's rule's
+    gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # between its requests, s
+    # (dead replica, monotonic time) of another group's death it has not asked since
+    survived: tuple[int, float] | None = None
 
 
 class ProgramJob(Protocol):
@@ -125,6 +130,7 @@ class ProgramGroups:
         self._groups: dict[int, _Group] = {}
         self._by_store: dict[str, _Group] = {}
         self._stale_ids: set[str] = set()
+        self._deaths: set[tuple[int, int]] = set()  # (replica, incarnation) seen failing
         self._logs: dict[str, Path] = {}  # proc id -> its log
         self._stop = threading.Event()
         self.tap: QuorumTap | None = None
@@ -140,6 +146,7 @@ class ProgramGroups:
         self.job.controller.add_failure_listener(self._show_tail)
         self.job.controller.add_failure_listener(self._after_the_others)
         self.job.controller.add_failure_listener(RemoteUnblock(self.job.controller, self._inc))
+        self.job.controller.add_failure_listener(self._survivors_due)
         if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
@@ -307,27 +314,12 @@ class ProgramGroups:
 
     # -- faults ---------------------------------------------------------------------------------
     def run_in_program(self, proc_id: str, func: str, *args: Any) -> None:
-        """An in-process fault for a program. With ``program.hooks`` it runs inside the rank
-        (harness/rank/program_hooks: a command file, then a signal); without, a segfault is a
-        SIGSEGV
-        sent from outside (the supervisor sees the same death) and the others are refused."""
+        """An in-process fault for a program (``program_env.run_in_program``)."""
         rec = self.job.controller.procs.get(proc_id)
         if rec is None or rec.pid is None:
             raise RuntimeError(f"{func}: {proc_id} has no process")
-        if self.cfg.program.hooks:
-            hooks = Path(self.job.run_dir) / "hooks"
-            tmp = hooks / f".{rec.pid}.json"
-            tmp.write_text(json.dumps({"func": func, "args": list(args)}))
-            tmp.replace(hooks / f"{rec.pid}.json")
-            os.kill(rec.pid, HOOK_SIGNAL)
-            return
-        if func == "faults.inworker:segfault":
-            os.kill(rec.pid, signal.SIGSEGV)
-            return
-        raise ValueError(
-            f"{func} runs inside the training process: a program of your own takes it only with "
-            "program.hooks = true (kill, segfault, hang, host and network faults need nothing)"
-        )
+        hooks = Path(self.job.run_dir) / "hooks" if self.cfg.program.hooks else None
+        run_in_program(rec.pid, hooks, func, *args)
 
     # -- the tap's observer ---------------------------------------------------------------------
     def admit(self, replica_id: str, peer: str, store_address: str | None) -> Admission | str:
@@ -355,6 +347,9 @@ class ProgramGroups:
                 return
             g.waiting += 1
             now = time.monotonic()
+            if g.last_step is not None and g.last is not None:
+                g.gaps.append(now - g.last)
+            g.survived = None
             if g.last is not None and g.long_gaps >= 0 and g.last_step is not None:
                 # twice in a row: the program's pace, not one stall behind a fault
                 gap = gap_warning(now - g.last, self.cfg.program.progress_timeout_s, every)
@@ -426,14 +421,53 @@ class ProgramGroups:
                     start_s=p.start_timeout_s,
                     progress_s=p.progress_timeout_s,
                 )
-                if silent is None:
+                detail = None
+                if silent is not None:
+                    detail = hung_detail(g.replica, silent, g.last is not None, p.steps_per_quorum)
+                elif (blocked := self._blocked(g, now)) is not None:
+                    silent, detail = blocked
+                    self._survived(g.replica, now)  # may be what holds the others: one at a time
+                if silent is None or detail is None:
                     continue
                 g.hung = True
-                detail = hung_detail(g.replica, silent, g.last is not None, p.steps_per_quorum)
                 rec = g.procs[0]
                 self.job.controller.report_hung(
                     rec.ref.proc_id, silent, time.time() - silent, detail
                 )
+
+    def _survivors_due(self, failure: Failure) -> None:
+        """A rank of a group's current incarnation failed (its first failure: the group's death):
+        every other group is due to ask for a quorum again soon (``blocked_survivor``)."""
+        replica = (failure.coords or {}).get("replica")
+        if self._stop.is_set() or replica is None or failure.proc is None:
+            return
+        inc = self._inc(replica, failure.proc)
+        with self._lock:
+            if inc is None or (replica, inc) in self._deaths:
+                return
+            self._deaths.add((replica, inc))
+        self._survived(replica, time.monotonic())
+
+    def _blocked(self, g: _Group, now: float) -> tuple[float, str] | None:
+        return blocked_survivor(
+            replica=g.replica,
+            survived=g.survived,
+            last_step=g.last_step,
+            gaps=g.gaps,
+            last=g.last,
+            waiting=g.waiting,
+            now=now,
+            steps=self.cfg.steps,
+            sync_every=self.cfg.program.steps_per_quorum,
+            floor_s=self.cfg.program.survivor_grace_s,
+        )
+
+    def _survived(self, dead: int, now: float) -> None:
+        """Every group but ``dead`` is due to ask again (a later death restarts the clock)."""
+        with self._lock:
+            for g in self._groups.values():
+                if g.replica != dead:
+                    g.survived = (dead, now)
 
     def _after_the_others(self, failure: Failure) -> None:
         """A rank of a group's current incarnation failed after every other group finished the
@@ -460,11 +494,7 @@ class ProgramGroups:
         self.job.finished()
 
     def _show_tail(self, failure: Failure) -> None:
-        log = self._logs.get(failure.proc or "")
-        if log is None:
-            return
-        label = log.stem
-        say = self.job.say
-        say(f"{label}: {failure.summary()}; last lines of {log}:")
-        for line in read_tail(log):
-            say(f"{label} | {line}")
+        if (log := self._logs.get(failure.proc or "")) is not None:
+            self.job.say(f"{log.stem}: {failure.summary()}; last lines of {log}:")
+            for line in read_tail(log):
+                self.job.say(f"{log.stem} | {line}")

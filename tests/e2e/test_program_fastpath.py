@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import run_chaos
+from e2e_helpers import events, run_chaos
 
 pytestmark = [pytest.mark.e2e]
 
@@ -97,3 +97,66 @@ def test_a_program_asked_for_more_steps_than_the_job_ends_at_the_jobs_last_step(
     assert done.returncode == 0, out[-4000:]
     assert "past the job's last step 20: it is done" in out, out[-4000:]
     assert "ok" in out and "0 recoveries" in out, out[-2000:]
+
+
+BLOCKED_STEPS = 300  # the wedged group's replacement rejoins long before the last step
+WEDGED = 1  # train_ddp.py's TRAIN_DDP_WEDGE_GROUP
+
+BLOCKED = f"""
+name = "program_blocked_survivor"
+seed = 1                              # the kill hits group 0 (the test checks)
+policies = ["in_place"]
+steps = {BLOCKED_STEPS}
+duration_s = 120
+
+[job]
+name = "program_blocked_survivor"
+replicas = 3
+ranks = 1
+hosts = 1
+steps = {BLOCKED_STEPS}
+timeouts = {{ heartbeat_interval = 0.2, heartbeat_timeout = 2.0, process_group_timeout = 4.0 }}
+recovery = {{ policy = "in_place", quorum = "tree", max_restarts = 20, within_s = 600.0 }}
+
+[job.program]
+command = ["python", {json.dumps(str(PROGRAM))}, "{BLOCKED_STEPS}", "0", "60"]
+env = {{ TRAIN_DDP_WEDGE_GROUP = "{WEDGED}" }}
+progress_timeout_s = 60.0
+
+[schedule]
+kind = "at_steps"
+at_steps = [30]
+
+[faults]
+mix = {{ kill = 1 }}
+
+[targets]
+kind = "replica"
+replicas = [0]
+
+[hypotheses]
+every_fault_recovered = true
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_survivor_that_never_asks_again_after_a_death_is_restarted_not_waited_for(tmp_path):
+    """Group 0 is killed; group 1's rank then does what gloo leaves behind when it loses the
+    error of a send to the dead group (runtime/sockets.py): it waits, with no connection left,
+    and never asks for another quorum (train_ddp.py's TRAIN_DDP_WEDGE_GROUP stands for it:
+    nothing from outside can wake it). It is failed after
+    program.survivor_grace_s (2 s), not after the 60 s progress timeout or its
+    60 s process-group timeout, and restarted; group 2 is not touched."""
+    (tmp_path / "exp.toml").write_text(BLOCKED)
+    report, out = run_chaos(tmp_path, ROOT)
+    run = tmp_path / "run" / "in_place"
+    assert f"train_ddp: group {WEDGED} wedged at step" in out, out[-3000:]
+    injected = [r["target"]["replica"] for r in events(run, "fault.inject")]
+    assert injected == [0], injected
+    failures = [f for f in events(run, "failure") if not f.get("fatal")]
+    assert [f["replica"] for f in failures] == [0, WEDGED], failures
+    detail = failures[1]["detail"]
+    assert f"replica group {WEDGED} asked for no quorum for" in detail, detail
+    assert "after replica group 0 died" in detail, detail
+    recs = report["summary"]["policies"]["in_place"]["recoveries"]
+    assert len(recs) == 2 and all(r["participate_s"] is not None for r in recs), recs

@@ -65,6 +65,10 @@ command = ["python", {program}, "{steps}", "{sync_every}", "0.01", "4"]
 sync_every = {sync_every}
 progress_timeout_s = 20.0
 start_timeout_s = 90.0
+# Off: the program's gloo timeout (4 s) ends a survivor's wait on the cut-off host about when the
+# rule would restart it (2 s after the host is declared lost); this test is about the cut-off
+# group alone. tests/e2e/test_program_fastpath.py tests the rule.
+survivor_grace_s = 0.0
 
 [schedule]
 kind = "at_steps"

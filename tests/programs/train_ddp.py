@@ -14,6 +14,12 @@ Synthetic data, gloo, DistributedDataParallel and torchft's OptimizerWrapper; it
 Manager has committed STEPS steps.
 A missing variable is an error (exit code 2) rather than a silent default: a program started
 without its launcher's environment must not train on its own as replica group 0.
+
+For a test only, ``TRAIN_DDP_WEDGE_GROUP=<r>`` makes group r's first incarnation, at its first
+step that fails or has fewer groups than the one before (another group died), close its process
+group and wait forever without asking for another quorum: what gloo leaves behind when it
+loses the error of a send to the dead group (see ftharness's runtime/sockets.py). A replacement
+(one that healed) never does it.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ def main() -> int:
     criterion = nn.CrossEntropyLoss()
     data = torch.Generator().manual_seed(1000 + replica_group)
     print(f"train_ddp: group {replica_group}/{num_groups} training to step {steps}", flush=True)
+    wedge = os.environ.get("TRAIN_DDP_WEDGE_GROUP") == str(replica_group)
+    last, groups = manager.current_step(), 0
     while manager.current_step() < steps:
         inputs = torch.randn(16, 32, generator=data)
         labels = torch.randint(0, 8, (16,), generator=data)
@@ -74,6 +82,14 @@ def main() -> int:
         time.sleep(step_seconds)
         loss.backward()  # gradients are averaged across the participating groups
         optimizer.step()  # commits only if every rank of every group saw a clean step
+        wedge = wedge and manager.current_step() <= last + 1  # a healed replacement never wedges
+        last = manager.current_step()
+        shrunk, groups = manager.num_participants() < groups, manager.num_participants()
+        if wedge and (manager.errored() is not None or shrunk):
+            print(f"train_ddp: group {replica_group} wedged at step {last}", flush=True)
+            pg.abort()
+            while True:
+                time.sleep(3600)
         if manager.current_step() % 10 == 0:
             print(f"[{manager.current_step()}] loss = {loss.item():.4f}", flush=True)
     print(f"train_ddp: group {replica_group} done at step {manager.current_step()}", flush=True)
