@@ -11,6 +11,7 @@ optional part cannot break the others. A bench another package registers is list
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import EntryPoint, entry_points
@@ -292,6 +293,10 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
@@ -303,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.sbatch_args = passthrough
     if args.command == "bench":
         handler = _handler(BENCH_GROUP, args.bench)
+        # A bench stopped with SIGTERM (a CI timeout, `kill`) cleans up as after Ctrl-C: its
+        # test networks, processes and files are removed by the code that made them.
+        signal.signal(signal.SIGTERM, _interrupt)
     else:
         handler = _handler(COMMANDS_GROUP, args.command)
     try:
