@@ -183,3 +183,17 @@ def no_leftover_namespaces() -> Iterator[None]:
     before = our_namespaces()
     yield
     assert our_namespaces() - before == set(), "a test left network namespaces behind"
+
+
+def fault_recoveries(run_dir, recs: list[dict]) -> list[dict]:
+    """A program job's recoveries of its planned faults (``recs``: the report's), once every
+    unplanned one is accounted for: a survivor the controller restarted because it asked for no
+    quorum after a death (``harness.job.program_progress.blocked_survivor``: gloo lost the
+    error of a send to the dead group, a few kills in a hundred here), which is the intended
+    recovery, not a fault of the test's."""
+    blocked = [
+        f for f in events(run_dir, "failure") if "asked for no quorum" in (f.get("detail") or "")
+    ]
+    unplanned = [r for r in recs if r["kind"] == "unplanned"]
+    assert len(unplanned) <= len(blocked), ("unexplained recoveries", unplanned, blocked)
+    return [r for r in recs if r["kind"] != "unplanned"]

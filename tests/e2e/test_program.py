@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from e2e_helpers import chaos_argv, events
+from e2e_helpers import chaos_argv, events, fault_recoveries
 
 pytestmark = [pytest.mark.e2e]
 
@@ -60,7 +60,7 @@ def test_unmodified_program_recovers_from_kill_segfault_and_hang(tmp_path, quoru
     # each fault fired, took down its group, and its recovery has every figure
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["passed"], report["hypotheses"]
-    recs = report["summary"]["policies"]["in_place"]["recoveries"]
+    recs = fault_recoveries(run, report["summary"]["policies"]["in_place"]["recoveries"])
     if sorted(r["kind"] for r in recs) != ["hang", "kill", "segfault"]:
         pytest.fail(_explain(run, recs, out), pytrace=False)
     for r in recs:
@@ -106,7 +106,7 @@ def test_unmodified_program_takes_in_process_faults_through_the_opt_in_hook(tmp_
     assert done.returncode == 0, out[-6000:]
     run = tmp_path / "run" / "in_place"
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    recs = report["summary"]["policies"]["in_place"]["recoveries"]
+    recs = fault_recoveries(run, report["summary"]["policies"]["in_place"]["recoveries"])
     assert sorted(r["kind"] for r in recs) == ["collective_abort", "gil_deadlock"], (
         recs,
         out[-4000:],

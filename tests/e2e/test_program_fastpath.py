@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import events, run_chaos
+from e2e_helpers import events, fault_recoveries, run_chaos
 
 pytestmark = [pytest.mark.e2e]
 
@@ -64,7 +64,8 @@ def test_survivors_never_wait_out_a_timeout_and_replacements_start_warm(tmp_path
     (tmp_path / "exp.toml").write_text(EXPERIMENT)
     report, out = run_chaos(tmp_path, ROOT)
     assert "starts cold" not in out, out[-3000:]  # python SCRIPT: warm by default
-    recs = report["summary"]["policies"]["in_place"]["recoveries"]
+    run = tmp_path / "run" / "in_place"
+    recs = fault_recoveries(run, report["summary"]["policies"]["in_place"]["recoveries"])
     assert len(recs) == 6, recs
     for r in recs:
         assert r["stall_s"] is not None and r["stall_s"] < 5.0, (r, out[-3000:])
