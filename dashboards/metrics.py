@@ -18,8 +18,8 @@ phase), which is what lets the live sink and the offline summary give the same n
                           "detection_s": {"mean", "p50", "p95"}, "stall_s": {...},
                           "participate_s": {...}, "steps_lost"}},
         "all_faults": {"detection_s": {...}, "stall_s": {...}, "participate_s": {...}},
-        "recoveries": [{"recovery_id", "fault_id", "kind", "replica", "detection_s", "stall_s",
-                        "participate_s", "steps_lost", "phases": {phase: t}, "derived",
+        "recoveries": [{"recovery_id", "fault_id", "kind", "replica", "cause", "detection_s",
+                        "stall_s", "participate_s", "steps_lost", "phases": {phase: t}, "derived",
                         "survivor_gaps": [{"replica", "since", "until", "typical_gap_s",
                                            "stall_s"}]}]}},
      "comparison": {"participate_s_ratio", "stall_s_ratio", "goodput_ratio"}}  # both policies only
@@ -58,7 +58,9 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
 * **fault of a recovery**: its ``fault_id`` (``harness/job/recovery.py`` links it). One fault can
   explain several recoveries: a host fault takes down every group on that host, and each group's
   recovery carries the fault's id and gets its own figures. A recovery no fault explains
-  (a spontaneous failure) has kind ``"unplanned"`` (``names.KIND_UNPLANNED``).
+  (a spontaneous failure) has kind ``"unplanned"`` (``names.KIND_UNPLANNED``). A recovery's
+  **cause** is its tracker's (``harness/job/recovery.py``: the failure's cause, ``step_abort``,
+  ``blocked_survivor`` for a program's survivor a death left blocked...; None when derived).
 * **origin** of a recovery: its fault's ``fault.inject`` t; for an unplanned recovery, its first
   phase (``detected``) t.
 * **detection_s** = the recovery's ``detected`` t - its fault's ``fault.inject`` t (None when
@@ -539,6 +541,7 @@ def recoveries(records: Sequence[Record]) -> list[dict[str, Any]]:
                 "fault_id": rec["fault_id"],
                 "kind": fault["kind"] if fault is not None else KIND_UNPLANNED,
                 "replica": rec["replica"],
+                "cause": rec.get("cause"),
                 **figures,
                 "steps_lost": lost_by_fault[rec["fault_id"]] if fault is not None else None,
                 "phases": rec["phases"],

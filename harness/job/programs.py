@@ -91,9 +91,8 @@ class _Group:
     hung: bool = False
     long_gaps: int = 0  # consecutive requests close to the progress timeout (-1: told once)
     admission: GroupAdmission = field(default_factory=GroupAdmission)  # the tap's rule's
-    gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # between its requests, s
-    # (dead replica, monotonic time) of another group's death it has not asked since
-    survived: tuple[int, float] | None = None
+    gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # answer to next request, s
+    survived: tuple[int, float] | None = None  # (dead replica, monotonic t): not asked since
 
 
 class ProgramJob(Protocol):
@@ -426,22 +425,18 @@ class ProgramGroups:
                     detail = hung_detail(g.replica, silent, g.last is not None, p.steps_per_quorum)
                 elif (blocked := self._blocked(g, now)) is not None:
                     silent, detail = blocked
-                    self._survived(g.replica, now)  # may be what holds the others: one at a time
                 if silent is None or detail is None:
                     continue
                 g.hung = True
-                rec = g.procs[0]
-                self.job.controller.report_hung(
-                    rec.ref.proc_id, silent, time.time() - silent, detail
-                )
+                since = time.time() - silent
+                self.job.controller.report_hung(g.procs[0].ref.proc_id, silent, since, detail)
 
     def _survivors_due(self, failure: Failure) -> None:
-        """A rank of a group's current incarnation failed (its first failure: the group's death):
-        every other group is due to ask for a quorum again soon (``blocked_survivor``)."""
+        """A group's death (its first failure): the others are due to ask again (_blocked)."""
         replica = (failure.coords or {}).get("replica")
         if self._stop.is_set() or replica is None or failure.proc is None:
             return
-        inc = self._inc(replica, failure.proc)
+        inc = self._inc(replica, failure.proc)  # takes the lock
         with self._lock:
             if inc is None or (replica, inc) in self._deaths:
                 return
@@ -449,7 +444,9 @@ class ProgramGroups:
         self._survived(replica, time.monotonic())
 
     def _blocked(self, g: _Group, now: float) -> tuple[float, str] | None:
-        return blocked_survivor(
+        """``blocked_survivor``; if so, its recovery is opened, explained by the death's fault,
+        and the other groups' clocks start again (it may be what holds them: one at a time)."""
+        blocked = blocked_survivor(
             replica=g.replica,
             survived=g.survived,
             last_step=g.last_step,
@@ -461,9 +458,12 @@ class ProgramGroups:
             sync_every=self.cfg.program.steps_per_quorum,
             floor_s=self.cfg.program.survivor_grace_s,
         )
+        if blocked is not None and g.survived is not None:
+            self.job.tracker.failed_as_survivor(g.replica, g.survived[0], time.time())
+            self._survived(g.replica, now)
+        return blocked
 
     def _survived(self, dead: int, now: float) -> None:
-        """Every group but ``dead`` is due to ask again (a later death restarts the clock)."""
         with self._lock:
             for g in self._groups.values():
                 if g.replica != dead:

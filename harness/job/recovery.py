@@ -11,7 +11,9 @@ One recovery per failed replica group (or per aborted step, or per quorum-servic
 ``fault_id`` links a recovery to the ``fault.inject`` that most recently took its group down
 within ``link_window_s``: a fault targeting that group, or the host the group failed on (a host
 fault takes down every group on that host, so it explains each of their recoveries), or, for the
-quorum service, a fault with no target; a takeover (cause ``controller_crash``, the job's root:
+quorum service, a fault with no target; a program's survivor restarted because it asked for no
+quorum after another group's death (cause ``blocked_survivor``, ``harness.job.program_progress``)
+by the fault that explained that death; a takeover (cause ``controller_crash``, the job's root:
 ``replica`` null like the quorum service's) is explained by the latest ``controller_crash`` fault
 not yet linked, however long the crash waited for its phase. A fault explains at most one
 recovery per group: a later failure of the same group, after that recovery, is not its doing. A
@@ -47,6 +49,15 @@ from runtime.journal import (
 STOP_SKEW_S = 0.5
 #: The cause of a takeover's recovery, and the key it is open under (the job's root: no group).
 CONTROLLER_CRASH = "controller_crash"
+#: The cause of a program's survivor restarted for asking for no quorum after a death.
+BLOCKED_SURVIVOR = "blocked_survivor"
+
+
+class _Unset:
+    """No fault given: :meth:`RecoveryTracker._link` finds it."""
+
+
+UNSET = _Unset()
 ROOT = "controller"
 
 
@@ -83,6 +94,7 @@ class RecoveryTracker:
         # (fault_id, replica) pairs already explained: a fault explains one recovery per group
         # it took down, never a later one of the same group
         self._linked: set[tuple[str, int | None]] = set()
+        self._fault_of: dict[int, str] = {}  # replica -> the fault of its latest recovery
         self.committed_step = 0
         # (time, step) when each of the last few new highest steps was first committed
         self._highs: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
@@ -119,6 +131,15 @@ class RecoveryTracker:
         ``harness.job.silent``): its recovery opens with ``cause`` before the kill's failure
         arrives, which then belongs to it."""
         self._begin(replica, cause, t, None)
+
+    def failed_as_survivor(self, replica: int, dead: int, t: float) -> None:
+        """The controller fails ``replica``, a survivor ``dead``'s death left blocked (it asked
+        for no quorum since: ``harness.job.program_progress.blocked_survivor``): its recovery
+        opens with cause ``blocked_survivor``, explained by the fault that explained ``dead``'s,
+        before the kill's failure arrives, which then belongs to it."""
+        with self._lock:
+            fault_id = self._fault_of.get(dead)
+        self._begin(replica, BLOCKED_SURVIVOR, t, None, fault_id=fault_id)
 
     def resume(self, records: list[Record]) -> None:
         """After a takeover: continue from the last controller's journal: its committed steps,
@@ -197,15 +218,27 @@ class RecoveryTracker:
                 return f["fault_id"]
         return None
 
-    def _begin(self, replica: int | None, cause: str, t: float, host: str | None) -> None:
+    def _begin(
+        self,
+        replica: int | None,
+        cause: str,
+        t: float,
+        host: str | None,
+        fault_id: str | _Unset | None = UNSET,
+    ) -> None:
+        """Open a recovery, explained by ``fault_id`` if given (None: by no fault), else by
+        :meth:`_link`."""
         with self._lock:
             key = _key(cause, replica)
             if key in self._open:
                 return  # one recovery per group at a time; later failures belong to it
-            fault_id = self._link(replica, host, t, cause)
+            if isinstance(fault_id, _Unset) or (fault_id, replica) in self._linked:
+                fault_id = self._link(replica, host, t, cause)
             rec = _Open(f"rec-{next(self._ids)}", replica, fault_id, cause, t)
             if rec.fault_id is not None:
                 self._linked.add((rec.fault_id, replica))
+                if replica is not None:
+                    self._fault_of[replica] = rec.fault_id
             self._open[key] = rec
         self._write(rec, "detected", t)
 

@@ -186,14 +186,19 @@ def no_leftover_namespaces() -> Iterator[None]:
 
 
 def fault_recoveries(run_dir, recs: list[dict]) -> list[dict]:
-    """A program job's recoveries of its planned faults (``recs``: the report's), once every
-    unplanned one is accounted for: a survivor the controller restarted because it asked for no
-    quorum after a death (``harness.job.program_progress.blocked_survivor``: gloo lost the
-    error of a send to the dead group, a few kills in a hundred here), which is the intended
-    recovery, not a fault of the test's."""
-    blocked = [
+    """A program job's recoveries (``recs``: the report's) but those of survivors the controller
+    restarted because they asked for no quorum after a death (cause ``blocked_survivor``,
+    ``harness.job.program_progress``: gloo lost the error of a send to the dead group, a few
+    kills in a hundred here), the intended recovery rather than a fault of the test's; each of
+    those must have its failure in the journal (:func:`blocked_survivors`)."""
+    blocked = blocked_survivors(run_dir)
+    survivors = [r for r in recs if r.get("cause") == "blocked_survivor"]
+    assert len(survivors) <= len(blocked), ("blocked survivors", survivors, blocked)
+    return [r for r in recs if r.get("cause") != "blocked_survivor"]
+
+
+def blocked_survivors(run_dir) -> list[dict]:
+    """The failures of survivors restarted for asking for no quorum after a death."""
+    return [
         f for f in events(run_dir, "failure") if "asked for no quorum" in (f.get("detail") or "")
     ]
-    unplanned = [r for r in recs if r["kind"] == "unplanned"]
-    assert len(unplanned) <= len(blocked), ("unexplained recoveries", unplanned, blocked)
-    return [r for r in recs if r["kind"] != "unplanned"]

@@ -163,3 +163,32 @@ def test_the_stop_step_is_ahead_by_the_skew_at_the_recent_rate() -> None:
     assert tracker.committed_step == 20
     assert tracker.stop_step() == 20 + 1 + 10
     assert tracker.stop_step(skew_s=0.01) == 20 + 1 + 1  # never less than two ahead
+
+
+def test_a_survivor_restarted_for_asking_for_no_quorum_is_explained_by_the_deaths_fault() -> None:
+    """A program's survivor that a death left blocked (harness.job.program_progress): its
+    recovery has cause blocked_survivor and the fault of the death, and the controller's kill of
+    it that follows belongs to it."""
+    journal, tracker, phases = _tracker()
+    journal.emit(FAULT_INJECT, t=99.9, fault_id="f0", kind="kill", target={"replica": 1})
+    _kill_group_1(journal, tracker)
+    tracker.failed_as_survivor(2, dead=1, t=102.1)
+    tracker.on_failure(
+        Failure(
+            cause=Cause.MISSED_HEARTBEAT,
+            detail="replica group 2 asked for no quorum for 2.1 s after replica group 1 died",
+            coords={"replica": 2, "rank": 0},
+            t_event=102.1,
+            t_detected=102.1,
+        )
+    )
+    detected = [p for p in phases if p["phase"] == "detected"]
+    assert [(p["replica"], p["fault_id"], p["cause"]) for p in detected] == [
+        (1, "f0", "signal"),
+        (2, "f0", "blocked_survivor"),
+    ]
+    # a death no fault explains leaves its blocked survivor unexplained too
+    journal, tracker, phases = _tracker()
+    _kill_group_1(journal, tracker)
+    tracker.failed_as_survivor(2, dead=1, t=102.1)
+    assert [p["fault_id"] for p in phases if p["phase"] == "detected"] == [None, None]
