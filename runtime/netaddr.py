@@ -24,6 +24,7 @@ for the patch applied to a user's own torchft program: ``harness/rank/program_si
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 
 import psutil
@@ -35,6 +36,23 @@ ADVERTISE_ENV = "FTHARNESS_ADVERTISE"
 class NoAddress(RuntimeError):
     """The configured interface or network matches nothing on this host (the message names the
     host, the setting and the addresses the host has)."""
+
+
+def boot_and_netns() -> tuple[str | None, int | None]:
+    """This machine's kernel boot id (a new one at every reboot) and this process's network
+    namespace (its inode), each None where it cannot be read: together, where a process runs as
+    far as loopback and shared memory go (``runtime.preflight.place_identity``,
+    ``runtime.dataplane.handle.host_id``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot: str | None = f.read().strip()
+    except OSError:
+        boot = None
+    try:
+        netns: int | None = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = None
+    return boot, netns
 
 
 def is_loopback(address: str) -> bool:

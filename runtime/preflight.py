@@ -55,7 +55,7 @@ from runtime.messages import (
     PreflightResult,
     PreflightTarget,
 )
-from runtime.netaddr import is_loopback
+from runtime.netaddr import boot_and_netns, is_loopback
 
 log = logging.getLogger("ftharness.preflight")
 
@@ -102,12 +102,10 @@ def describe(err: int) -> str:
 def place_identity() -> str:
     """Where this process runs, as far as its addresses go: the machine (its boot id) and its
     network namespace. Two processes with the same identity reach each other over loopback."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/net:{os.stat('/proc/self/ns/net').st_ino}"
-    except OSError:
+    boot, netns = boot_and_netns()
+    if boot is None or netns is None:
         return f"host:{socket.gethostname()}"
+    return f"{boot}/net:{netns}"
 
 
 def ask_token(secret: bytes, nonce: bytes, host: str) -> bytes:

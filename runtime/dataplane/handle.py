@@ -10,12 +10,13 @@ publish, so they live with the source's snapshot and are fetched with it.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
 import torch
+
+from runtime.netaddr import boot_and_netns
 
 ALIGN = 64  # tensor start alignment inside a slot: cache line, and fine for every dtype
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: fits L2, so a chunk is hashed while still hot
@@ -149,13 +150,5 @@ def host_id() -> str:
     """This host's identity: hostname, the kernel boot id (changes on reboot) and the network
     namespace. Shared memory is used only between processes with the same id: test hosts in
     their own network namespaces on one machine count as different hosts, as real ones are."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown"
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{socket.gethostname()}/{boot}/{netns}"
+    boot, netns = boot_and_netns()
+    return f"{socket.gethostname()}/{boot or 'unknown'}/{netns or 0}"
