@@ -94,7 +94,7 @@ class RecoveryTracker:
         # (fault_id, replica) pairs already explained: a fault explains one recovery per group
         # it took down, never a later one of the same group
         self._linked: set[tuple[str, int | None]] = set()
-        self._fault_of: dict[int, str] = {}  # replica -> the fault of its latest recovery
+        self._fault_of: dict[int, str | None] = {}  # replica -> its latest recovery's fault
         self.committed_step = 0
         # (time, step) when each of the last few new highest steps was first committed
         self._highs: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
@@ -237,8 +237,8 @@ class RecoveryTracker:
             rec = _Open(f"rec-{next(self._ids)}", replica, fault_id, cause, t)
             if rec.fault_id is not None:
                 self._linked.add((rec.fault_id, replica))
-                if replica is not None:
-                    self._fault_of[replica] = rec.fault_id
+            if replica is not None:
+                self._fault_of[replica] = rec.fault_id  # None too: an unplanned death
             self._open[key] = rec
         self._write(rec, "detected", t)
 

@@ -187,6 +187,20 @@ def test_a_survivor_restarted_for_asking_for_no_quorum_is_explained_by_the_death
         (1, "f0", "signal"),
         (2, "f0", "blocked_survivor"),
     ]
+    # a later death of the same group that no fault explains does not borrow its old fault
+    tracker.on_record({"event": STEP_COMMIT, "t": 103.0, "replica": 1, "rank": 0, "step": 20,
+                       "participants": 3})  # fmt: skip
+    tracker.on_failure(
+        Failure(
+            cause=Cause.SIGNAL,
+            detail="SIGKILL",
+            coords={"replica": 1, "rank": 0},
+            t_event=200.0,
+            t_detected=200.0,
+        )
+    )
+    tracker.failed_as_survivor(0, dead=1, t=202.1)
+    assert [p["fault_id"] for p in phases if p["phase"] == "detected"][-1] is None
     # a death no fault explains leaves its blocked survivor unexplained too
     journal, tracker, phases = _tracker()
     _kill_group_1(journal, tracker)
