@@ -38,7 +38,8 @@ def run_under_keeper(
     """Run ``run`` of ``spec`` (``cfg``, its job config) in ``run_dir`` with its controller in a
     process of its own under a keeper; returns the runner's outcome dict, with ``left_behind``
     (what the keeper had to stop)."""
-    from harness.job.keeper import Keeper, write_job_file
+    from harness.job.keeper import Keeper
+    from harness.job.rundir import write_job_file
 
     if spec.source is None:
         raise ValueError("an experiment that kills its controller must come from a file")

@@ -35,6 +35,8 @@ _BENCH_HELP = {
     "bandwidth and the cost of authenticated frames (root)",
     "slurm_requeue": "the baseline for SLURM node loss: a node of a classic job fails, SLURM "
     "requeues the whole job (root, bin/test-cluster up)",
+    "slurm_takeover": "the controller's node of a SLURM job fails: a standby on another node "
+    "takes the run over; time without a commit, groups restarted (root, bin/test-cluster up)",
     "scale": "quorum latency and failover (tree quorum vs torchft's Lighthouse) and controller "
     "load, with simulated members and host agents, as the job grows",
     "silent": "silent failures: a bitflip's detection and heal, a 3x straggler under observe "
@@ -192,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds to keep trying to reach the controller",
+    )
+    agent.add_argument(
+        "--control-file",
+        default=None,
+        metavar="PATH",
+        help="the run's controller.json: when the controller dies, keep the workers running "
+        "and re-dial the one this file names next (needs --grace)",
+    )
+    agent.add_argument(
+        "--grace",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds to keep the workers running without a controller (default 0: stop them)",
     )
 
     _add_slurm(sub)

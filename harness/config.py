@@ -256,6 +256,11 @@ class SlurmConfig:
     spare_nodes: int = 0
     replace: Literal["spare", "new_job", "none"] = "spare"
     poll_s: float = 2.0  # how often SLURM's view of the nodes (sinfo, squeue) is read
+    # Where the controller runs in a batch job (the allocation's first node): "trains" its node
+    # also runs an agent and a group; "reserved" it runs only the controller, so losing that
+    # node costs no group, and a standby on another node takes the run over without a restart
+    # (docs/controller.md, "SLURM").
+    controller_node: Literal["trains", "reserved"] = "trains"
 
 
 @dataclass(frozen=True, kw_only=True)

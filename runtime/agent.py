@@ -20,6 +20,10 @@ one ``selectors`` loop:
   partition, a dead controller) the agent fences itself: it stops every worker and exits, so a
   cut-off host never trains on alone.
 
+The one exception: where the job asks for it (``AgentConfig.quorum_relay``), the quorum relay's
+threads (``runtime.relay``: they hold no lock a worker needs, and a worker closes its copies of
+their sockets).
+
 A local agent also dies with the controller (PR_SET_PDEATHSIG). It is a child subreaper, so
 nothing below it escapes. With survival on (``Boot.control_file``: a controller that can be
 replaced) it does neither: it keeps its workers for ``grace_s`` and re-dials the controller the
@@ -72,6 +76,7 @@ from runtime.messages import (
     HelloAgent,
     Hung,
     PreflightCommand,
+    QuorumUpstream,
     Shutdown,
     Spawn,
     Spawned,
@@ -80,6 +85,7 @@ from runtime.messages import (
     UnblockPeers,
 )
 from runtime.preflight import AgentPreflight
+from runtime.relay import configure_relay
 
 log = logging.getLogger("ftharness.agent")
 
@@ -133,6 +139,9 @@ class Agent:
         # GLOO/NCCL_SOCKET_IFNAME and FTHARNESS_ADVERTISE for every worker and program
         self.net_env = netaddr.worker_env(address)
         self.preflight = AgentPreflight(self.host, address, self.secret, self.sel, self._send)
+        # The quorum relay (runtime.relay): started, and its address exported to every worker,
+        # before the first fork (its threads are the only ones besides this loop's)
+        self.relay = configure_relay(None, cfg.quorum_relay, cfg.quorum_upstream)
 
     # -- set-up ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -200,6 +209,7 @@ class Agent:
         self.conn, self.controller_addr, self.epoch = conn, address, cfg.epoch
         self.cfg = replace(cfg, preload=self.cfg.preload, warmup=self.cfg.warmup)
         self.hb_interval, self.hb_timeout = cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s
+        self.relay = configure_relay(self.relay, cfg.quorum_relay, cfg.quorum_upstream)
         self.last_heard = time.monotonic()
         conn.sock.setblocking(False)
         self.sel.register(conn.sock, selectors.EVENT_READ, ("controller", None))
@@ -267,6 +277,8 @@ class Agent:
                 pass  # last_heard is updated for every frame
             case DropConnections(address):
                 self._drop_connections(address)
+            case QuorumUpstream(address):
+                self.relay = configure_relay(self.relay, True, address)
             case UnblockPeers(replica):
                 groups = {p: x.group for p, x in self.workers.items() if x.group is not None}
                 if any(g != replica for g in groups.values()):
@@ -310,7 +322,7 @@ class Agent:
                 for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
                 for sock in (self.wake_r, self.wake_w, parent_hb, *self._conn_socks(),
-                             *self.preflight.sockets()):  # fmt: skip
+                             *self.preflight.sockets(), *self._relay_socks()):  # fmt: skip
                     sock.close()
                 for w in self.workers.values():
                     if w.hb is not None:
@@ -354,6 +366,9 @@ class Agent:
     def _conn_socks(self) -> list[socket.socket]:
         return [self.conn.sock] if self.conn is not None else []
 
+    def _relay_socks(self) -> list[socket.socket]:
+        return self.relay.sockets() if self.relay is not None else []
+
     def _grace_s(self) -> float:
         return self.survival.grace_s if self.survival is not None else 0.0
 
@@ -365,6 +380,7 @@ class Agent:
         group = msg.coords.get("replica")
         if msg.warm:
             socks = [*self._conn_socks(), self.wake_r, self.wake_w, *self.preflight.sockets()]
+            socks += self._relay_socks()
             socks += [w.hb for w in self.workers.values() if w.hb is not None]
             pid = program_proc.fork_program(msg, extra, [s.fileno() for s in socks])
             self.workers[pid] = _Worker(
@@ -678,8 +694,17 @@ def cli(args: Any) -> int:
     except (OSError, ValueError) as exc:
         print(f"ftharness agent: {exc}", file=sys.stderr)
         return 2
+    grace = float(getattr(args, "grace", 0.0) or 0.0)
+    if not 0 <= grace <= week:
+        print(f"ftharness agent: --grace {grace!r}: must be >= 0 and <= {week:g}", file=sys.stderr)
+        return 2
     boot = Boot(
-        name=args.name, controller=(host, int(port)), secret=secret, advertise=args.advertise
+        name=args.name,
+        controller=(host, int(port)),
+        secret=secret,
+        advertise=args.advertise,
+        control_file=getattr(args, "control_file", None),
+        grace_s=grace,
     )
     try:
         run(boot, args.dial_timeout)

@@ -270,6 +270,11 @@ class Controller:
     def on_agent_report(self, h: HostAgentHandle, report: AgentReport) -> None:
         self.inherited.on_report(h, report)
 
+    def set_quorum_upstream(self, address: str) -> None:
+        """With ``spec.quorum_relay``: the quorum service serves at ``address`` now; every
+        host's relay forwards there (``runtime.relay``), agents that dial in later included."""
+        self.host_table.set_quorum_upstream(address)
+
     # -- a takeover's inheritance (runtime.takeover.Inheritance says what each does) ------------
     def reattach(self, names: Iterable[str], timeout_s: float) -> dict[str, AgentReport]:
         return self.inherited.reattach(names, timeout_s)

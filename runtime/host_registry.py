@@ -32,6 +32,7 @@ from runtime.messages import (
     ControllerBeat,
     DropConnections,
     HelloAgent,
+    QuorumUpstream,
     Shutdown,
 )
 from runtime.spares import SparePool
@@ -79,6 +80,10 @@ class HostTable:
         # host -> (connection, hello) of the one agent being adopted under that name right now
         self._dialling: dict[str, tuple[channel.Connection, HelloAgent]] = {}
         self._proc_numbers: dict[str, itertools.count] = {}
+        # Where the quorum service serves (ControllerSpec.quorum_relay); its lock orders every
+        # read of it with its send, so that an agent's last word is the latest address.
+        self.quorum_upstream = ""
+        self._upstream_lock = threading.Lock()
 
     # -- starting and dialling in -----------------------------------------------------------
     def boot_settings(self, name: str) -> dict[str, Any]:
@@ -183,6 +188,8 @@ class HostTable:
             with self._lock:
                 if self._dialling.get(name, (None,))[0] is conn:
                     del self._dialling[name]
+        if self._owner.spec.quorum_relay:  # it may have moved while this agent was configured
+            self._tell_quorum_upstream(h)
         if old is not None and old.conn is not None:
             _retire(old.conn)  # lost already (else we had refused): its agent must stop
         if hello.report is not None:  # a previous controller's agent: its workers are ours now
@@ -239,6 +246,8 @@ class HostTable:
                 network_interface=spec.network_interface,
                 network_cidr=spec.network_cidr,
                 epoch=self._owner.epoch,
+                quorum_relay=spec.quorum_relay,
+                quorum_upstream=self.quorum_upstream,
             )
         )
         conn.sock.settimeout(spec.connect_timeout_s + 30.0)
@@ -303,6 +312,21 @@ class HostTable:
             if h is not lost and not h.lost and h.conn is not None:
                 with contextlib.suppress(channel.ChannelError):
                     h.conn.send(DropConnections(lost.address))
+
+    def set_quorum_upstream(self, address: str) -> None:
+        """The quorum service serves at ``address`` now: every agent's relay forwards there
+        (``runtime.relay``); an agent that dials in later gets it in its ``AgentConfig``."""
+        with self._upstream_lock:
+            self.quorum_upstream = address
+        for h in list(self.hosts.values()):
+            self._tell_quorum_upstream(h)
+
+    def _tell_quorum_upstream(self, h: HostAgentHandle) -> None:
+        """Send ``h``'s agent the quorum's address (again: the same one changes nothing)."""
+        if h.lost or h.conn is None:
+            return
+        with self._upstream_lock, contextlib.suppress(channel.ChannelError):
+            h.conn.send(QuorumUpstream(self.quorum_upstream))
 
     def beat_and_check(self) -> None:
         """One tick of liveness: beat to every live agent, and declare lost those silent for

@@ -8,7 +8,7 @@ authenticated handshake):
   and the preflight's :class:`PreflightReply` kinds;
 * controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
   :class:`SpawnProgram`, :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`,
-  :class:`DropConnections`, :class:`UnblockPeers`, and the preflight's
+  :class:`DropConnections`, :class:`UnblockPeers`, :class:`QuorumUpstream`, and the preflight's
   :class:`PreflightCommand` kinds (``runtime.preflight``);
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame), then
   :class:`Welcome` (the controller's epoch), :class:`SpawnActor`, :class:`CallEndpoint` and
@@ -59,6 +59,19 @@ class AgentConfig:
     # The controller's epoch (runtime.control_file): an agent obeys only the highest it has
     # seen, and refuses a controller of a lower one (an old controller that came back).
     epoch: int = 1
+    # The job's quorum traffic goes through a relay on each host (runtime.relay): the agent
+    # starts it and exports its address (RELAY_ENV) before forking any worker, and forwards to
+    # ``quorum_upstream`` (the quorum service's address; "": not serving yet, see QuorumUpstream).
+    quorum_relay: bool = False
+    quorum_upstream: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class QuorumUpstream:
+    """The quorum service now serves at ``address`` (``http://host:port``): the agent's relay
+    forwards there from now on (``runtime.relay``), and closes what it relayed elsewhere."""
+
+    address: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,9 @@ class ControllerSpec:
     # With a control file (runtime.control_file): how long agents and workers carry on without
     # a controller, waiting for a new one to take over (runtime.orphan); 0: they stop with it.
     controller_grace_s: float = 60.0
+    # Each agent runs a relay to the quorum service (runtime.relay): the service may come back
+    # at another address after a takeover (Controller.set_quorum_upstream says where it is).
+    quorum_relay: bool = False
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.call_timeout_s <= 0 or self.spawn_timeout_s <= 0:

@@ -2,10 +2,10 @@
 
 The classic SLURM job (``ftharness slurm submit --requeue``: no ``--no-kill``, no spare nodes)
 on the test cluster (``bin/test-cluster up 3``, ``SLURM_CONF`` set; root): once it trains, its
-second node fails (``runtime.launchers.slurm.fail_node``: slurmd and every process of the node).
-SLURM
-notices after ``SlurmdTimeout``, ends the job with ``NODE_FAIL``, requeues it, and runs the
-batch script again on the nodes left; the new run resumes from the last checkpoint. Figures:
+second node fails (``runtime.launchers.slurm_testcluster.fail_node``: slurmd and every
+process of the node). SLURM notices after ``SlurmdTimeout``, ends the job with ``NODE_FAIL``,
+requeues it, and runs the batch script again on the nodes left; the new run resumes from the
+last checkpoint. Figures:
 
 * ``requeue_participate_s``: node death -> the requeued run's first committed step (what
   ``participate_s`` is for a spare-node recovery, experiments/slurm_node_loss.toml);
@@ -32,7 +32,7 @@ from typing import Any
 
 from experiments.slurm_submit import job_state
 from runtime.journal import read_journal
-from runtime.launchers import slurm
+from runtime.launchers import slurm, slurm_testcluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def measure(workdir: Path, timeout_s: float, log: Any) -> dict[str, Any]:
         victim = nodes[-1]  # not the first node: the batch script (the controller) runs there
         log(f"job {job_id} on {nodes}: failing {victim}")
         t0 = time.time()
-        slurm.fail_node(victim)
+        slurm_testcluster.fail_node(victim)
         down: list[float] = []
 
         def node_down() -> bool:

@@ -1,7 +1,7 @@
 """The controller in a process of its own: ``python -m harness.job.controller_proc RUN_DIR``.
 
 ``ftharness run`` no longer runs the job in its own process: it checks the config, writes it to
-``RUN/job.json`` (``harness.job.keeper.write_job_file``), and becomes (or detaches) a keeper
+``RUN/job.json`` (``harness.job.rundir.write_job_file``), and becomes (or detaches) a keeper
 (``harness.job.keeper``) that starts this module as its child. The controller can then die (a
 bug, an OOM kill, a SIGKILL) without taking the run's record of what to run with it: the keeper
 starts this module again with ``--takeover``, which hands the run to
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import JobConfig
-from harness.job.keeper import BEAT_ENV, BEAT_INTERVAL_S, KEEPER_ENV, job_file_or_say
+from harness.job.keeper import BEAT_ENV, BEAT_INTERVAL_S, KEEPER_ENV
+from harness.job.rundir import job_file_or_say
 
 
 def main(argv: Sequence[str] | None = None) -> int:

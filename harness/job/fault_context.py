@@ -138,7 +138,7 @@ class JobFaultContext:
         return launcher
 
     def fail_node(self, host: str) -> None:
-        from runtime.launchers.slurm import fail_node
+        from runtime.launchers.slurm_testcluster import fail_node
 
         self._slurm("a node failure")
         fail_node(host)

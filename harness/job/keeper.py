@@ -54,13 +54,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import JobConfig, config_from_dict, config_to_dict
+from harness.config import JobConfig
 from harness.job.rundir import (
     CONSOLE_FILE,
-    JOB_FILE,
     KEEPER_FILE,
     find_job_end,
+    job_file_or_say,
     read_json,
+    this_host,
     write_json_atomic,
 )
 
@@ -68,63 +69,11 @@ from harness.job.rundir import (
 _OWN_ENDS = (0, 1, 2)
 #: The environment variable that carries the keeper's pid to the controller.
 KEEPER_ENV = "FTHARNESS_KEEPER_PID"
-#: The version of ``job.json``; a file of another version is refused, not guessed at.
-JOB_FILE_VERSION = 1
 #: How long after a controller starts (or takes over) its standby is started.
 STANDBY_DELAY_S = 3.0
 #: The environment variable naming the pipe a controller beats into, and how often it does.
 BEAT_ENV = "FTHARNESS_KEEPER_BEAT_FD"
 BEAT_INTERVAL_S = 0.5
-
-
-def write_job_file(
-    run_dir: Path,
-    cfg: JobConfig,
-    *,
-    quiet: bool,
-    source: str,
-    hook: dict[str, Any] | None = None,
-) -> None:
-    """``RUN/job.json``: the config as ``ftharness run`` resolved it (overrides applied, the
-    launcher and Prometheus port options among them) and the run options, written atomically.
-    ``hook``: what each controller adds to the run (``controller_proc.make_hook``)."""
-    data = {
-        "version": JOB_FILE_VERSION,
-        "source": source,
-        "cwd": os.getcwd(),
-        "quiet": quiet,
-        "created": time.time(),
-        "config": config_to_dict(cfg),
-    }
-    if hook is not None:
-        data["hook"] = hook
-    write_json_atomic(run_dir / JOB_FILE, data)
-
-
-def read_job_file(run_dir: Path) -> tuple[JobConfig, dict[str, Any]]:
-    """The config and the whole ``RUN/job.json``; ValueError or ConfigError saying what is wrong
-    (a file that is missing, of another version, or whose config no longer validates)."""
-    path = run_dir / JOB_FILE
-    data = read_json(path)
-    if data is None:
-        raise ValueError(f"{path} does not exist: this is not a run `ftharness run` started")
-    if data.get("version") != JOB_FILE_VERSION or not isinstance(data.get("config"), dict):
-        raise ValueError(
-            f"{path}: not a job file of this ftharness (version {data.get('version')!r}, "
-            f"expected {JOB_FILE_VERSION})"
-        )
-    return config_from_dict(data["config"]), data
-
-
-def job_file_or_say(run_dir: Path) -> tuple[JobConfig, dict[str, Any]] | None:
-    """:func:`read_job_file`, or None once the reason is said on stderr (the caller exits 2)."""
-    from harness.config import ConfigError
-
-    try:
-        return read_job_file(run_dir)
-    except (ValueError, ConfigError, OSError) as exc:
-        print(f"ftharness run: {exc}", file=sys.stderr)
-        return None
 
 
 def controller_command() -> list[str]:
@@ -187,6 +136,7 @@ class Keeper:
         standby: bool = False,
         silence_s: float | None = None,
         say: Callable[[str], None] = _say,
+        remote: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.intensity = RestartIntensity(max_restarts, within_s)
@@ -208,11 +158,17 @@ class Keeper:
         # What the keeper had to stop when the run ended (``ftharness chaos`` counts them as
         # orphans: a run should not need it): pid, name, cmdline, create_time of each.
         self.left_behind: list[dict[str, Any]] = []
+        # Beats to a standby on another node, which takes the run over if this node is lost
+        # (``harness.job.beats.Remote``, ``harness.job.standby_node``; SLURM only).
+        self.remote = remote
 
     @classmethod
-    def for_job(cls, run_dir: Path, cfg: JobConfig, *, detached: bool = False) -> Keeper:
+    def for_job(
+        cls, run_dir: Path, cfg: JobConfig, *, detached: bool = False, avoid: tuple[str, ...] = ()
+    ) -> Keeper:
         """The keeper of ``cfg``'s run: its restart intensity and silence from the config, a
         standby controller when a new controller could take the job over."""
+        from harness.job.beats import for_job
         from harness.job.takeover import supported
 
         r = cfg.recovery
@@ -223,10 +179,12 @@ class Keeper:
             detached=detached,
             standby=supported(cfg) is None,
             silence_s=cfg.timeouts.controller_silence,
+            remote=for_job(run_dir, cfg, BEAT_INTERVAL_S, avoid),
         )
 
-    def run(self) -> int:
-        """Keep a controller running until the run ends; returns the run's exit status."""
+    def run(self, takeover_first: bool = False) -> int:
+        """Keep a controller running until the run ends; returns the run's exit status.
+        ``takeover_first``: the run's keeper elsewhere is lost (``harness.job.standby_node``)."""
         from runtime.proctree import become_subreaper
 
         become_subreaper()
@@ -240,16 +198,19 @@ class Keeper:
         }
         try:
             self._write_keeper_file()  # after the handlers: `ftharness stop` may signal us now
-            return self._keep()
+            if self.remote is not None:
+                self.remote.start()
+            return self._keep(takeover_first)
         finally:
+            if self.remote is not None:
+                self.remote.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.standby = False
             self._drop_standby()
             self._stop_leftovers()
 
-    def _keep(self) -> int:
-        takeover = False
+    def _keep(self, takeover: bool) -> int:
         while True:
             pid = self._start(takeover)
             status = self._wait(pid)
@@ -262,6 +223,8 @@ class Keeper:
                 return 0 if end.get("status") == "ok" else 1
             if code in _OWN_ENDS:
                 return code
+            if not still_keeper(self.run_dir):  # fenced by a controller a standby started
+                return wait_for_end(self.run_dir, self.say)
             how = f"the controller (pid {pid}) {describe_exit(status)} before the run ended"
             if self._stopping:
                 self.say(f"{how}, while stopping: the run ends here")
@@ -438,6 +401,8 @@ class Keeper:
             self.run_dir / KEEPER_FILE,
             {
                 "pid": os.getpid(),
+                "host": this_host(),
+                "beat": self.remote.address if self.remote is not None else None,
                 "uid": os.getuid(),
                 "started": time.time(),
                 "create_time": psutil.Process().create_time(),
@@ -471,6 +436,25 @@ class Keeper:
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0] > 0:  # grandchildren re-parented to us meanwhile
                 pass
+
+
+def still_keeper(run_dir: Path) -> bool:
+    """Whether ``keeper.json`` still names this process (a standby elsewhere may take over)."""
+    info = read_json(run_dir / KEEPER_FILE) or {}
+    return info.get("pid") == os.getpid() and info.get("host", this_host()) == this_host()
+
+
+def wait_for_end(run_dir: Path, say: Any) -> int:
+    """A superseded keeper: wait for the run's end (its exit would end a batch job), then exit
+    as the run did."""
+    info = read_json(run_dir / KEEPER_FILE) or {}
+    say(
+        f"the run's keeper is now on {info.get('host', '?')} (pid {info.get('pid', '?')}): this "
+        "one replaces no controller and waits for the run's end"
+    )
+    while (end := find_job_end(run_dir / "journal.jsonl")) is None:
+        time.sleep(1.0)
+    return 0 if end.get("status") == "ok" else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

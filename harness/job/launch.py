@@ -158,9 +158,9 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"ftharness run: {problem}", file=sys.stderr)
         return 2
-    from harness.job.keeper import Keeper, write_job_file
+    from harness.job.keeper import Keeper
     from harness.job.runctl import start_detached
-    from harness.job.rundir import CONSOLE_FILE, run_dir_for
+    from harness.job.rundir import CONSOLE_FILE, run_dir_for, write_job_file
 
     run_dir = run_dir_for("run", args.out, cfg.name)
     if run_dir is None:

@@ -80,7 +80,7 @@ from harness.job.preflight import check_network
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
 from harness.job.silent import SilentWatch
-from harness.job.site import Site, controller_spec
+from harness.job.site import Site, controller_spec, wants_quorum_relay
 from harness.job.stall import StallWatch
 from harness.job.takeover import Plan
 from harness.quorum.backends import make_quorum_service
@@ -217,6 +217,7 @@ class Job:
             )
             self.hosts.start()
             self.quorum.start()
+            self.relay_quorum()
             check_network(self)  # every host reaches every other, or no group starts
         else:  # the agents re-dial (or are lost), the quorum continues where it was
             takeover.reattach(self)
@@ -228,6 +229,14 @@ class Job:
         self.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
         )
+
+    def relay_quorum(self) -> None:
+        """Once the quorum service serves: every host's relay forwards to it (where the job
+        has them: :func:`harness.job.site.wants_quorum_relay`; agents that dial in later learn
+        it when they do). A takeover's quorum may serve at another address than its
+        predecessor's."""
+        if wants_quorum_relay(self.cfg):
+            self.controller.set_quorum_upstream(self.quorum.address)
 
     def _build_tree(self) -> Supervisor:
         r = self.cfg.recovery

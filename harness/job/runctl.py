@@ -25,8 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.job.keeper import find_job_end, read_job_file
-from harness.job.rundir import CONSOLE_FILE, KEEPER_FILE, read_json
+from harness.job.rundir import (
+    CONSOLE_FILE,
+    KEEPER_FILE,
+    find_job_end,
+    read_job_file,
+    read_json,
+    this_host,
+)
 from runtime.journal import Record
 
 
@@ -52,6 +58,12 @@ def _open_run(command: str, name: str) -> tuple[Path, dict[str, Any]] | int:
             command,
             f"{run_dir} has no {KEEPER_FILE}: not a run that `ftharness run` started (a chaos "
             "experiment runs in its own terminal), or it has not started yet",
+        )
+    if info.get("host") not in (None, this_host()):  # a standby on another node took over
+        return _refuse(
+            command,
+            f"run {run_dir}: its keeper runs on {info['host']} (pid {info.get('pid')}) since its "
+            f"first node was lost: run `ftharness {command}` there, or use SLURM (scancel)",
         )
     if not keeper_alive(info):
         return _refuse(

@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from harness.config import JobConfig, config_from_dict, config_to_dict
 from runtime.journal import JOB_END, Record
 
 DEFAULT_ROOT = Path("runs")
@@ -187,3 +190,65 @@ def find_job_end(journal: Path) -> Record | None:
             if isinstance(record, dict) and record.get("event") == JOB_END:
                 return record
     return None
+
+
+def this_host() -> str:
+    """The name of the machine this process runs on, as a run's files record it: the SLURM node's
+    name in a job step or batch script, else the host name."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+#: The version of ``job.json``; a file of another version is refused, not guessed at.
+JOB_FILE_VERSION = 1
+
+
+def write_job_file(
+    run_dir: Path,
+    cfg: JobConfig,
+    *,
+    quiet: bool,
+    source: str,
+    hook: dict[str, Any] | None = None,
+) -> None:
+    """``RUN/job.json``: the config as ``ftharness run`` resolved it (overrides applied, the
+    launcher and Prometheus port options among them) and the run options, written atomically.
+    ``hook``: what each controller adds to the run (``controller_proc.make_hook``)."""
+    data = {
+        "version": JOB_FILE_VERSION,
+        "source": source,
+        "cwd": os.getcwd(),
+        "quiet": quiet,
+        "created": time.time(),
+        "config": config_to_dict(cfg),
+    }
+    if hook is not None:
+        data["hook"] = hook
+    write_json_atomic(run_dir / JOB_FILE, data)
+
+
+def read_job_file(run_dir: Path) -> tuple[JobConfig, dict[str, Any]]:
+    """The config and the whole ``RUN/job.json``; ValueError or ConfigError saying what is wrong
+    (a file that is missing, of another version, or whose config no longer validates)."""
+    path = run_dir / JOB_FILE
+    data = read_json(path)
+    if data is None:
+        raise ValueError(f"{path} does not exist: this is not a run `ftharness run` started")
+    if data.get("version") != JOB_FILE_VERSION or not isinstance(data.get("config"), dict):
+        raise ValueError(
+            f"{path}: not a job file of this ftharness (version {data.get('version')!r}, "
+            f"expected {JOB_FILE_VERSION})"
+        )
+    return config_from_dict(data["config"]), data
+
+
+def job_file_or_say(run_dir: Path) -> tuple[JobConfig, dict[str, Any]] | None:
+    """:func:`read_job_file`, or None once the reason is said on stderr (the caller exits 2)."""
+    from harness.config import ConfigError
+
+    try:
+        return read_job_file(run_dir)
+    except (ValueError, ConfigError, OSError) as exc:
+        print(f"ftharness run: {exc}", file=sys.stderr)
+        return None

@@ -15,7 +15,8 @@ derived, and why:
 * ``data.kind = "tokens"``: the corpus, prepared on first use if it is the default one, its
   absolute path and its tokenizer's vocabulary (``harness.corpus.job.resolve_data``).
 * ``launcher = "slurm"``: the hosts are the allocation's nodes less ``slurm.spare_nodes``, and the
-  controller binds an address the nodes reach (``harness.job.slurm``).
+  controller binds an address the nodes reach (``harness.job.slurm``). With the tree quorum, each
+  host's agent relays the trainers' quorum traffic (:func:`wants_quorum_relay`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def prepare_site(
         say(
             f"SLURM job {slurm.alloc.job_id}: nodes {', '.join(slurm.active)}"
             + (f", spare {', '.join(sorted(slurm.spares))}" if slurm.spares else "")
+            + (f"; {slurm.reserved} runs only the controller" if slurm.reserved else "")
             + f"; controller at {cfg.bind_host}"
         )
         return Site(cfg=cfg, launcher=slurm, slurm=slurm, node_events=events)
@@ -105,6 +107,14 @@ def prepare_site(
     say(f"test hosts in network namespaces: {network.subnet}, controller at {network.gateway}")
     cfg = dataclasses.replace(cfg, bind_host=network.gateway)
     return Site(cfg=cfg, launcher=NetnsLauncher(network), network=network)
+
+
+def wants_quorum_relay(cfg: JobConfig) -> bool:
+    """Whether the trainers reach the quorum service through a relay on their host
+    (``runtime.relay``): where a new controller, after a takeover, may run on another node (its
+    node died), so that its quorum service comes back at another address. The tree quorum only:
+    torchft's Lighthouse cannot resume after a takeover anyway."""
+    return cfg.launcher == "slurm" and cfg.recovery.quorum == "tree"
 
 
 def controller_spec(cfg: JobConfig) -> ControllerSpec:
@@ -129,4 +139,5 @@ def controller_spec(cfg: JobConfig) -> ControllerSpec:
         warmup=() if cfg.program.enabled else (prebuild_call(cfg),),
         network_interface=cfg.network.interface,
         network_cidr=cfg.network.cidr,
+        quorum_relay=wants_quorum_relay(cfg),
     )

@@ -33,7 +33,12 @@ from typing import Any, Protocol
 from harness.config import JobConfig
 from harness.job.completion import Completion
 from runtime.journal import CHECKPOINT_SAVE, Journal, Record
-from runtime.launchers.slurm import SlurmLauncher, allocation_from_env, controller_address
+from runtime.launchers.slurm import (
+    Allocation,
+    SlurmLauncher,
+    allocation_from_env,
+    controller_address,
+)
 
 TIME_LIMIT = "slurm.time_limit"
 
@@ -61,11 +66,21 @@ def make_launcher(
         spare_nodes=cfg.slurm.spare_nodes,
         poll_s=cfg.slurm.poll_s,
         on_gone=on_gone,
+        reserved=reserved_node(cfg, alloc),
     )
     bind = cfg.bind_host
     if bind in ("127.0.0.1", "localhost"):  # the default: the nodes could not reach it
         bind = controller_address(alloc)
     return launcher, dataclasses.replace(cfg, bind_host=bind, hosts=len(launcher.active))
+
+
+def reserved_node(cfg: JobConfig, alloc: Allocation) -> str | None:
+    """The node that runs only the controller (``slurm.controller_node = "reserved"``): the
+    allocation's first, where SLURM runs the batch script. None when the controller runs
+    outside the allocation (``salloc``'s command on a login node): no node is its own then."""
+    if cfg.slurm.controller_node != "reserved" or alloc.this_node is None:
+        return None
+    return alloc.nodes[0]
 
 
 def check_allocation(cfg: JobConfig) -> str | None:
@@ -78,10 +93,14 @@ def check_allocation(cfg: JobConfig) -> str | None:
         alloc = allocation_from_env()
     except SlurmError as exc:
         return str(exc)
-    if cfg.slurm.spare_nodes >= len(alloc.nodes):
+    reserved = reserved_node(cfg, alloc)
+    nodes = [n for n in alloc.nodes if n != reserved]
+    if cfg.slurm.spare_nodes >= len(nodes):
         return (
             f"slurm.spare_nodes = {cfg.slurm.spare_nodes} but job {alloc.job_id} has "
-            f"{len(alloc.nodes)} node(s) ({', '.join(alloc.nodes)}): at least one must train"
+            f"{len(nodes)} node(s) for agents ({', '.join(nodes) or 'none'}"
+            + (f"; {reserved} runs only the controller" if reserved else "")
+            + "): at least one must train"
         )
     return None
 

@@ -24,7 +24,8 @@ within the grace window is lost, as a host is. The takeover is a recovery in the
 (cause ``controller_crash``): detected when the new controller starts, ``replacement_started``
 once it serves, ``participating`` at the first commit after it.
 
-This slice supports the built-in trainer on the local launcher with the tree quorum: a job with a
+It supports the built-in trainer on the local and SLURM launchers with the tree quorum (under
+SLURM the new controller may run on another node: ``harness.job.standby_node``): a job with a
 ``[program]`` or another launcher or quorum service is refused with that reason (the run then
 ends as it would have without a keeper).
 """
@@ -92,8 +93,8 @@ def supported(cfg: JobConfig) -> str | None:
     """Why a job cannot be taken over in this slice, or None."""
     if cfg.program.enabled:
         return "a [program] job cannot be taken over yet (its quorum tap lives in the controller)"
-    if cfg.launcher != "local":
-        return f'launcher = "{cfg.launcher}": only "local" jobs can be taken over yet'
+    if cfg.launcher not in ("local", "slurm"):
+        return f'launcher = "{cfg.launcher}": only "local" and "slurm" jobs can be taken over yet'
     if cfg.recovery.quorum != "tree":
         return 'recovery.quorum = "torchft": only the tree quorum continues across a takeover'
     if cfg.recovery.policy != "in_place":
@@ -199,6 +200,7 @@ def reattach(job: Any) -> None:
     cfg, t = job.cfg, job.cfg.timeouts
     names = job.host_names()
     job.quorum.start()
+    job.relay_quorum()  # agents re-dialling now get its address (harness.job.protocol)
     # An agent notices a dead controller at once (its connection closes) or, cut off or
     # stopped, after controller_silence; then it re-dials every few tenths of a second.
     patience = min(cfg.recovery.controller_grace_s, t.controller_silence + t.connect_timeout)

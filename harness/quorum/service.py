@@ -183,14 +183,26 @@ class TreeQuorumService:
             )
         elif self._saved is not None:
             saved = self._saved
-            if saved.host != host:
+            if saved.host != host and not _is_local(saved.host):
+                # The last controller ran on another node (SLURM, its node lost): serve here, on
+                # the same port if it is free. Managers reach the service through their host
+                # agent's relay (runtime.relay), which each agent points at this address.
                 log.warning(
-                    "tree quorum: resuming on %s:%d as saved (bind_host is %s)",
+                    "tree quorum: saved at %s:%d, another machine's: resuming on %s",
                     saved.host,
                     saved.port,
                     host,
                 )
-            host, port = saved.host, saved.port
+                port = saved.port if _port_free(host, saved.port) else 0
+            else:
+                if saved.host != host:
+                    log.warning(
+                        "tree quorum: resuming on %s:%d as saved (bind_host is %s)",
+                        saved.host,
+                        saved.port,
+                        host,
+                    )
+                host, port = saved.host, saved.port
             state = dict(
                 secret=saved.secret,
                 incarnations=saved.incarnations,
@@ -304,3 +316,28 @@ class TreeQuorumService:
 
     def round_open(self) -> bool:
         return bool(self.tree.status()["participants"])
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (of this network namespace): one a
+    socket can bind."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False

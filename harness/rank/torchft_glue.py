@@ -50,6 +50,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import secrets
 import socket
 from collections.abc import Callable
@@ -68,6 +69,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from harness.config import JobConfig, TimeoutConfig
 from harness.rank.transport import make_dataplane_transport
 from runtime.actor import host_address
+from runtime.relay import RELAY_ENV
 
 
 class ProcessGroupGloo(_TorchftProcessGroupGloo):
@@ -290,7 +292,10 @@ def make_manager(
         world_size=cfg.ranks,
         store_addr=host,
         store_port=int(port),
-        lighthouse_addr=lighthouse_addr,
+        # Through this host's quorum relay where its agent runs one (runtime.relay): a Manager
+        # keeps its Lighthouse address for life, and after a takeover on another node the
+        # quorum service serves elsewhere; the relay follows it, this address would not.
+        lighthouse_addr=os.environ.get(RELAY_ENV) or lighthouse_addr,
         replica_id=member_id or f"replica_{replica_id}",
         # Where the other groups reach this rank's ManagerServer (and heal from it).
         hostname=address,

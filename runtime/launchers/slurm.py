@@ -40,7 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,17 +171,41 @@ def project_root() -> str:
 
 
 def agent_command(
-    node: str, controller: str, secret_file: str, dial_timeout_s: float, job_id: str | None = None
+    node: str,
+    controller: str,
+    secret_file: str,
+    dial_timeout_s: float,
+    job_id: str | None = None,
+    output: str | None = None,
+    survival: Sequence[str] = (),
 ) -> list[str]:
     """The step that runs ``node``'s agent (see the module docstring); ``job_id``: a job other
-    than the one this process runs in (a replacement node's)."""
+    than the one this process runs in (a replacement node's). ``output``: the file the agent's
+    stdout and stderr go to (:func:`to_file`)."""
     return [
         "srun", *([f"--jobid={job_id}"] if job_id else []),
         "--nodes=1", "--ntasks=1", "-w", node, "--kill-on-bad-exit=0", "--overlap",
         f"--job-name={STEP_PREFIX}{node}", f"--chdir={os.getcwd()}", "--input=none",
+        *(to_file(output) if output else []),
         sys.executable, "-m", "harness", "agent", "--controller", controller,
         "--secret-file", secret_file, "--name", node, "--dial-timeout", f"{dial_timeout_s:g}",
+        *(survival or ()),
     ]  # fmt: skip
+
+
+def to_file(path: str) -> list[str]:
+    """The prefix of a step's command that sends its stdout and stderr to ``path``, opened on the
+    node by the step itself. Not ``srun --output``: ``srun`` writes that file, so a step whose
+    ``srun`` died with the controller's node writes nothing more (measured on the test cluster)."""
+    return ["/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', path]
+
+
+def survival_args(boot: Mapping[str, Any]) -> list[str]:
+    """The agent's options to outlive its controller, when the boot settings ask for it
+    (``runtime.takeover.Succession.boot_settings``)."""
+    if not boot.get("control_file") or float(boot.get("grace_s", 0.0)) <= 0:
+        return []
+    return ["--control-file", str(boot["control_file"]), "--grace", f"{float(boot['grace_s']):g}"]
 
 
 class SlurmLauncher(ChildAgents):
@@ -196,15 +220,20 @@ class SlurmLauncher(ChildAgents):
         spare_nodes: int = 0,
         poll_s: float = 2.0,
         on_gone: Callable[[str, str], None] | None = None,
+        reserved: str | None = None,
     ) -> None:
-        if spare_nodes >= len(alloc.nodes):
+        nodes = [n for n in alloc.nodes if n != reserved]
+        if spare_nodes >= len(nodes):
             raise SlurmError(
                 f"slurm.spare_nodes = {spare_nodes} but the allocation (job {alloc.job_id}) has "
-                f"{len(alloc.nodes)} node(s): at least one must train"
+                f"{len(nodes)} node(s) for agents"
+                + (f" ({reserved} runs only the controller)" if reserved else "")
+                + ": at least one must train"
             )
         self.alloc = alloc
         self.run_dir = Path(run_dir)
-        self.nodes = list(alloc.nodes)
+        self.reserved = reserved  # the controller's own node: no agent there
+        self.nodes = nodes
         self.spares = set(self.nodes[len(self.nodes) - spare_nodes :])
         self.active = [n for n in self.nodes if n not in self.spares]
         self.gone: dict[str, str] = {}  # node -> why
@@ -216,6 +245,7 @@ class SlurmLauncher(ChildAgents):
         self._closed = threading.Event()
         self._wake = threading.Event()  # a step's srun exited: look at the job now
         self._extra_jobs: list[str] = []  # replacement jobs (request_node), cancelled on close
+        self.adopted: set[str] = set()  # nodes whose agent step a previous controller started
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="ftharness-sinfo")
         self._monitor.start()
 
@@ -311,18 +341,22 @@ class SlurmLauncher(ChildAgents):
             str(self.secret_file(boot)),
             float(boot.get("dial_timeout_s", 60)),
             self.node_job.get(name),
+            output=str(self.run_dir / "logs" / f"agent-{name}.out"),
+            survival=survival_args(boot),
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (project_root(), env.get("PYTHONPATH", "")) if p
         )
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        log_path = self.run_dir / "logs" / f"agent-{name}.log"
+        log_path = self.run_dir / "logs" / f"srun-{name}.log"  # what srun itself says
         with open(log_path, "ab") as log:
             offset = os.fstat(log.fileno()).st_size  # what this step's srun writes starts here
             popen = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
+        with self._lock:
+            self.adopted.discard(name)
         self._track(name, popen)
         threading.Thread(
             target=self._on_step_exit, args=(name, popen, log_path, offset), daemon=True,
@@ -385,16 +419,38 @@ class SlurmLauncher(ChildAgents):
             _run(["scancel", *extra, *steps])
         return True
 
+    def adopt(self, name: str, pid: int) -> None:
+        """Node ``name``'s agent step was started by a controller this one took over from (its
+        ``srun`` may have died with that controller's node): reached by its step's name."""
+        with self._lock:
+            self.adopted.add(name)
+            self.procs.pop(name, None)
+
+    def _is_adopted(self, name: str) -> bool:
+        with self._lock:
+            return name in self.adopted
+
     def kill(self, name: str) -> bool:
         """``scancel --signal=KILL`` of the node's step, in the background: the controller calls
         this on the path that declares a host lost, and scancel waits for slurmctld, which
         waits for an unresponsive node's slurmd (seconds: a failed node's groups would wait)."""
-        if self._proc(name) is None:
+        if self._proc(name) is None and not self._is_adopted(name):
             return False
         threading.Thread(
             target=self.cancel_step, args=(name, "KILL"), daemon=True, name=f"scancel-{name}"
         ).start()
         return True
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        if not self._is_adopted(name) or self._proc(name) is not None:
+            super().stop(name, timeout_s)
+            return
+        import time
+
+        deadline = time.monotonic() + timeout_s  # no srun of ours to wait for: ask SLURM
+        while self.step_ids(name) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.cancel_step(name, "KILL")
 
     def _force_stop(self, name: str, popen: subprocess.Popen) -> None:
         self.cancel_step(name, "KILL")
@@ -405,8 +461,8 @@ class SlurmLauncher(ChildAgents):
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            procs = dict(self.procs)
-        if any(p.poll() is None for p in procs.values()):
+            procs, adopted = dict(self.procs), bool(self.adopted)
+        if adopted or any(p.poll() is None for p in procs.values()):
             with contextlib.suppress(SlurmError):
                 steps = self.step_ids()
                 if steps:
@@ -419,42 +475,3 @@ class SlurmLauncher(ChildAgents):
         if self._extra_jobs:
             with contextlib.suppress(SlurmError):
                 _run(["scancel", *self._extra_jobs])
-
-
-# -- the test cluster's nodes: network namespaces on this machine (bin/test-cluster) -------------
-
-
-def node_namespace(node: str) -> str:
-    """The network namespace that holds ``node``'s address (nodes of ``bin/test-cluster``).
-    SlurmError when the node is not a namespace on this machine (a real node: a node failure
-    is then the operator's power switch, not ours)."""
-    addr = node_address(node)
-    for line in _run(["ip", "netns", "list"]).splitlines():
-        ns = line.split()[0] if line.strip() else ""
-        if ns and f" {addr}/" in _run(["ip", "-n", ns, "-4", "-o", "addr", "show"]):
-            return ns
-    raise SlurmError(
-        f"node {node} ({addr}) is not a network namespace on this machine: node_failure acts on "
-        "the nodes of bin/test-cluster only"
-    )
-
-
-def fail_node(node: str) -> list[int]:
-    """Kill ``node``'s slurmd and every process of the node (everything in its namespace), as
-    a power failure would; SLURM marks it DOWN after ``SlurmdTimeout``. Returns the pids."""
-    import signal
-
-    ns = node_namespace(node)
-    killed: list[int] = []
-    # A power failure stops everything at once; killing one by one can miss a process forked
-    # between listing and killing (an agent forking a spare), which would then hold the node's
-    # sockets open: list and kill until nothing is left.
-    for _ in range(50):
-        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        killed += pids
-    return killed

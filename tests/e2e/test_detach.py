@@ -16,9 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.job.keeper import find_job_end
 from harness.job.runctl import keeper_alive
-from harness.job.rundir import read_json
+from harness.job.rundir import find_job_end, read_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -184,9 +184,9 @@ def _tiny_toml(tmp_path: Path, file: str, **values: object) -> Path:
     return path
 
 
-def _submit(tmp_path: Path, config: Path, run: Path, *extra: str) -> str:
+def _submit(tmp_path: Path, config: Path, run: Path, *extra: str, nodes: int = 2) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "slurm", "submit", str(config), "--nodes", "2",
+        [sys.executable, "-m", "harness", "slurm", "submit", str(config), "--nodes", str(nodes),
          "--out", str(run), *extra],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
@@ -444,3 +444,56 @@ def test_a_cancelled_batch_job_ends_its_run_with_the_reason(cluster, tmp_path):
     assert "SLURM is ending the job" in reason or f"SLURM job {job_id} is" in reason, reason
     wait_until(lambda: not _ftharness_processes(run), time.monotonic() + 10, poll_s=0.5)
     assert not _ftharness_processes(run), _ftharness_processes(run)
+
+
+def test_the_controllers_node_lost_the_run_goes_on_from_another_node(cluster, tmp_path):
+    """``slurm.controller_node = "reserved"``: n1 (the batch script's node) runs only the keeper
+    and the controller, n2 and n3 a group each, and the keeper's standby waits on n3. n1 fails
+    (its slurmd and every process of the node killed): the standby takes the run over on n3,
+    the agents re-dial it and their quorum relays follow it; no group restarts, no committed
+    step is lost, and the run ends ok with its report (harness.job.standby_node)."""
+    from runtime.launchers.slurm_testcluster import fail_node
+
+    config = _tiny_toml(tmp_path, "moved", name="moved", steps=400, replicas=2)
+    config.write_text(config.read_text() + '\n[slurm]\ncontroller_node = "reserved"\n')
+    run = tmp_path / "run"
+    job_id = _submit(tmp_path, config, run, "--", "--time=10", nodes=3)
+    journal = run / "run" / "journal.jsonl"
+    try:
+        assert wait_until(
+            lambda: journal.exists() and journal.read_text().count('"step.commit"') >= 60,
+            time.monotonic() + 150,
+            poll_s=0.2,
+        ), f"job {job_id} never trained: {(run / f'slurm-{job_id}.out').read_text()}"
+        keeper = json.loads((run / "run" / "keeper.json").read_text())
+        assert keeper["host"] == "n1" and keeper["beat"], keeper
+        t_fail = time.time()
+        fail_node("n1")
+        state = _wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 240)
+    finally:
+        _revive_all()
+    standby_out = run / "run" / "logs" / "standby-n3.out"
+    said = standby_out.read_text() if standby_out.exists() else "(no standby output)"
+    records = events(run / "run")
+    end = [r for r in records if r["event"] == "job.end"]
+    assert end and end[-1]["status"] == "ok" and end[-1]["steps"] >= 400, (end, said)
+    # the standby ended the allocation (its batch step died with n1) once the run had ended
+    assert state == "CANCELLED", (state, said)
+    assert json.loads((run / "run" / "keeper.json").read_text())["host"] == "n3"
+    takeovers = [r for r in records if r["event"] == "controller.takeover"]
+    assert takeovers, said
+    # nothing restarted: one start per group, no failure of a group
+    starts = [r for r in records if r["event"] == "group.start"]
+    assert sorted(r["replica"] for r in starts) == [0, 1], starts
+    assert not [r for r in records if r["event"] == "failure" and "replica" in r]
+    commits = sorted(r["t"] for r in records if r["event"] == "step.commit")
+    after = [t for t in commits if t > t_fail]
+    before = max(t for t in commits if t <= t_fail)
+    assert after and after[0] - before <= 30.0, (after[0] - before, said)
+    # every step committed once per group: none went back, none was lost
+    for replica in (0, 1):
+        steps = [
+            r["step"] for r in records if r["event"] == "step.commit" and r["replica"] == replica
+        ]
+        assert steps == sorted(set(steps)), replica
+    assert (run / "run" / "report.json").exists()

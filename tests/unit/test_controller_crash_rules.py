@@ -59,7 +59,7 @@ def test_an_experiment_may_kill_the_controller_only_of_a_job_a_new_one_can_take_
     assert not load_experiment(_experiment(tmp_path, mix="kill = 1")).kills_controller
     for override, why in [
         ("recovery.quorum=torchft", "only the tree quorum"),
-        ("launcher=netns", 'only "local" jobs'),
+        ("launcher=netns", 'only "local" and "slurm" jobs'),
         ("recovery.controller_grace_s=0", "died with their controller"),
     ]:
         with pytest.raises(ExperimentError) as err:

@@ -13,15 +13,17 @@ import psutil
 import pytest
 
 from harness.config import load_config
-from harness.job.keeper import (
-    RestartIntensity,
-    describe_exit,
-    find_job_end,
-    read_job_file,
-    write_job_file,
-)
+from harness.job.keeper import RestartIntensity, describe_exit
 from harness.job.runctl import _where, keeper_alive
-from harness.job.rundir import RunDirError, find_run, read_json, write_json_atomic
+from harness.job.rundir import (
+    RunDirError,
+    find_job_end,
+    find_run,
+    read_job_file,
+    read_json,
+    write_job_file,
+    write_json_atomic,
+)
 
 TINY = Path(__file__).resolve().parents[2] / "experiments" / "tiny.toml"
 
