@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from runtime.launchers.slurm import SlurmError, _run, node_address
 
@@ -26,34 +30,72 @@ def node_namespace(node: str) -> str:
 
 def fail_node(node: str) -> list[int]:
     """Kill ``node``'s slurmd and every process of the node (everything in its namespace), as
-    a power failure would; SLURM marks it DOWN after ``SlurmdTimeout``. Returns the pids."""
-    import signal
+    a power failure would; SLURM marks it DOWN after ``SlurmdTimeout``. Returns the pids.
 
+    A power failure stops everything at once. Killed one by one, the node's processes would see
+    each other die and act on it (seen: a controller whose keeper died first stopped the run
+    cleanly, and its ``srun`` clients passed SIGTERM on to another node's agent). SIGSTOP first
+    is no better: once a stopped group's parent dies, the kernel sends the orphaned group SIGHUP
+    and SIGCONT, and ``srun`` then cancels its step. So the processes are frozen (the cgroup v1
+    freezer: no signal, nothing runs), killed while frozen, and thawed only to die."""
     ns = node_namespace(node)
-    killed: list[int] = []
-    # A power failure stops everything at once. Killed one by one, the node's processes would
-    # see each other die and act on it: a controller whose keeper died first stops the run
-    # cleanly, and its srun clients pass SIGTERM on to the steps on other nodes (seen: the
-    # agent of another node killed). So every process is stopped (SIGSTOP) first, listed until
-    # no new one appears (a fork between two listings), and only then killed.
-    stopped: set[int] = set()
-    for _ in range(50):
-        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
-        fresh = [p for p in pids if p not in stopped]
-        if not fresh:
-            break
-        for pid in fresh:
+    with _frozen(node) as freeze:
+        listed: list[int] = []
+        for _ in range(50):  # list until no new one appears (a fork between two listings)
+            fresh = [p for p in _pids(ns) if p not in listed]
+            if not fresh:
+                break
+            freeze(fresh)
+            listed += fresh
+        for pid in sorted(listed, reverse=True):  # without a freezer: children first
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-            stopped.add(pid)
-    # ... then killed, listing and killing until nothing is left (a process forked between
-    # listing and killing would otherwise hold the node's sockets open).
-    for _ in range(50):
-        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
+                os.kill(pid, signal.SIGKILL)
+    killed = list(listed)
+    for _ in range(50):  # anything left (forked as the freezer was set up): killed too
+        pids = _pids(ns)
         if not pids:
             break
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         killed += pids
+        time.sleep(0.02)
     return killed
+
+
+def _pids(ns: str) -> list[int]:
+    return [int(p) for p in _run(["ip", "netns", "pids", ns]).split()]
+
+
+@contextlib.contextmanager
+def _frozen(node: str) -> Iterator[Callable[[list[int]], None]]:
+    """A freezer cgroup for ``node``'s processes: the callable moves pids into it (frozen at
+    once); on exit it is thawed (what was killed in it dies now) and removed. Without a cgroup
+    v1 freezer, the callable does nothing."""
+    root = Path("/sys/fs/cgroup/freezer")
+    if not (root / "cgroup.procs").exists():
+        yield lambda pids: None
+        return
+    group = root / f"ftharness-fail-{node}"
+    group.mkdir(exist_ok=True)
+    (group / "freezer.state").write_text("FROZEN")
+
+    def freeze(pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(OSError):  # gone already
+                (group / "cgroup.procs").write_text(str(pid))
+        deadline = time.monotonic() + 2.0
+        while (group / "freezer.state").read_text().strip() != "FROZEN":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+
+    try:
+        yield freeze
+    finally:
+        (group / "freezer.state").write_text("THAWED")
+        deadline = time.monotonic() + 5.0
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with contextlib.suppress(OSError):
+            group.rmdir()
