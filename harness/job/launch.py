@@ -132,6 +132,10 @@ def take_over(
         )
     secret = control_file.read_secret(run_dir / "secret")
     plan = takeover.read_run(run_dir, secret, info.epoch)
+    if cfg.program.enabled:  # the programs' tap and stores, read (and checked) before anything
+        from harness.job import program_takeover
+
+        program_takeover.load(run_dir)
     if duration_for is not None:
         run_kwargs["duration_s"] = duration_for(plan.records)
     return run_job(cfg, run_dir, plan=plan, **run_kwargs)

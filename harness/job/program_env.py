@@ -29,13 +29,17 @@ def launcher_env(
     lighthouse: str,
     store_addr: str,
     hook_dir: str | None = None,
+    survivable: bool = False,
 ) -> dict[str, str]:
     """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
     (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
     they take precedence over the program's own, so the ordering ``harness.config`` checks
     holds for the program too; the quorum timeout outlasts a hung group's fencing:
     :func:`program_quorum_timeout`), then ``program.env``; first on ``PYTHONPATH``
-    :data:`SITE_DIR`, then with ``program.hooks`` the fault hook (commands in ``hook_dir``)."""
+    :data:`SITE_DIR`, then with ``program.hooks`` the fault hook (commands in ``hook_dir``).
+    ``survivable``: the job's controller can be taken over (``harness.job.program_takeover``):
+    a quorum request is retried while no controller serves the tap
+    (:func:`program_quorum_retries`)."""
     host, port = store_addr.rsplit(":", 1)
     t = cfg.timeouts
     env = {
@@ -54,6 +58,8 @@ def launcher_env(
         "TORCHFT_CONNECT_TIMEOUT_SEC": str(math.ceil(t.connect_timeout)),
         "PYTHONUNBUFFERED": "1",  # a log's tail is current when the rank dies
     }
+    if survivable:
+        env["TORCHFT_QUORUM_RETRIES"] = str(program_quorum_retries(cfg))
     env = {**env, **cfg.program.env}
     site = [str(SITE_DIR), *([str(HOOKS_DIR)] if cfg.program.hooks else [])]
     path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
@@ -79,6 +85,23 @@ def program_quorum_timeout(cfg: Any) -> float:
     t = cfg.timeouts
     fenced = cfg.program.progress_timeout_s + t.lighthouse_heartbeat_timeout + FENCE_SLACK_S
     return max(t.quorum_timeout, fenced)
+
+
+#: How often a program's Manager asks again for a quorum the quorum tap could not answer (no
+#: controller serves it: one died, the next is taking over), as the built-in trainer does
+#: (``harness.rank.trainer.QUORUM_RETRY_S``, measured by ``bench takeover``).
+QUORUM_RETRY_S = 0.25
+
+
+def program_quorum_retries(cfg: Any) -> int:
+    """``TORCHFT_QUORUM_RETRIES`` for a program whose controller can be taken over. torchft's
+    ManagerServer (``_quorum_with_retries``) retries a quorum request that *failed* (the tap's
+    connection refused or reset, its call refused while the new controller adopts the group)
+    after ``quorum_timeout / (retries + 1)`` (at least 0.1 s), each attempt with the whole
+    quorum timeout, and gives up after ``retries`` of them: so a request is asked again every
+    ~:data:`QUORUM_RETRY_S` for about the quorum timeout, which a takeover (about a second)
+    fits in. A request that only waits (a quorum forming) is not repeated."""
+    return max(1, math.ceil(program_quorum_timeout(cfg) / QUORUM_RETRY_S) - 1)
 
 
 def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:

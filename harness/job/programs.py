@@ -40,15 +40,13 @@ import concurrent.futures as cf
 import os
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from harness.config import JobConfig
-from harness.job import peer_process, program_admission
-from harness.job.program_admission import GroupAdmission
+from harness.job import peer_process, program_admission, program_takeover
 from harness.job.program_env import launcher_env, log_name, program_argv, run_in_program
+from harness.job.program_group import ProgramGroup as _Group
+from harness.job.program_group import ProgramJob
 from harness.job.program_progress import (
     blocked_survivor,
     ended_early,
@@ -60,61 +58,13 @@ from harness.job.program_progress import (
     step_events,
 )
 from harness.job.program_unblock import RemoteUnblock
-from harness.job.recovery import RecoveryTracker
 from harness.program_config import WARM_NEEDS, cold_reason
 from harness.quorum import rule
-from harness.quorum.service import QuorumService
 from harness.quorum.tap import Admission, QuorumTap, Request, upstream_id
-from runtime.controller import Controller
 from runtime.failure import Failure
-from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT, Journal
+from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 from runtime.mesh import ProcMesh
 from runtime.messages import SpawnProgram
-
-
-@dataclass
-class _Group:
-    """One incarnation of a program's replica group, as the tap sees it."""
-
-    replica: int
-    incarnation: int
-    store: str
-    procs: list[Any]  # ProcRecords, by rank
-    started: float  # monotonic
-    training: cf.Future
-    member_id: str = ""  # its name at the quorum service (QuorumService.admit); "": none
-    ids: set[str] = field(default_factory=set)  # its Managers' own ids, admitted by the tap
-    last_step: int | None = None
-    last: float | None = None  # monotonic time of the last request or answer
-    waiting: int = 0
-    participants: int = 1
-    hung: bool = False
-    long_gaps: int = 0  # consecutive requests close to the progress timeout (-1: told once)
-    admission: GroupAdmission = field(default_factory=GroupAdmission)  # the tap's rule's
-    gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # answer to next request, s
-    survived: tuple[int, float] | None = None  # (dead replica, monotonic t): not asked since
-
-
-class ProgramJob(Protocol):
-    """What the program's groups need of their job (``harness.job.protocol.Job`` is one)."""
-
-    cfg: JobConfig
-    run_dir: Path
-    journal: Journal
-
-    @property
-    def controller(self) -> Controller: ...
-
-    @property
-    def quorum(self) -> QuorumService: ...
-
-    def say(self, text: str) -> None: ...
-
-    def finished(self) -> None:
-        """Every group is done (every rank exited with code 0)."""
-
-    @property
-    def tracker(self) -> RecoveryTracker: ...
 
 
 class ProgramGroups:
@@ -133,15 +83,29 @@ class ProgramGroups:
         self._logs: dict[str, Path] = {}  # proc id -> its log
         self._stop = threading.Event()
         self.tap: QuorumTap | None = None
+        # Where the job's controller can be taken over: RUN/program.json (program_takeover)
+        self.survivable: bool = getattr(job, "survivable", False)
+        self.durable: program_takeover.ProgramState | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self.tap = QuorumTap(
-            bind_host=self.cfg.bind_host,
-            upstream=lambda: self.job.quorum.address,
-            observer=self,
-            max_requests=max(64, 4 * self.cfg.replicas + 16),
-        )
+        def tap(port: int) -> QuorumTap:
+            return QuorumTap(
+                bind_host=self.cfg.bind_host,
+                upstream=lambda: self.job.quorum.address,
+                observer=self,
+                max_requests=max(64, 4 * self.cfg.replicas + 16),
+                port=port,
+            )
+
+        if getattr(self.job, "plan", None) is not None:  # a takeover: the tap where it was
+            self.durable = program_takeover.load(self.job.run_dir)
+            self.tap = program_takeover.serve_tap(tap, self.durable.tap_port)
+        else:
+            self.tap = tap(0)
+        if self.survivable:  # durable before any program is given the tap's address
+            self.durable = self.durable or program_takeover.ProgramState(self.tap.port, {})
+            program_takeover.save(self.job.run_dir, self.durable)
         self.job.controller.add_failure_listener(self._show_tail)
         self.job.controller.add_failure_listener(self._after_the_others)
         self.job.controller.add_failure_listener(RemoteUnblock(self.job.controller, self._inc))
@@ -196,6 +160,9 @@ class ProgramGroups:
             store_addr = stores[r][1]
             recs: list[Any] = []  # filled below: the group is known before its first request
             g = self._register(r, incarnation[r], store_addr, recs, (member_ids or {}).get(r, ""))
+            if self.durable is not None:  # its store, durable before its programs start
+                self.durable.groups[r] = program_takeover.GroupState(incarnation[r], store_addr)
+                program_takeover.save(self.job.run_dir, self.durable)
             for k in range(self.cfg.ranks):
                 log = logs / log_name(r, k)
                 # 0600 like every worker log: it holds the program's output and tracebacks
@@ -209,6 +176,7 @@ class ProgramGroups:
                     lighthouse=self.tap.address,
                     store_addr=store_addr,
                     hook_dir=str(hooks),
+                    survivable=self.survivable,
                 )
                 spawn = SpawnProgram(
                     proc_id="",  # assigned by the controller
@@ -228,6 +196,27 @@ class ProgramGroups:
         # its supervisor handles like any other.
         cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
         return ProcMesh(c, {"replica": len(replicas), "rank": self.cfg.ranks}, items), training
+
+    def adopt(
+        self,
+        replica: int,
+        incarnation: int,
+        store: str,
+        recs: list[Any],
+        member_id: str,
+        last_step: int | None,
+    ) -> cf.Future:
+        """A group a dead controller started, still running (``program_takeover.adopt``): the
+        tap admits its programs again (by ``store``, rank 0's process and ``member_id``), its
+        steps go on from ``last_step`` (the journal's), its exits are watched as for a group
+        started here; return its training future."""
+        g = self._register(replica, incarnation, store, list(recs), member_id)
+        with self._lock:
+            g.last_step, g.last, g.resumed = last_step, time.monotonic(), last_step is not None
+        logs = Path(self.job.run_dir) / "logs"
+        for k, rec in enumerate(recs):
+            self._logs[rec.ref.proc_id] = logs / log_name(replica, k)
+        return self._track(g)
 
     def _inc(self, replica: int, proc_id: str) -> int | None:  # for RemoteUnblock
         with self._lock:
@@ -346,16 +335,19 @@ class ProgramGroups:
                 return
             g.waiting += 1
             now = time.monotonic()
-            if g.last_step is not None and g.last is not None:
+            resumed, g.resumed = g.resumed, False  # its first request since a takeover
+            if g.last_step is not None and g.last is not None and not resumed:
                 g.gaps.append(now - g.last)
             g.survived = None
-            if g.last is not None and g.long_gaps >= 0 and g.last_step is not None:
+            if g.last is not None and g.long_gaps >= 0 and g.last_step is not None and not resumed:
                 # twice in a row: the program's pace, not one stall behind a fault
                 gap = gap_warning(now - g.last, self.cfg.program.progress_timeout_s, every)
                 g.long_gaps = 0 if gap is None else g.long_gaps + 1
                 gap, g.long_gaps = (gap, -1) if g.long_gaps == 2 else (None, g.long_gaps)
             g.last = now
             events = step_events(g.last_step, req.step)
+            if resumed and req.step == g.last_step:
+                events = []  # the request its dead controller saw, asked again: not an abort
             g.last_step = req.step if g.last_step is None else max(g.last_step, req.step)
             participants = g.participants
             host = g.procs[0].host.name

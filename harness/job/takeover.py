@@ -25,8 +25,10 @@ within the grace window is lost, as a host is. The takeover is a recovery in the
 once it serves, ``participating`` at the first commit after it.
 
 It supports the built-in trainer on the local and SLURM launchers with the tree quorum (under
-SLURM the new controller may run on another node: ``harness.job.standby_node``): a job with a
-``[program]`` or another launcher or quorum service is refused with that reason (the run then
+SLURM the new controller may run on another node: ``harness.job.standby_node``), and a
+``[program]`` job of one rank per group running torchft's Manager on the local launcher
+(``harness.job.program_takeover``): any other job (another launcher or quorum service, a
+program with several ranks per group or torchtitan's) is refused with the reason (the run then
 ends as it would have without a keeper).
 """
 
@@ -91,8 +93,8 @@ class Plan:
 
 def supported(cfg: JobConfig) -> str | None:
     """Why a job cannot be taken over in this slice, or None."""
-    if cfg.program.enabled:
-        return "a [program] job cannot be taken over yet (its quorum tap lives in the controller)"
+    if cfg.program.enabled and (why := _program_refusal(cfg)) is not None:
+        return why
     if cfg.launcher not in ("local", "slurm"):
         return f'launcher = "{cfg.launcher}": only "local" and "slurm" jobs can be taken over yet'
     if cfg.recovery.quorum != "tree":
@@ -101,6 +103,28 @@ def supported(cfg: JobConfig) -> str | None:
         return 'recovery.policy = "full_restart": the baseline restarts everything anyway'
     if cfg.recovery.controller_grace_s <= 0:
         return "recovery.controller_grace_s = 0: the agents died with their controller"
+    return None
+
+
+def _program_refusal(cfg: JobConfig) -> str | None:
+    """Why a ``[program]`` job cannot be taken over (``harness.job.program_takeover``)."""
+    if cfg.launcher != "local":
+        return (
+            f'a [program] job on launcher = "{cfg.launcher}" cannot be taken over yet: its '
+            "programs keep the quorum tap's address for life, and only a local one comes back "
+            "on the same host and port"
+        )
+    if cfg.program.kind == "torchtitan":
+        return (
+            'program.kind = "torchtitan" cannot be taken over yet: torchtitan builds its own '
+            "process groups on its group's store (MASTER_ADDR), which lives in the controller"
+        )
+    if cfg.ranks > 1:
+        return (
+            "a [program] job with ranks > 1 cannot be taken over yet: its ranks' store "
+            "(MASTER_ADDR) lives in the controller, and a program may build its own process "
+            "group on it (torch.distributed's env://)"
+        )
     return None
 
 
@@ -233,6 +257,10 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
     from runtime.mesh import ActorMesh, ActorRef, ProcRef
     from runtime.states import ProcState
 
+    if getattr(job, "program", None) is not None:  # a program of the user's own: no calls
+        from harness.job import program_takeover
+
+        return program_takeover.adopt(job, plan)
     c = job.controller
     recs = [c.procs.get(p) for p in plan.procs]
     calls = [

@@ -194,8 +194,10 @@ def rewritten(reply: bytes, new_id: int | None, ids: Mapping[str, str]) -> bytes
 
 
 class QuorumTap:
-    """Serves the Lighthouse protocol on ``bind_host`` (port 0) and forwards to
-    ``upstream()`` (``http://host:port``, asked per call: a restarted service may move).
+    """Serves the Lighthouse protocol on ``bind_host`` (on ``port``; 0: one the OS chooses) and
+    forwards to ``upstream()`` (``http://host:port``, asked per call: a restarted service may
+    move). A taken ``port`` raises OSError (a new controller serving its predecessor's tap
+    retries: ``harness.job.program_takeover.serve_tap``).
     ``address`` is what programs get as ``TORCHFT_LIGHTHOUSE``; ``bind_host`` and ``port`` are
     where it listens (an observer matches a caller's connection against them)."""
 
@@ -206,6 +208,7 @@ class QuorumTap:
         upstream: Callable[[], str],
         observer: Observer,
         max_requests: int = 64,
+        port: int = 0,
     ) -> None:
         self._upstream = upstream
         self._observer = observer
@@ -217,7 +220,7 @@ class QuorumTap:
         self._down: dict[str, str] = {}
         self._server, self.address = lighthouse_server(
             bind_host=bind_host,
-            port=0,
+            port=port,
             quorum=self._quorum,
             heartbeat=self._heartbeat,
             max_workers=max_requests,

@@ -1,0 +1,206 @@
+"""A ``[program]`` job's groups across a controller's death (``harness.job.takeover``,
+``docs/controller.md``): what a new controller needs to go on serving the programs a dead one
+started, without restarting them.
+
+A program is the user's own, unmodified: it was given its quorum service's address
+(``TORCHFT_LIGHTHOUSE``: the controller's quorum tap, ``harness.quorum.tap``) and its group's
+store (``MASTER_ADDR``/``MASTER_PORT``) once, in its environment, and keeps them for life. So:
+
+* **The tap comes back where it was.** Its port is kept in ``RUN/program.json`` (written whole
+  and durably, :func:`save`, before any program is started), and a new controller binds the
+  same port again (:func:`serve_tap`, retrying a few seconds: the old socket may linger).
+* **A quorum request waits.** The programs of a job that can be taken over get
+  ``TORCHFT_QUORUM_RETRIES`` (``harness.job.program_env.program_quorum_retries``): a request
+  in flight when the controller died, or made while none serves, fails and is asked again
+  every ~0.25 s until the new tap answers.
+* **The tap admits the adopted groups again.** ``program.json`` also keeps each group's
+  current incarnation and store address (a quorum request names its group by it:
+  ``harness.job.program_admission``); the processes, their pids and rank 0's host agent come
+  from the agents' reports (``runtime.takeover.Inheritance``); the tagged member id the quorum
+  service admitted, from ``quorum.json`` (``harness.quorum.durable``); the group's last step,
+  from the journal (:func:`last_step`).
+* **The group store.** It is served by the controller (``harness.rank.torchft_glue.host_store``)
+  and dies with it. torchft's Manager uses it only while it starts (rank 0 writes its
+  ManagerServer's address and replica id, every rank reads them); its process groups
+  rendezvous on stores of their own (torchft ``ProcessGroup.get_reconfigure_handle``). A
+  group of one rank running torchft's Manager therefore needs it no more once started; a
+  group of several ranks (whose program may build its own process group on it, as
+  ``torch.distributed``'s ``env://`` does) or torchtitan (which does) is not taken over:
+  ``harness.job.takeover.supported`` refuses it, with the reason.
+
+Not covered: a program that exited (code 0) while no controller served is not in its agent's
+report, so its group is restarted in place like a group that lost a rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from harness.job.takeover import GroupPlan, TakeoverRefused
+from runtime.journal import CONTROLLER_TAKEOVER, GROUP_START, HEALED, STEP_COMMIT
+
+T = TypeVar("T")
+
+#: The file in the run directory (mode 0600, like every control file of a run).
+STATE_FILE = "program.json"
+#: How long a new controller tries to bind its predecessor's tap port.
+BIND_PATIENCE_S = 5.0
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """A group's current incarnation and its store's ``host:port``, as its programs got it."""
+
+    incarnation: int
+    store: str
+
+
+@dataclass
+class ProgramState:
+    """``RUN/program.json``: the quorum tap's port and each group's current incarnation."""
+
+    tap_port: int
+    groups: dict[int, GroupState]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tap_port": self.tap_port,
+            "groups": {
+                str(r): {"incarnation": g.incarnation, "store": g.store}
+                for r, g in sorted(self.groups.items())
+            },
+        }
+
+
+def decode(doc: Mapping[str, Any], where: str = STATE_FILE) -> ProgramState:
+    """``doc`` (``program.json``'s object) as a ProgramState; ValueError naming what is wrong."""
+    try:
+        port = doc["tap_port"]
+        groups = {
+            int(r): GroupState(int(g["incarnation"]), str(g["store"]))
+            for r, g in dict(doc["groups"]).items()
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: not a program state ({type(exc).__name__}: {exc})") from None
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"{where}: tap_port {port!r} is not a port")
+    return ProgramState(port, groups)
+
+
+def save(run_dir: Path, state: ProgramState) -> None:
+    """Write ``RUN/program.json`` whole and durably (a reader sees the old file or the new)."""
+    from harness.job.rundir import write_json_atomic
+
+    write_json_atomic(Path(run_dir) / STATE_FILE, state.to_json())
+
+
+def load(run_dir: Path) -> ProgramState:
+    """``RUN/program.json``; TakeoverRefused if it is missing or damaged."""
+    from harness.job.rundir import read_json
+
+    path = Path(run_dir) / STATE_FILE
+    try:
+        doc = read_json(path)
+        if doc is None:
+            raise ValueError(f"{path} is missing: its controller kept no program state")
+        return decode(doc, str(path))
+    except ValueError as exc:
+        raise TakeoverRefused(f"the programs cannot be taken over: {exc}") from None
+
+
+def serve_tap(
+    make: Callable[[int], T],
+    port: int,
+    patience_s: float = BIND_PATIENCE_S,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``make(port)`` (a tap serving on ``port``), retried while the port is taken (OSError)
+    for ``patience_s``: the dead controller's socket may linger a moment."""
+    deadline = clock() + patience_s
+    while True:
+        try:
+            return make(port)
+        except OSError:
+            if clock() >= deadline:
+                raise
+            sleep(0.1)
+
+
+def last_step(records: Iterable[Mapping[str, Any]], replica: int) -> int | None:
+    """The last quorum step (the Manager's, not inner steps: a record's ``step`` divided by its
+    ``sync_every``) the journal says group ``replica``'s current incarnation reached (its tap
+    journals a commit, or a heal, when it sees a request at a higher step); None if none since
+    the group's last start."""
+    step: int | None = None
+    for r in records:
+        if r.get("replica") != replica:
+            continue
+        if r["event"] == GROUP_START:
+            step = None
+        elif r["event"] in (STEP_COMMIT, HEALED) and r.get("observed") == "quorum":
+            s = int(r.get("step", 0)) // max(1, int(r.get("sync_every", 1)))
+            step = s if step is None else max(step, s)
+    return step
+
+
+def member_id(run_dir: Path, replica: int, incarnation: int) -> str | None:
+    """The tagged id the tree quorum admitted incarnation ``incarnation`` of group ``replica``
+    by (``quorum.json``); None if it admitted another (a later one the dead controller did not
+    live to journal: the running processes are stale)."""
+    from harness.quorum import durable, rule
+
+    snap = durable.load(Path(run_dir) / "quorum.json")
+    if snap.incarnations.get(replica) != incarnation:
+        return None
+    return rule.member_id(snap.secret, replica, incarnation)
+
+
+def adopt(job: Any, plan: GroupPlan) -> Any:
+    """Adopt a program group the journal says runs (``harness.job.takeover.adopt`` for a
+    ``[program]`` job): every rank's program alive, its store and member id known, the group is
+    this controller's as it runs (same processes, same incarnation), its tap admissions and its
+    last step restored. None if not: the rest of it is stopped here, and the caller restarts the
+    group in place."""
+    from harness.job.groups import ReplicaGroup
+    from runtime.mesh import ProcMesh
+    from runtime.states import ProcState
+
+    c, program = job.controller, job.program
+    recs = [c.procs.get(p) for p in plan.procs]
+    state = program.durable.groups.get(plan.replica) if program.durable else None
+    why = None
+    if len(recs) != job.ranks or not all(
+        r is not None and r.program and r.state is ProcState.RUNNING for r in recs
+    ):
+        why = "a rank of the group is gone"
+    elif state is None or state.incarnation != plan.incarnation:
+        why = f"{STATE_FILE} does not name incarnation {plan.incarnation}'s store"
+    elif (member := member_id(job.run_dir, plan.replica, plan.incarnation)) is None:
+        why = "the quorum service admitted a later incarnation"
+    if why is not None:
+        c.stop_procs([p for p in plan.procs if p in c.procs], grace_s=0.5)
+        job.journal.emit(
+            CONTROLLER_TAKEOVER, replica=plan.replica, adopted=False,
+            reason=f"{why}: restarted in place",
+        )  # fmt: skip
+        return None
+    assert state is not None
+    c.adopt(list(plan.procs))
+    mesh = ProcMesh(
+        c, {"replica": 1, "rank": len(recs)}, {(0, k): r.ref for k, r in enumerate(recs)}
+    )
+    step = last_step(job.plan.records, plan.replica)
+    training = program.adopt(plan.replica, plan.incarnation, state.store, recs, member, step)
+    group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, None, training)
+    with job._lock:
+        job.groups[plan.replica] = group
+    job.journal.emit(
+        CONTROLLER_TAKEOVER, replica=plan.replica, adopted=True, procs=list(plan.procs),
+        step=step,
+    )  # fmt: skip
+    return mesh
