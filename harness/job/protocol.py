@@ -327,7 +327,12 @@ class Job:
 
         if len(replicas) == 1 and replicas[0] in self._adopting:
             plan = self._adopting.pop(replicas[0])
-            adopted = takeover.adopt(self, plan)
+            if self.program is not None:  # a program of the user's own: no calls to adopt
+                from harness.job import program_takeover
+
+                adopted = program_takeover.adopt(self, plan)
+            else:
+                adopted = takeover.adopt(self, plan)
             if adopted is not None:
                 return adopted
             self._next_incarnation[plan.replica] = takeover.next_incarnation(self, plan)

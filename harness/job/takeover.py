@@ -257,10 +257,6 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
     from runtime.mesh import ActorMesh, ActorRef, ProcRef
     from runtime.states import ProcState
 
-    if getattr(job, "program", None) is not None:  # a program of the user's own: no calls
-        from harness.job import program_takeover
-
-        return program_takeover.adopt(job, plan)
     c = job.controller
     recs = [c.procs.get(p) for p in plan.procs]
     calls = [
