@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.bench.slurm_requeue import _wait
 from runtime.journal import read_journal
 from runtime.launchers import slurm, slurm_testcluster
 
@@ -40,15 +41,6 @@ STEPS, KILL_AT = 400, 60
 def _records(run: Path) -> list[dict[str, Any]]:
     path = run / "journal.jsonl"
     return read_journal(path) if path.exists() else []
-
-
-def _wait(cond: Any, timeout: float, poll: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(poll)
-    return False
 
 
 def _commits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

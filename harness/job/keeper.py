@@ -39,7 +39,6 @@ stops cleanly).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import os
@@ -59,7 +58,7 @@ from harness.job.rundir import (
     CONSOLE_FILE,
     KEEPER_FILE,
     find_job_end,
-    job_file_or_say,
+    job_from_argv,
     read_json,
     this_host,
     write_json_atomic,
@@ -460,15 +459,10 @@ def wait_for_end(run_dir: Path, say: Any) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m harness.job.keeper RUN``: the detached keeper of a run ``ftharness run
     --detach`` prepared (its restart intensity from ``RUN/job.json``)."""
-    parser = argparse.ArgumentParser(prog="python -m harness.job.keeper")
-    parser.add_argument("run_dir")
-    args = parser.parse_args(argv)
-
-    run_dir = Path(args.run_dir)
-    read = job_file_or_say(run_dir)
-    if read is None:
+    job = job_from_argv("python -m harness.job.keeper", list(argv) if argv is not None else None)
+    if job is None:
         return 2
-    cfg, _ = read
+    run_dir, cfg = job
     return Keeper.for_job(run_dir, cfg, detached=True).run()
 
 

@@ -252,3 +252,15 @@ def job_file_or_say(run_dir: Path) -> tuple[JobConfig, dict[str, Any]] | None:
     except (ValueError, ConfigError, OSError) as exc:
         print(f"ftharness run: {exc}", file=sys.stderr)
         return None
+
+
+def job_from_argv(prog: str, argv: list[str] | None) -> tuple[Path, JobConfig] | None:
+    """``prog RUN``'s run directory and the config in its ``job.json``; None once what is wrong
+    is said on stderr (the caller exits 2)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("run_dir")
+    run_dir = Path(parser.parse_args(argv).run_dir)
+    read = job_file_or_say(run_dir)
+    return None if read is None else (run_dir, read[0])

@@ -115,19 +115,13 @@ def watch(run_dir: Path, beat: tuple[str, int], silence_s: float, say: Any) -> s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.job.standby_node RUN`` (a job step the keeper starts)."""
-    import argparse
-
     from harness.job.keeper import Keeper, _say
-    from harness.job.rundir import job_file_or_say
+    from harness.job.rundir import job_from_argv
 
-    parser = argparse.ArgumentParser(prog="python -m harness.job.standby_node")
-    parser.add_argument("run_dir")
-    args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
-    read = job_file_or_say(run_dir)
-    if read is None:
+    job = job_from_argv("python -m harness.job.standby_node", argv)
+    if job is None:
         return 2
-    cfg, _ = read
+    run_dir, cfg = job
     os.environ.update(job_env())
     info = read_json(run_dir / KEEPER_FILE) or {}
     host, _, port = str(info.get("beat") or "").rpartition(":")
