@@ -71,7 +71,7 @@ class Target:
 
     def describe(self) -> str:
         if self.controller:
-            return "the controller"
+            return "the controller" + (f"'s node {self.host}" if self.host else "")
         if self.replica is None and self.host is None:
             return "quorum service"
         if self.replica is None:
@@ -144,11 +144,17 @@ class FaultContext(Protocol):
 
     def fail_node(self, host: str) -> None:
         """Kill the SLURM node's slurmd and every process of the node (launcher = "slurm" on
-        nodes that are network namespaces here, bin/test-cluster; ValueError otherwise)."""
+        nodes that are network namespaces here, bin/test-cluster; ValueError otherwise). The
+        controller's own node too (this process dies with it: only in a job a standby on
+        another node takes over, the journal fsync'd first; it returns only if that failed)."""
         ...
 
     def cancel_step(self, host: str) -> None:
         """``scancel`` the node's agent step (launcher = "slurm"; ValueError otherwise)."""
+        ...
+
+    def controller_host(self) -> str:
+        """The host (SLURM node) the job's controller runs on now."""
         ...
 
     def in_phase(self, phase: str) -> bool:

@@ -221,10 +221,13 @@ class Injector:
     # -- one fault ------------------------------------------------------------------------------
 
     def _live_target(self, planned: PlannedFault) -> Target:
-        """The planned target with its group's *current* host (groups move after evictions)."""
+        """The planned target with its group's *current* host (groups move after evictions),
+        or, for a fault on the controller's node, the node the controller runs on now."""
         t = planned.target
         if t.replica is not None:
             return replace(t, host=self.ctx.replica_host(t.replica))
+        if t.controller and getattr(self._faults[planned.kind], "on_controller_node", False):
+            return replace(t, host=self.ctx.controller_host())
         return t
 
     def _rng(self, planned: PlannedFault) -> random.Random:

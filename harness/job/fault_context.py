@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from faults.fault import Target
@@ -25,6 +27,8 @@ from runtime.actor import wire_name
 from runtime.controller import Controller
 from runtime.journal import Journal
 from runtime.mesh import ActorMesh, ProcMesh
+
+_ROOT = str(Path(__file__).resolve().parents[2])  # the project (for a helper process's imports)
 
 
 class RunningJob(Protocol):
@@ -137,11 +141,58 @@ class JobFaultContext:
             raise ValueError(f"{what} needs launcher = 'slurm'")
         return launcher
 
+    def controller_host(self) -> str:
+        """The node (host) this process, the job's controller, runs on."""
+        from harness.job.rundir import this_host
+
+        return this_host()
+
     def fail_node(self, host: str) -> None:
         from runtime.launchers.slurm_testcluster import fail_node
 
         self._slurm("a node failure")
-        fail_node(host)
+        if host == self.controller_host():
+            self._fail_own_node(host)
+        else:
+            fail_node(host)
+
+    def _fail_own_node(self, host: str) -> None:
+        """Fail the node this controller runs on: only where a standby on another node takes
+        the run over; the journal fsync'd first (the ``fault.inject`` before it is durable), then
+        the node killed by a process outside it (one inside would freeze itself with the node:
+        ``fail_node`` freezes every process of it first). Returns only if that failed."""
+        from runtime.launchers.slurm_testcluster import node_namespace
+
+        why = self.takeover
+        if why is None and not self._standby_elsewhere():
+            why = "no standby on another node would take it over (keeper.json names no beat)"
+        if why is not None:
+            raise ValueError(f"the loss of the controller's node {host} would end this job: {why}")
+        argv = _outside(node_namespace(host), host)  # SlurmError: not a bin/test-cluster node
+        _sync(self._job.journal)
+        print(
+            f"[ftharness] controller_node_failure: failing this node, {host} (pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+        helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        try:  # the node (this process with it) is frozen and killed well before this returns
+            code = helper.wait(timeout=OWN_NODE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"node {host} was not failed within {OWN_NODE_WAIT_S:g} s") from None
+        raise ValueError(f"node {host} was not failed: its killer exited with status {code}")
+
+    def _standby_elsewhere(self) -> bool:
+        """Whether this run's keeper serves beats to a standby on another node."""
+        from harness.job.rundir import KEEPER_FILE, read_json
+
+        path = self._job.journal.path
+        if path is None:
+            return False
+        info = read_json(path.parent / KEEPER_FILE) or {}
+        return bool(info.get("beat"))
 
     def cancel_step(self, host: str) -> None:
         self._slurm("scancel of a step").cancel_step(host)
@@ -205,6 +256,46 @@ class JobFaultContext:
         """Replica groups not in the middle of a recovery."""
         busy = self._job.tracker.open_replicas()
         return [r for r in range(self.replicas) if r not in busy]
+
+
+#: How long the controller waits for its own node to be failed before it calls the fault failed.
+OWN_NODE_WAIT_S = 10.0
+#: The killer of the controller's own node: mounts the cgroup v1 freezer (a node's mount
+#: namespace has none: ``ip netns exec`` remounts /sys) and runs ``fail_node`` ($0 -c $1 $2).
+_KILLER = (
+    "mount -t tmpfs none /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/freezer && "
+    "mount -t cgroup -o freezer none /sys/fs/cgroup/freezer || true; "
+    'exec "$0" -c "$1" "$2"'
+)
+_FAIL_NODE = (
+    "import sys; from runtime.launchers.slurm_testcluster import fail_node; fail_node(sys.argv[1])"
+)
+
+
+def _outside(own_ns: str, host: str) -> list[str]:
+    """The command that fails ``host`` (network namespace ``own_ns``) from outside it: in
+    another node's network namespace (it reaches slurmctld, for ``scontrol``; the machine's own
+    is out of a node's reach), in a mount namespace of its own (:data:`_KILLER`)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    others = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    others = [ns for ns in others if ns != own_ns]
+    if not others:
+        raise ValueError(f"no network namespace but node {host}'s to fail it from")
+    return [
+        "nsenter", f"--net=/run/netns/{others[0]}", "--", "unshare", "--mount", "--",
+        "sh", "-c", _KILLER, sys.executable, _FAIL_NODE, host,
+    ]  # fmt: skip
+
+
+def _sync(journal: Journal) -> None:
+    """fsync the journal's file: what it holds survives the loss of this node."""
+    if journal.path is None:
+        return
+    fd = os.open(journal.path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _kill_self() -> None:

@@ -14,8 +14,10 @@ fault takes down every group on that host, so it explains each of their recoveri
 quorum service, a fault with no target; a program's survivor restarted because it asked for no
 quorum after another group's death (cause ``blocked_survivor``, ``harness.job.program_progress``)
 by the fault that explained that death; a takeover (cause ``controller_crash``, the job's root:
-``replica`` null like the quorum service's) is explained by the latest ``controller_crash`` fault
-not yet linked, however long the crash waited for its phase. A fault explains at most one
+``replica`` null like the quorum service's) is explained by the latest fault on the controller
+not yet linked (a ``controller_crash``, however long it waited for its phase, or a
+``controller_node_failure``, which also explains the recoveries of the groups on the
+controller's node, its target's host). A fault explains at most one
 recovery per group: a later failure of the same group, after that recovery, is not its doing. A
 failure nobody injected has ``fault_id`` null.
 
@@ -206,7 +208,9 @@ class RecoveryTracker:
             if (f["fault_id"], replica) in self._linked:
                 continue
             tgt = f.get("target") or {}
-            if bool(tgt.get("controller")) != root:
+            # a fault on the controller explains a takeover; one on its node (with a host:
+            # controller_node_failure) also the groups that were on that node
+            if bool(tgt.get("controller")) != root and (root or tgt.get("host") is None):
                 continue
             if root:
                 return f["fault_id"]

@@ -1,0 +1,96 @@
+"""The controller's node lost as a chaos fault (``controller_node_failure``), on the SLURM test
+cluster (``bin/test-cluster``, brought up for this module and torn down after it by
+test_slurm.py's ``cluster`` fixture): ``ftharness slurm submit`` of an experiment whose one
+fault fails the node its controller runs on. The standby on another node takes the run over,
+resumes the fault plan, and the run ends ok with nothing restarted.
+
+Needs root and Debian's slurm-wlm and munge (``bin/setup``); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from e2e_helpers import events
+from test_slurm import _revive_all, _submit, _tiny_toml, _wait_state, cluster
+
+from runtime.launchers import netns, slurm
+
+_ok, _why = netns.available()
+_slurm_ok, _slurm_why = slurm.available()
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not _ok, reason=_why),
+    pytest.mark.skipif(not _slurm_ok, reason=_slurm_why),
+]
+
+__all__ = ["cluster"]  # the fixture, imported for pytest
+
+EXPERIMENT = """name = "cnode"
+seed = 1
+duration_s = 40
+policies = ["in_place"]
+job = "{job}"
+overrides = ["timeouts.host_timeout=2.0", "timeouts.controller_silence=4.0"]
+
+[schedule]
+kind = "at_times"
+at_times = [12]
+
+[faults]
+mix = {{ controller_node_failure = 1 }}
+"""
+
+
+def test_a_chaos_fault_fails_the_controllers_node_and_the_run_goes_on(cluster, tmp_path):
+    """Three nodes, the first reserved for the controller (n1: the batch script, the keeper,
+    the controller and its injector), n2 and n3 a group each, the standby on n3. The injector
+    fails n1 12 s in: its ``fault.inject`` names n1 and is in the journal, the standby's
+    controller on n3 resumes the plan (and writes the fault's heal), the takeover's recovery is
+    linked to the fault and reaches participating, no group restarts, the run ends ok."""
+    job = _tiny_toml(tmp_path, "cnode-job", name="cnode", steps=1000000, replicas=2)
+    job.write_text(job.read_text() + '\n[slurm]\ncontroller_node = "reserved"\n')
+    exp = tmp_path / "cnode.toml"
+    exp.write_text(EXPERIMENT.format(job=job))
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    try:
+        job_id = _submit(tmp_path, exp, out, "--", "--time=10", nodes=3)
+        state = _wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 200)
+    finally:
+        _revive_all()
+    run = out / "chaos" / "in_place"
+    standby = run / "logs" / "standby-n3.out"
+    said = standby.read_text()[-3000:] if standby.exists() else "(no standby output)"
+    slurm_out = out / f"slurm-{job_id}.out"
+    said += "\n" + (slurm_out.read_text()[-3000:] if slurm_out.exists() else "(no batch output)")
+    records = events(run)
+    # the standby's keeper ended the allocation once the run had ended (its batch step died)
+    assert state == "CANCELLED", (state, said)
+    end = [r for r in records if r["event"] == "job.end"]
+    assert end and end[-1]["status"] == "ok", (end, said)
+    assert json.loads((run / "keeper.json").read_text())["host"] == "n3"
+
+    (inject,) = [r for r in records if r["event"] == "fault.inject"]
+    assert inject["kind"] == "controller_node_failure", inject
+    assert inject["target"]["host"] == "n1" and inject["target"]["controller"], inject
+    fid = inject["fault_id"]
+    heals = [r for r in records if r["event"] == "fault.heal" and r["fault_id"] == fid]
+    assert heals and not heals[0].get("error"), heals
+    assert [r for r in records if r["event"] == "controller.takeover"], said
+    assert inject["t"] < min(r["t"] for r in records if r["event"] == "controller.takeover")
+
+    # the takeover's recovery is the fault's, and it reached participating
+    phases = [r for r in records if r["event"] == "recovery.phase"]
+    takeover = {r["phase"] for r in phases if r["cause"] == "controller_crash"}
+    assert {"detected", "participating"} <= takeover, phases
+    assert {r["fault_id"] for r in phases if r["cause"] == "controller_crash"} == {fid}
+    # nothing restarted: one start per group, no failure of a group
+    starts = [r for r in records if r["event"] == "group.start"]
+    assert sorted(r["replica"] for r in starts) == [0, 1], starts
+    assert not [r for r in records if r["event"] == "failure" and "replica" in r]
+    assert (run / "report.json").exists()
+    print(f"took {time.monotonic() - t0:.0f} s")
