@@ -37,7 +37,8 @@ class ProgramGroup:
     long_gaps: int = 0  # consecutive requests close to the progress timeout (-1: told once)
     admission: GroupAdmission = field(default_factory=GroupAdmission)  # the tap's rule's
     gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # answer to next request, s
-    survived: tuple[int, float] | None = None  # (dead replica, monotonic t): not asked since
+    survived: tuple[int, float] | None = None  # (dead replica, monotonic t): watched since
+    survived_asks: int = 0  # its requests since that death (watched until the second)
     # Adopted from a dead controller (harness.job.program_takeover) at ``last_step``, the
     # journal's: its next request at that step is the one the dead controller saw, asked
     # again (torchft's quorum retries), not an abort.

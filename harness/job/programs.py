@@ -338,7 +338,11 @@ class ProgramGroups:
             resumed, g.resumed = g.resumed, False  # its first request since a takeover
             if g.last_step is not None and g.last is not None and not resumed:
                 g.gaps.append(now - g.last)
-            g.survived = None
+            # Watched until its second request since the death: a rank may ask once more (a
+            # quorum already without the dead group) and block in the step after it.
+            g.survived_asks += 1
+            if g.survived_asks >= 2:
+                g.survived = None
             if g.last is not None and g.long_gaps >= 0 and g.last_step is not None and not resumed:
                 # twice in a row: the program's pace, not one stall behind a fault
                 gap = gap_warning(now - g.last, self.cfg.program.progress_timeout_s, every)
@@ -459,7 +463,7 @@ class ProgramGroups:
         with self._lock:
             for g in self._groups.values():
                 if g.replica != dead:
-                    g.survived = (dead, now)
+                    g.survived, g.survived_asks = (dead, now), 0
 
     def _after_the_others(self, failure: Failure) -> None:
         """A rank of a group's current incarnation failed after every other group finished the

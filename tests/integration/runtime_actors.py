@@ -96,9 +96,10 @@ class Chatter(Actor):
         while time.monotonic() < deadline:
             self.emit("test.chatter", n=n, payload=payload)
             n += 1
-            if n % 50 == 0:
-                with open(path, "w") as f:
+            if n % 50 == 0:  # whole or not at all: a reader must never see it truncated
+                with open(path + ".tmp", "w") as f:
                     f.write(str(n))
+                os.replace(path + ".tmp", path)
             time.sleep(0.001)
         return n
 
