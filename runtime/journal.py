@@ -179,6 +179,13 @@ class Journal:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._torn = _ends_mid_line(self.path)
 
+    def sync(self) -> None:
+        """fsync what was written so far: it survives the loss of this machine (a fault that
+        fails the controller's own node makes its record durable first)."""
+        with self._lock:
+            if self._fd is not None:
+                os.fsync(self._fd)
+
     def add_sink(self, sink: Sink) -> None:
         with self._lock:
             self._sinks.append(sink)

@@ -74,6 +74,18 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return alive
 
 
+def reap_within(pid: int, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Reap child ``pid`` if it exits within ``timeout_s`` (polled every ``poll_s``); whether it
+    did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        time.sleep(poll_s)
+    return False
+
+
 def _running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

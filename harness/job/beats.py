@@ -5,15 +5,15 @@ standby's job step, which the keeper starts."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from runtime.proctree import reap_within
 
 if TYPE_CHECKING:
     from harness.config import JobConfig
@@ -98,12 +98,7 @@ class Remote:
         step = self._step
         if step is None:
             return
-        deadline = time.monotonic() + 10.0  # it exits on the END; not a process left behind
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(step.pid, os.WNOHANG)[0] == step.pid:
-                    return
-            time.sleep(0.05)
+        reap_within(step.pid, 10.0, 0.05)  # it exits on the END: not a process left behind
 
 
 def standby_node(nodes: list[str] | tuple[str, ...], here: str | None) -> str | None:

@@ -169,7 +169,7 @@ class JobFaultContext:
         if why is not None:
             raise ValueError(f"the loss of the controller's node {host} would end this job: {why}")
         argv = _outside(node_namespace(host), host)  # SlurmError: not a bin/test-cluster node
-        _sync(self._job.journal)
+        self._job.journal.sync()
         print(
             f"[ftharness] controller_node_failure: failing this node, {host} (pid {os.getpid()})",
             file=sys.stderr,
@@ -285,17 +285,6 @@ def _outside(own_ns: str, host: str) -> list[str]:
         "nsenter", f"--net=/run/netns/{others[0]}", "--", "unshare", "--mount", "--",
         "sh", "-c", _KILLER, sys.executable, _FAIL_NODE, host,
     ]  # fmt: skip
-
-
-def _sync(journal: Journal) -> None:
-    """fsync the journal's file: what it holds survives the loss of this node."""
-    if journal.path is None:
-        return
-    fd = os.open(journal.path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _kill_self() -> None:

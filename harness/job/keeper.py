@@ -63,6 +63,7 @@ from harness.job.rundir import (
     this_host,
     write_json_atomic,
 )
+from runtime.proctree import reap_within
 
 #: A controller exit status that means it ended by itself (ok, failed, bad input): not replaced.
 _OWN_ENDS = (0, 1, 2)
@@ -360,12 +361,8 @@ class Keeper:
         with contextlib.suppress(OSError):
             if proc.stdin is not None:
                 proc.stdin.close()
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(proc.pid, os.WNOHANG)[0] == proc.pid:
-                    return
-            time.sleep(0.02)
+        if reap_within(proc.pid, 5.0):
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
 

@@ -183,7 +183,7 @@ class TreeQuorumService:
             )
         elif self._saved is not None:
             saved = self._saved
-            if saved.host != host and not _is_local(saved.host):
+            if saved.host != host and not _can_bind(saved.host):
                 # The last controller ran on another node (SLURM, its node lost): serve here, on
                 # the same port if it is free. Managers reach the service through their host
                 # agent's relay (runtime.relay), which each agent points at this address.
@@ -193,7 +193,7 @@ class TreeQuorumService:
                     saved.port,
                     host,
                 )
-                port = saved.port if _port_free(host, saved.port) else 0
+                port = saved.port if _can_bind(host, saved.port) else 0
             else:
                 if saved.host != host:
                     log.warning(
@@ -318,20 +318,9 @@ class TreeQuorumService:
         return bool(self.tree.status()["participants"])
 
 
-def _is_local(host: str) -> bool:
-    """Whether ``host`` is an address of this machine (of this network namespace): one a
-    socket can bind."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-        return True
-    except OSError:
-        return False
-
-
-def _port_free(host: str, port: int) -> bool:
+def _can_bind(host: str, port: int = 0) -> bool:
+    """Whether a socket can bind ``host:port`` now: ``host`` is an address of this machine (of
+    this network namespace) and, for a given port, that port is free there."""
     import socket
 
     try:
