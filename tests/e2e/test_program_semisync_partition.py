@@ -143,8 +143,13 @@ def test_a_partitioned_semisync_group_is_replaced_and_heals_to_its_peers_state(t
     for r in range(3):  # every group trained to the job's last sync
         assert max(c["step"] for c in commits if c["replica"] == r) == STEPS - SYNC_EVERY, r
     healed = [h for h in events(run, "trainer.healed") if h["t"] > t_fence]
-    assert healed and all(h["replica"] == REPLICA for h in healed), healed
-    assert healed[0]["host"] == new_host and healed[0]["step"] > AT_STEP, healed
+    # The replacement healed. A survivor may heal too, from the other survivor: when the cut fell
+    # inside a sync's ring allreduce, one survivor's completed and the other's timed out, so the
+    # latter is a sync behind at the next quorum (torchft heals every member below max_step).
+    # Either way the checksums below show every group holding its peers' state.
+    replaced = [h for h in healed if h["replica"] == REPLICA]
+    assert replaced, healed
+    assert replaced[0]["host"] == new_host and replaced[0]["step"] > AT_STEP, healed
 
     # the replacement healed from a peer (its first sync is past the job's first) and, at every
     # sync it shares with a peer, holds the peer's parameters and outer optimizer state
