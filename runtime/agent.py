@@ -61,7 +61,7 @@ from typing import Any
 import psutil
 import tenacity
 
-from runtime import channel, netaddr, orphan, proctree, sockets
+from runtime import channel, group_store, netaddr, orphan, proctree, sockets
 from runtime.actor import resolve
 from runtime.channel import FrameError
 from runtime.control_file import read_secret
@@ -77,11 +77,13 @@ from runtime.messages import (
     Hung,
     PreflightCommand,
     QuorumUpstream,
+    ServeStore,
     Shutdown,
     Spawn,
     Spawned,
     SpawnProgram,
     StopProc,
+    StoreServed,
     UnblockPeers,
 )
 from runtime.preflight import AgentPreflight
@@ -132,6 +134,7 @@ class Agent:
         )
         self.highest_proc = -1  # the highest N of the host/pN this agent was asked to start
         self.workers: dict[int, _Worker] = {}  # by pid
+        self.stores: dict[int, int] = {}  # replica group -> pid of its store (runtime.group_store)
         self.out = orphan.FrameQueue()  # frames not yet accepted by the kernel
         self.wake_r, self.wake_w = socket.socketpair()
         self.next_agent_beat = 0.0
@@ -289,6 +292,8 @@ class Agent:
                 self._send(Spawned(proc_id, pid))
             case SpawnProgram():
                 self._start_program(msg)
+            case ServeStore(replica):
+                self._serve_store(replica)
             case StopProc(proc_id, grace_s):
                 for w in self.workers.values():
                     if w.proc_id == proc_id:
@@ -302,6 +307,20 @@ class Agent:
                 self.preflight.handle(msg)
             case _:
                 raise FrameError(f"unknown message {msg!r:.80}")
+
+    def _serve_store(self, replica: int) -> None:
+        """A fresh store for ``replica``'s next incarnation; its last one's ends."""
+        old = self.stores.pop(replica, None)
+        if old is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old, signal.SIGKILL)  # reaped by _reap, as any child
+        try:
+            pid, address = group_store.serve_in_child(self.address, self.connect_timeout)
+        except OSError as exc:
+            self._send(StoreServed(replica, "", f"cannot serve a store on {self.address}: {exc}"))
+            return
+        self.stores[replica] = pid
+        self._send(StoreServed(replica, address))
 
     def _drop_connections(self, address: str) -> None:
         if address != self.address:
@@ -478,7 +497,8 @@ class Agent:
                 return
             w = self.workers.pop(pid, None)
             if w is None:
-                continue  # an orphaned grandchild we adopted as subreaper
+                self._store_exited(pid, status)
+                continue  # or an orphaned grandchild we adopted as subreaper
             if w.hb is not None:
                 with contextlib.suppress(KeyError, ValueError):
                     self.sel.unregister(w.hb)
@@ -487,7 +507,12 @@ class Agent:
                 w.popen.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not there
             # The worker's own children were re-parented to us (we are a subreaper): any child
             # that is not a worker is such an orphan, and must not outlive its worker.
-            orphans = [p for p in psutil.Process().children() if p.pid not in self.workers]
+            stores = set(self.stores.values())
+            orphans = [
+                p
+                for p in psutil.Process().children()
+                if p.pid not in self.workers and p.pid not in stores
+            ]
             proctree.signal_all(orphans, signal.SIGKILL)
             # The survivors' sockets are listed before the controller hears of the death (so
             # none of a communicator rebuilt without the dead group), shut down after.
@@ -495,6 +520,17 @@ class Agent:
             self._send(Exited(w.proc_id, pid, status, time.time()))
             if unblock is not None:
                 self._unblock_survivors(*unblock)
+
+    def _store_exited(self, pid: int, status: int) -> None:
+        for replica, store in list(self.stores.items()):
+            if store == pid:  # not replaced, not killed by us: its group's ranks will say so
+                del self.stores[replica]
+                log.warning(
+                    "agent %s: the store of replica group %d exited (%s)",
+                    self.host,
+                    replica,
+                    os.waitstatus_to_exitcode(status),
+                )
 
     def _survivor_sockets(self, w: _Worker) -> tuple[int, dict, dict] | None:
         """``w``'s program group died or is being fenced: its host's ranks' sockets now (pid ->

@@ -63,10 +63,12 @@ from runtime.messages import (
     PreflightReply,
     Request,
     Result,
+    ServeStore,
     Spawn,
     Spawned,
     SpawnProgram,
     StopProc,
+    StoreServed,
     SysCall,
     Welcome,
 )
@@ -119,6 +121,7 @@ class Controller:
         self.host_table = HostTable(self)
         self.hosts = self.host_table.hosts  # by name
         self.procs: dict[str, ProcRecord] = {}
+        self._stores: dict[tuple[str, int], cf.Future] = {}  # (host, replica) -> its address
         self.failures: list[Failure] = []
         self.fatal: Failure | None = None
         self.fatal_event = threading.Event()
@@ -262,6 +265,13 @@ class Controller:
                 self._on_exit(proc_id, status, t)
             case Hung(proc_id, _pid, silent_s, t_last):
                 self._on_hung(proc_id, silent_s, t_last)
+            case StoreServed(replica, address, error):
+                with self._lock:
+                    fut = self._stores.pop((h.name, replica), None)
+                if fut is not None and address:
+                    fut.set_result(address)
+                elif fut is not None:
+                    fut.set_exception(ProcFailedError(f"host {h.name}: {error}"))
             case PreflightReply():
                 self.preflight.deliver(h.name, msg)
             case _:
@@ -297,6 +307,10 @@ class Controller:
         """``h`` was declared lost (by the host table): every process on it failed."""
         with self._lock:
             victims = [p for p in self.procs.values() if p.host is h]
+            stores = [f for (name, _), f in self._stores.items() if name == h.name]
+        for fut in stores:
+            with contextlib.suppress(cf.InvalidStateError):
+                fut.set_exception(ProcFailedError(f"host {h.name} lost: {why}"))
         now = time.time()
         for rec in victims:
             self._fail(
@@ -376,6 +390,28 @@ class Controller:
         if adopted:
             self._spawner.submit(h.pool.replenish)
         return dims, items, recs
+
+    def serve_store(self, h: HostAgentHandle, replica: int) -> str:
+        """A fresh store for replica group ``replica``'s next incarnation, served on ``h`` by its
+        agent (``runtime.group_store``; the group's last one there ends): its ``host:port``.
+        ProcFailedError if ``h`` is lost or cannot serve one."""
+        if h.lost or h.conn is None:
+            raise ProcFailedError(f"host {h.name} is lost")
+        fut: cf.Future[str] = cf.Future()
+        with self._lock:
+            self._stores[(h.name, replica)] = fut
+        h.conn.send(ServeStore(replica))
+        try:
+            return fut.result(timeout=self.spec.spawn_timeout_s)
+        except cf.TimeoutError:
+            raise ProcFailedError(
+                f"host {h.name} did not serve replica group {replica}'s store within "
+                f"{self.spec.spawn_timeout_s:g} s"
+            ) from None
+        finally:
+            with self._lock:
+                if self._stores.get((h.name, replica)) is fut:
+                    del self._stores[(h.name, replica)]
 
     # -- programs of the user's own (runtime/program_proc.py runs them on the host) ------------
     def spawn_program(self, h: HostAgentHandle, msg: SpawnProgram) -> ProcRecord:

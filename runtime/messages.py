@@ -5,11 +5,11 @@ authenticated handshake):
 
 * host agent -> controller: :class:`HelloAgent` (the agent dials in: its first frame), then
   :class:`AgentReady`, :class:`Spawned`, :class:`Exited`, :class:`Hung`, :class:`AgentBeat`,
-  and the preflight's :class:`PreflightReply` kinds;
+  :class:`StoreServed`, and the preflight's :class:`PreflightReply` kinds;
 * controller -> host agent: :class:`AgentConfig` (the answer to HelloAgent), :class:`Spawn`,
   :class:`SpawnProgram`, :class:`StopProc`, :class:`Shutdown`, :class:`ControllerBeat`,
-  :class:`DropConnections`, :class:`UnblockPeers`, :class:`QuorumUpstream`, and the preflight's
-  :class:`PreflightCommand` kinds (``runtime.preflight``);
+  :class:`DropConnections`, :class:`UnblockPeers`, :class:`QuorumUpstream`, :class:`ServeStore`,
+  and the preflight's :class:`PreflightCommand` kinds (``runtime.preflight``);
 * controller <-> worker: :class:`HelloWorker` (worker -> controller, first frame), then
   :class:`Welcome` (the controller's epoch), :class:`SpawnActor`, :class:`CallEndpoint` and
   :class:`SysCall` (requests, each with a ``call_id``), and back :class:`Result` and
@@ -123,6 +123,15 @@ class SpawnProgram:
 
 
 @dataclass(frozen=True, slots=True)
+class ServeStore:
+    """Serve a fresh TCPStore for replica group ``replica`` on this host
+    (``runtime.group_store``), ending the one served for it before; answered with
+    :class:`StoreServed`."""
+
+    replica: int
+
+
+@dataclass(frozen=True, slots=True)
 class StopProc:
     """SIGTERM the worker's process tree, SIGKILL after ``grace_s`` (0: at once)."""
 
@@ -188,6 +197,16 @@ class AgentReady:
 class Spawned:
     proc_id: str
     pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreServed:
+    """The answer to :class:`ServeStore`: the store's ``host:port``, or why there is none
+    (``address`` empty, ``error`` says why)."""
+
+    replica: int
+    address: str
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ class ReplicaGroup:
     incarnation: int
     host: str
     mesh: ActorMesh | ProcMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
-    store: Any  # the group's TCPStore, served from this process while the group runs
+    store: str | None  # its TCPStore's host:port (runtime.group_store); None: adopted
     training: cf.Future  # rank 0's ``train`` call: done when the group stops training
 
 
@@ -38,12 +38,12 @@ class GroupStarter(Protocol):
         replicas: list[int],
         hosts: dict[int, HostAgentHandle],
         incarnation: dict[int, int],
-        stores: dict[int, tuple[Any, str]],
+        stores: dict[int, str],
         cold: bool = False,
         member_ids: dict[int, str] | None = None,
     ) -> tuple[ActorMesh | ProcMesh, dict[int, cf.Future]]:
         """Start every rank of ``replicas`` (incarnation ``incarnation[r]`` of group ``r`` on
-        ``hosts[r]``, with its fresh store ``stores[r]`` = (store, address) and, if the quorum
+        ``hosts[r]``, with its fresh store at ``stores[r]`` (``host:port``) and, if the quorum
         service names its members, the replica id ``member_ids[r]``); return them as one mesh
         {"replica", "rank"} and each group's training future (done when the group stops
         training). ``cold``: fresh interpreters (a full restart pays the imports a scheduler's
@@ -74,7 +74,7 @@ class TrainerGroups:
         replicas: list[int],
         hosts: dict[int, HostAgentHandle],
         incarnation: dict[int, int],
-        stores: dict[int, tuple[Any, str]],
+        stores: dict[int, str],
         cold: bool = False,
         member_ids: dict[int, str] | None = None,
     ) -> tuple[ActorMesh, dict[int, cf.Future]]:
@@ -92,7 +92,7 @@ class TrainerGroups:
             "trainer",
             TrainerActor,
             self.cfg_dict,
-            {r: addr for r, (_, addr) in stores.items()},
+            stores,
             self.quorum.address,
             str(self.run_dir),
             member_ids or {},

@@ -3,7 +3,7 @@
 Once the host agents have dialled in and the quorum service serves, :func:`check_network` runs
 one connectivity matrix (``runtime.preflight_matrix``): every agent listens for a moment at its
 advertised address, and connects to every other agent's and to the controller's services (the
-listener workers and agents dial, the stores' and the quorum service's address), all in parallel,
+listener workers and agents dial, the quorum service's address), all in parallel,
 each within ``timeouts.preflight``. Any path that does not work (refused, timed out, no route, an
 address that is another machine's loopback, not the job's agent answering) stops the job before
 training with a table naming both ends (:class:`PreflightFailed`, which ``run_job`` turns into a

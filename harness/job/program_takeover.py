@@ -19,14 +19,12 @@ store (``MASTER_ADDR``/``MASTER_PORT``) once, in its environment, and keeps them
   from the agents' reports (``runtime.takeover.Inheritance``); the tagged member id the quorum
   service admitted, from ``quorum.json`` (``harness.quorum.durable``); the group's last step,
   from the journal (:func:`last_step`).
-* **The group store.** It is served by the controller (``harness.rank.torchft_glue.host_store``)
-  and dies with it. torchft's Manager uses it only while it starts (rank 0 writes its
-  ManagerServer's address and replica id, every rank reads them); its process groups
-  rendezvous on stores of their own (torchft ``ProcessGroup.get_reconfigure_handle``). A
-  group of one rank running torchft's Manager therefore needs it no more once started; a
-  group of several ranks (whose program may build its own process group on it, as
-  ``torch.distributed``'s ``env://`` does) or torchtitan (which does) is not taken over:
-  ``harness.job.takeover.supported`` refuses it, with the reason.
+* **The group store.** It is served on the group's host by its agent
+  (``runtime.group_store``), not by the controller, so it outlives the controller as the ranks
+  do: a program that builds its own process group on it (``torch.distributed``'s ``env://``)
+  or whose ranks meet there after they started is served by it across a takeover.
+  torchtitan's programs are still refused (``harness.job.takeover.supported``): no test here
+  runs one through a takeover.
 
 Not covered: a program that exited (code 0) while no controller served is not in its agent's
 report, so its group is restarted in place like a group that lost a rank.
@@ -196,7 +194,7 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
     )
     step = last_step(job.plan.records, plan.replica)
     training = program.adopt(plan.replica, plan.incarnation, state.store, recs, member, step)
-    group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, None, training)
+    group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, state.store, training)
     with job._lock:
         job.groups[plan.replica] = group
     job.journal.emit(

@@ -138,7 +138,7 @@ class ProgramGroups:
         replicas: list[int],
         hosts: dict[int, Any],
         incarnation: dict[int, int],
-        stores: dict[int, tuple[Any, str]],
+        stores: dict[int, str],
         cold: bool = False,
         member_ids: dict[int, str] | None = None,
     ) -> tuple[ProcMesh, dict[int, cf.Future]]:
@@ -157,7 +157,7 @@ class ProgramGroups:
         items: dict[tuple[int, ...], Any] = {}
         training: dict[int, cf.Future] = {}
         for i, r in enumerate(replicas):
-            store_addr = stores[r][1]
+            store_addr = stores[r]
             recs: list[Any] = []  # filled below: the group is known before its first request
             g = self._register(r, incarnation[r], store_addr, recs, (member_ids or {}).get(r, ""))
             if self.durable is not None:  # its store, durable before its programs start

@@ -323,8 +323,6 @@ class Job:
         Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
         host to become ready) hold up only these groups. After a takeover, a group that still
         runs is adopted instead, the first time (``harness.job.takeover.adopt``)."""
-        from harness.rank.torchft_glue import host_store
-
         if len(replicas) == 1 and replicas[0] in self._adopting:
             plan = self._adopting.pop(replicas[0])
             if self.program is not None:  # a program of the user's own: no calls to adopt
@@ -357,8 +355,10 @@ class Job:
                 else self._next_incarnation.get(r, 0)
                 for r in replicas
             }
-        # A fresh store per incarnation: keys from a dead incarnation must not leak into it.
-        stores = {r: host_store(self.cfg.bind_host, self.cfg.timeouts) for r in replicas}
+        # A fresh store per incarnation (keys from a dead incarnation must not leak into it),
+        # served on the group's host by its agent: it outlives this controller, as the group's
+        # ranks do (runtime.group_store).
+        stores = {r: self.controller.serve_store(hosts[r], r) for r in replicas}
         # Fence: the quorum service lets in only the incarnation it admitted last, so a stale
         # incarnation (a partitioned group that comes back) can never rejoin or serve weights.
         admitted = {r: self.quorum.admit(r, incarnation[r]) for r in replicas}
@@ -374,7 +374,7 @@ class Job:
         replicas: list[int],
         hosts: dict[int, HostAgentHandle],
         incarnation: dict[int, int],
-        stores: dict[int, Any],
+        stores: dict[int, str],
         mesh: ActorMesh | ProcMesh,
         training: dict[int, cf.Future],
     ) -> None:
@@ -386,7 +386,7 @@ class Job:
                 incarnation=incarnation[r],
                 host=hosts[r].name,
                 mesh=mesh.slice(replica=slice(i, i + 1)),
-                store=stores[r][0],
+                store=stores[r],
                 training=training[r],
             )
             with self._lock:

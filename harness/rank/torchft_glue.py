@@ -13,7 +13,8 @@ Roles (torchft's, unchanged):
   ``allreduce`` (average gradients across participating groups), ``should_commit`` (every rank
   of the group agrees the step was clean). Rank 0 of a group also runs the group's ManagerServer,
   which talks to the Lighthouse.
-* Each replica group has its **own TCPStore**, hosted by its rank 0 (or its supervisor) on port 0.
+* Each replica group has its **own TCPStore**, on a free port of its host, served by a process of
+  the host agent's (``runtime.group_store``), as torchrun's agent serves it.
 
 Addresses. Every address a rank gives a peer is its host's advertised address
 (``runtime.actor.host_address()``, chosen by the host agent: ``runtime.netaddr``), never the
@@ -23,11 +24,12 @@ group's rendezvous store (:class:`ProcessGroupGloo`), the ManagerServer's addres
 ``hostname``) and the HTTP checkpoint server's (:class:`HTTPAddressTransport`). A user's own
 torchft program gets the same through ``harness/rank/program_site``.
 
-Listeners. The Lighthouse and each group's TCPStore listen on ``bind_host`` only (torch's
-TCPStore server binds every interface unless handed a bound socket: :func:`host_store` hands it
-one), each rank's process-group rendezvous store on its host's advertised address only
-(:class:`ProcessGroupGloo`). Two listeners of torchft's cannot be told an address, and listen on
-every interface (``[::]``, dual-stack) whatever ``bind_host`` says;
+Listeners. The Lighthouse listens on ``bind_host`` only, each group's TCPStore on its host's
+advertised address only (torch's TCPStore server binds every interface unless handed a bound
+socket: ``runtime.group_store.bound_store`` hands it one), each rank's process-group
+rendezvous store on its host's advertised address only (:class:`ProcessGroupGloo`). Two
+listeners of torchft's cannot be told an address, and listen on every interface (``[::]``,
+dual-stack) whatever ``bind_host`` says;
 ``tests/integration/test_listeners.py`` lists them and checks that nothing else does:
 
 * the **ManagerServer** of each group's rank 0: ``torchft.manager.Manager`` binds
@@ -52,7 +54,6 @@ import hashlib
 import json
 import os
 import secrets
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -69,6 +70,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from harness.config import JobConfig, TimeoutConfig
 from harness.rank.transport import make_dataplane_transport
 from runtime.actor import host_address
+from runtime.group_store import bound_store
 from runtime.relay import RELAY_ENV
 
 
@@ -103,7 +105,7 @@ class ProcessGroupGloo(_TorchftProcessGroupGloo):
     def get_reconfigure_handle(self) -> str:
         store: TCPStore | None = self._rendezvous_store  # type: ignore[has-type]
         if store is None:  # torchft's default timeout: torch's (the store only serves)
-            store = self._rendezvous_store = _bound_store(self.address, None)
+            store = self._rendezvous_store = bound_store(self.address, None)
         handle = {
             "id": self._handle_id(),
             "store": f"{_url_host(self.address)}:{store.port}",
@@ -208,39 +210,8 @@ class Lighthouse:
 def host_store(bind_host: str, timeouts: TimeoutConfig) -> tuple[TCPStore, str]:
     """Start a replica group's TCPStore on a free port of ``bind_host``; returns it (keep it
     alive as long as the group runs) and its ``host:port`` for the group's other ranks."""
-    store = _bound_store(bind_host, _s(timeouts.connect_timeout))
+    store = bound_store(bind_host, _s(timeouts.connect_timeout))
     return store, f"{bind_host}:{store.port}"
-
-
-def _bound_store(host: str, timeout: timedelta | None) -> TCPStore:
-    """A TCPStore server listening on ``host`` only, on a free port (``timeout``: None for
-    torch's default).
-
-    torch's TCPStore server listens on every interface whatever ``host_name`` says; handed a
-    socket already bound (``master_listen_fd``), it listens on that one. The store owns the
-    descriptor from then on (libuv closes it with the store)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    try:
-        sock.bind(addr)
-        sock.listen(socket.SOMAXCONN)
-        store = TCPStore(
-            host_name=host,
-            port=sock.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
-            use_libuv=True,
-            **extra,
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()
-    return store
 
 
 def _url_host(address: str) -> str:

@@ -67,6 +67,7 @@ class FakeController:
         self.address = ("127.0.0.1", 0)
         self.hosts: dict[str, FakeHost] = {}
         self.procs: dict[str, FakeProc] = {}
+        self.stores: list[tuple[str, int]] = []  # (host, replica) of every store served
         self.worker_calls: list[tuple[str, str, tuple[Any, ...]]] = []
         self.fatal: Failure | None = None
         self.fatal_event = threading.Event()
@@ -91,6 +92,12 @@ class FakeController:
         self.hosts[name].lost = True
         for proc in [p for p in self.procs.values() if p.host == name and not p.stopped]:
             self.kill(proc.proc_id, cause=Cause.LOST_HOST)
+
+    def serve_store(self, host: FakeHost, replica: int) -> str:
+        """A group's store on ``host`` (no server: the fake ranks never dial it)."""
+        assert not host.lost, f"a store on lost host {host.name}"
+        self.stores.append((host.name, replica))
+        return f"127.0.0.1:{20000 + len(self.stores)}"
 
     # -- processes ------------------------------------------------------------------------------
     @contextlib.contextmanager

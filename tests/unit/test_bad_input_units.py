@@ -373,7 +373,7 @@ def test_a_programs_log_is_created_0600(tmp_path: Path) -> None:
     groups.tap = SimpleNamespace(address="127.0.0.1:1")  # type: ignore[assignment]
     old = os.umask(0o022)  # the usual umask: open(..., "a") would create 0644
     try:
-        groups.start_groups([0], {0: "h0"}, {0: 0}, {0: (None, "127.0.0.1:2")})
+        groups.start_groups([0], {0: "h0"}, {0: 0}, {0: "127.0.0.1:2"})
     finally:
         os.umask(old)
     log = tmp_path / "logs" / log_name(0, 0)

@@ -29,10 +29,11 @@ def cfg(*overrides: str):
     )
 
 
-def test_a_one_rank_torchft_program_on_the_local_launcher_is_taken_over_and_nothing_else():
+def test_a_torchft_program_on_the_local_launcher_is_taken_over_and_nothing_else():
     assert supported(cfg()) is None
-    why = supported(cfg("ranks=2"))
-    assert why is not None and "ranks > 1" in why and "MASTER_ADDR" in why
+    assert supported(cfg("ranks=2")) is None  # its store is its host agent's
+    why = supported(cfg("program.kind=torchtitan"))
+    assert why is not None and "torchtitan" in why
     why = supported(cfg("launcher=slurm"))
     assert why is not None and 'launcher = "slurm"' in why and "[program]" in why
     # the general reasons still hold for programs
