@@ -111,12 +111,10 @@ def standby_node(nodes: list[str] | tuple[str, ...], here: str | None) -> str | 
 def for_job(
     run_dir: Path, cfg: JobConfig, interval_s: float, avoid: tuple[str, ...] = ()
 ) -> Remote | None:
-    """The keeper's :class:`Remote` for ``cfg``, or None: not SLURM, a job no new controller can
-    take over, no allocation here, or no other node (than this one and those in ``avoid``: the
-    lost node of a keeper this one replaces)."""
-    from harness.job.takeover import supported
-
-    if cfg.launcher != "slurm" or supported(cfg) is not None:
+    """The keeper's :class:`Remote` for ``cfg`` (a job a new controller can take over: the
+    caller checked), or None: not SLURM, no allocation here, or no other node (than this one
+    and those in ``avoid``: the lost node of a keeper this one replaces)."""
+    if cfg.launcher != "slurm":
         return None
     from runtime.launchers.slurm import SlurmError, allocation_from_env, controller_address
 

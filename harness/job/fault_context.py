@@ -276,9 +276,9 @@ def _outside(own_ns: str, host: str) -> list[str]:
     """The command that fails ``host`` (network namespace ``own_ns``) from outside it: in
     another node's network namespace (it reaches slurmctld, for ``scontrol``; the machine's own
     is out of a node's reach), in a mount namespace of its own (:data:`_KILLER`)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
-    others = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
-    others = [ns for ns in others if ns != own_ns]
+    from runtime.launchers.slurm_testcluster import namespaces
+
+    others = [ns for ns in namespaces() if ns != own_ns]
     if not others:
         raise ValueError(f"no network namespace but node {host}'s to fail it from")
     return [

@@ -171,15 +171,15 @@ class Keeper:
         from harness.job.beats import for_job
         from harness.job.takeover import supported
 
-        r = cfg.recovery
+        r, standby = cfg.recovery, supported(cfg) is None
         return cls(
             run_dir,
             max_restarts=r.controller_max_restarts,
             within_s=r.controller_within_s,
             detached=detached,
-            standby=supported(cfg) is None,
+            standby=standby,
             silence_s=cfg.timeouts.controller_silence,
-            remote=for_job(run_dir, cfg, BEAT_INTERVAL_S, avoid),
+            remote=for_job(run_dir, cfg, BEAT_INTERVAL_S, avoid) if standby else None,
         )
 
     def run(self, takeover_first: bool = False) -> int:

@@ -8,7 +8,8 @@ store (``MASTER_ADDR``/``MASTER_PORT``) once, in its environment, and keeps them
 
 * **The tap comes back where it was.** Its port is kept in ``RUN/program.json`` (written whole
   and durably, :func:`save`, before any program is started), and a new controller binds the
-  same port again (:func:`serve_tap`, retrying a few seconds: the old socket may linger).
+  same port again (``runtime.netaddr.bind_again``, for :data:`BIND_PATIENCE_S`: the old socket
+  may linger).
 * **A quorum request waits.** The programs of a job that can be taken over get
   ``TORCHFT_QUORUM_RETRIES`` (``harness.job.program_env.program_quorum_retries``): a request
   in flight when the controller died, or made while none serves, fails and is asked again
@@ -32,16 +33,13 @@ report, so its group is restarted in place like a group that lost a rank.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from harness.job.takeover import GroupPlan, TakeoverRefused
 from runtime.journal import CONTROLLER_TAKEOVER, GROUP_START, HEALED, STEP_COMMIT
-
-T = TypeVar("T")
 
 #: The file in the run directory (mode 0600, like every control file of a run).
 STATE_FILE = "program.json"
@@ -108,25 +106,6 @@ def load(run_dir: Path) -> ProgramState:
         return decode(doc, str(path))
     except ValueError as exc:
         raise TakeoverRefused(f"the programs cannot be taken over: {exc}") from None
-
-
-def serve_tap(
-    make: Callable[[int], T],
-    port: int,
-    patience_s: float = BIND_PATIENCE_S,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> T:
-    """``make(port)`` (a tap serving on ``port``), retried while the port is taken (OSError)
-    for ``patience_s``: the dead controller's socket may linger a moment."""
-    deadline = clock() + patience_s
-    while True:
-        try:
-            return make(port)
-        except OSError:
-            if clock() >= deadline:
-                raise
-            sleep(0.1)
 
 
 def last_step(records: Iterable[Mapping[str, Any]], replica: int) -> int | None:

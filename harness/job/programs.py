@@ -65,6 +65,7 @@ from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 from runtime.mesh import ProcMesh
 from runtime.messages import SpawnProgram
+from runtime.netaddr import bind_again
 
 
 class ProgramGroups:
@@ -100,7 +101,7 @@ class ProgramGroups:
 
         if getattr(self.job, "plan", None) is not None:  # a takeover: the tap where it was
             self.durable = program_takeover.load(self.job.run_dir)
-            self.tap = program_takeover.serve_tap(tap, self.durable.tap_port)
+            self.tap = bind_again(tap, self.durable.tap_port, program_takeover.BIND_PATIENCE_S)
         else:
             self.tap = tap(0)
         if self.survivable:  # durable before any program is given the tap's address

@@ -87,21 +87,13 @@ def check_allocation(cfg: JobConfig) -> str | None:
     """What is wrong with running ``cfg`` here, before anything launches (None: nothing)."""
     if cfg.launcher != "slurm":
         return None
-    from runtime.launchers.slurm import SlurmError
+    from runtime.launchers.slurm import SlurmError, agent_nodes
 
     try:
         alloc = allocation_from_env()
+        agent_nodes(alloc, cfg.slurm.spare_nodes, reserved_node(cfg, alloc))
     except SlurmError as exc:
         return str(exc)
-    reserved = reserved_node(cfg, alloc)
-    nodes = [n for n in alloc.nodes if n != reserved]
-    if cfg.slurm.spare_nodes >= len(nodes):
-        return (
-            f"slurm.spare_nodes = {cfg.slurm.spare_nodes} but job {alloc.job_id} has "
-            f"{len(nodes)} node(s) for agents ({', '.join(nodes) or 'none'}"
-            + (f"; {reserved} runs only the controller" if reserved else "")
-            + "): at least one must train"
-        )
     return None
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.config import JobConfig
 from harness.quorum import durable
+from runtime.netaddr import bind_again
 
 if TYPE_CHECKING:
     from harness.quorum.tree import TreeQuorum
@@ -230,40 +230,40 @@ class TreeQuorumService:
         from harness.quorum.tree import TreeQuorum
 
         cfg, t, writer = self.cfg, self.cfg.timeouts, self._writer
-        deadline = time.monotonic() + self.REBIND_S
-        while True:
-            try:
-                return TreeQuorum(
-                    bind_host=host,
-                    port=port,
-                    min_replicas=cfg.min_replica_size,
-                    join_timeout_s=t.lighthouse_join_timeout,
-                    heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
-                    max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
-                    # each waiting quorum request holds a server thread: room for every group's
-                    # request and heartbeat, with margin (the service's docstring)
-                    max_requests=max(64, 4 * cfg.replicas + 16),
-                    on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
-                    # every group in the first step (rule.QuorumOpts), bounded well inside a
-                    # trainer's own quorum timeout so that no request times out waiting for a
-                    # group that is late
-                    first_quorum_replicas=cfg.replicas,
-                    first_quorum_timeout_s=t.quorum_timeout / 2,
-                    on_lease=writer.save if writer is not None else None,
-                    on_change=writer.changed if writer is not None else None,
-                    **state,
-                )
-            except OSError as e:
-                if not port or time.monotonic() >= deadline:
-                    if not port:
-                        raise
-                    where = f" (saved in {self.state_path})" if self._saved is not None else ""
-                    raise QuorumPortTaken(
-                        f"tree quorum: port {port} on {host}{where} is still taken after "
-                        f"{self.REBIND_S:g} s: is the previous controller (or its quorum "
-                        f"service) still running, perhaps stopped? ({e})"
-                    ) from e
-                time.sleep(0.05)
+
+        def make(port: int) -> TreeQuorum:
+            return TreeQuorum(
+                bind_host=host,
+                port=port,
+                min_replicas=cfg.min_replica_size,
+                join_timeout_s=t.lighthouse_join_timeout,
+                heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+                max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
+                # each waiting quorum request holds a server thread: room for every group's
+                # request and heartbeat, with margin (the service's docstring)
+                max_requests=max(64, 4 * cfg.replicas + 16),
+                on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
+                # every group in the first step (rule.QuorumOpts), bounded well inside a
+                # trainer's own quorum timeout so that no request times out waiting for a group
+                # that is late
+                first_quorum_replicas=cfg.replicas,
+                first_quorum_timeout_s=t.quorum_timeout / 2,
+                on_lease=writer.save if writer is not None else None,
+                on_change=writer.changed if writer is not None else None,
+                **state,
+            )
+
+        try:
+            return bind_again(make, port, self.REBIND_S)
+        except OSError as e:
+            if not port:
+                raise
+            where = f" (saved in {self.state_path})" if self._saved is not None else ""
+            raise QuorumPortTaken(
+                f"tree quorum: port {port} on {host}{where} is still taken after "
+                f"{self.REBIND_S:g} s: is the previous controller (or its quorum "
+                f"service) still running, perhaps stopped? ({e})"
+            ) from e
 
     def _snapshot(self) -> durable.QuorumSnapshot | None:
         tree = self._tree

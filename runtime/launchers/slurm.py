@@ -208,6 +208,20 @@ def survival_args(boot: Mapping[str, Any]) -> list[str]:
     return ["--control-file", str(boot["control_file"]), "--grace", f"{float(boot['grace_s']):g}"]
 
 
+def agent_nodes(alloc: Allocation, spare_nodes: int, reserved: str | None) -> list[str]:
+    """The allocation's nodes that run an agent (all but ``reserved``, the controller's own),
+    the last ``spare_nodes`` of them spares; SlurmError if none would train."""
+    nodes = [n for n in alloc.nodes if n != reserved]
+    if spare_nodes >= len(nodes):
+        raise SlurmError(
+            f"slurm.spare_nodes = {spare_nodes} but job {alloc.job_id} has {len(nodes)} node(s) "
+            f"for agents ({', '.join(nodes) or 'none'}"
+            + (f"; {reserved} runs only the controller" if reserved else "")
+            + "): at least one must train"
+        )
+    return nodes
+
+
 class SlurmLauncher(ChildAgents):
     """Each host's agent as a job step on its node (see the module docstring); the ``srun`` of
     each step is a child process of the controller."""
@@ -222,14 +236,7 @@ class SlurmLauncher(ChildAgents):
         on_gone: Callable[[str, str], None] | None = None,
         reserved: str | None = None,
     ) -> None:
-        nodes = [n for n in alloc.nodes if n != reserved]
-        if spare_nodes >= len(nodes):
-            raise SlurmError(
-                f"slurm.spare_nodes = {spare_nodes} but the allocation (job {alloc.job_id}) has "
-                f"{len(nodes)} node(s) for agents"
-                + (f" ({reserved} runs only the controller)" if reserved else "")
-                + ": at least one must train"
-            )
+        nodes = agent_nodes(alloc, spare_nodes, reserved)
         self.alloc = alloc
         self.run_dir = Path(run_dir)
         self.reserved = reserved  # the controller's own node: no agent there

@@ -13,14 +13,18 @@ from pathlib import Path
 from runtime.launchers.slurm import SlurmError, _run, node_address
 
 
+def namespaces() -> list[str]:
+    """The network namespaces on this machine (``ip netns list``)."""
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line.strip()]
+
+
 def node_namespace(node: str) -> str:
     """The network namespace that holds ``node``'s address (nodes of ``bin/test-cluster``).
     SlurmError when the node is not a namespace on this machine (a real node: a node failure
     is then the operator's power switch, not ours)."""
     addr = node_address(node)
-    for line in _run(["ip", "netns", "list"]).splitlines():
-        ns = line.split()[0] if line.strip() else ""
-        if ns and f" {addr}/" in _run(["ip", "-n", ns, "-4", "-o", "addr", "show"]):
+    for ns in namespaces():
+        if f" {addr}/" in _run(["ip", "-n", ns, "-4", "-o", "addr", "show"]):
             return ns
     raise SlurmError(
         f"node {node} ({addr}) is not a network namespace on this machine: node_failure acts on "

@@ -12,22 +12,10 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 from e2e_helpers import events
-from test_slurm import _revive_all, _submit, _tiny_toml, _wait_state, cluster
+from test_slurm import _revive_all, _submit, _tiny_toml, _wait_state, cluster, pytestmark
 
-from runtime.launchers import netns, slurm
-
-_ok, _why = netns.available()
-_slurm_ok, _slurm_why = slurm.available()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(not _ok, reason=_why),
-    pytest.mark.skipif(not _slurm_ok, reason=_slurm_why),
-]
-
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["cluster", "pytestmark"]  # the fixture and the skip marks, for pytest
 
 EXPERIMENT = """name = "cnode"
 seed = 1

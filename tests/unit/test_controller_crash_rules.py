@@ -34,8 +34,12 @@ def test_the_controller_is_a_target_of_its_own_kind():
     assert "controller" not in Target().as_dict()  # other faults' records are unchanged
 
 
-def _experiment(tmp_path: Path, *overrides: str, mix: str = "controller_crash = 1") -> Path:
-    p = tmp_path / "cc.toml"
+def write_experiment(
+    tmp_path: Path, *overrides: str, mix: str = "controller_crash = 1", at_s: int = 5
+) -> Path:
+    """An experiment of one fault at ``at_s`` on experiments/tiny.toml with ``overrides``
+    (also tests/unit/test_controller_node_failure.py's)."""
+    p = tmp_path / "experiment.toml"
     p.write_text(
         f"""name = "cc"
 duration_s = 30
@@ -44,12 +48,15 @@ job = "{ROOT / "experiments" / "tiny.toml"}"
 overrides = {list(overrides)!r}
 [schedule]
 kind = "at_times"
-at_times = [5]
+at_times = [{at_s}]
 [faults]
 mix = {{ {mix} }}
 """.replace("'", '"')
     )
     return p
+
+
+_experiment = write_experiment
 
 
 def test_an_experiment_may_kill_the_controller_only_of_a_job_a_new_one_can_take_over(tmp_path):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from test_controller_crash_rules import write_experiment
 
 from experiments.spec import ExperimentError, load_experiment
 from faults.fault import Target, fault_class
@@ -33,22 +34,8 @@ KIND = "controller_node_failure"
 SLURM = ("launcher=slurm", "hosts=2", "replicas=2", "recovery.quorum=tree")
 
 
-def _experiment(tmp_path: Path, *overrides: str, mix: str = f"{KIND} = 1") -> Path:
-    p = tmp_path / "cnf.toml"
-    p.write_text(
-        f"""name = "cnf"
-duration_s = 30
-policies = ["in_place"]
-job = "{ROOT / "experiments" / "tiny.toml"}"
-overrides = {list(overrides)!r}
-[schedule]
-kind = "at_times"
-at_times = [10]
-[faults]
-mix = {{ {mix} }}
-""".replace("'", '"')
-    )
-    return p
+def _experiment(tmp_path: Path, *overrides: str) -> Path:
+    return write_experiment(tmp_path, *overrides, mix=f"{KIND} = 1", at_s=10)
 
 
 def test_it_targets_the_controller_and_needs_slurm_and_a_takeover():
@@ -234,13 +221,7 @@ def test_the_controllers_own_node_is_failed_only_with_a_standby_elsewhere(tmp_pa
             return 1
 
     monkeypatch.setattr(subprocess, "Popen", Killer)
-    real_run = subprocess.run
-    listed = SimpleNamespace(stdout="ns-n2 (id: 1)\nns-n1 (id: 0)\n")
-    monkeypatch.setattr(
-        subprocess,
-        "run",
-        lambda argv, **kw: listed if argv[:2] == ["ip", "netns"] else real_run(argv, **kw),
-    )
+    monkeypatch.setattr(testcluster, "namespaces", lambda: ["ns-n2", "ns-n1"])
     monkeypatch.setattr(testcluster, "node_namespace", lambda node: f"ns-{node}")
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))

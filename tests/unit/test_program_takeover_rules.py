@@ -18,6 +18,7 @@ from harness.job.programs import ProgramGroups
 from harness.job.takeover import TakeoverRefused, supported
 from harness.quorum.tap import Request
 from runtime.journal import GROUP_START, HEALED, STEP_ABORT, STEP_COMMIT
+from runtime.netaddr import bind_again
 
 PROGRAM = ["python", "tests/programs/train_ddp.py", "40"]
 
@@ -63,7 +64,7 @@ def test_a_missing_or_damaged_program_state_refuses_the_takeover(tmp_path: Path)
         pt.load(tmp_path)
 
 
-def test_the_tap_s_port_is_bound_again_while_the_old_socket_lingers():
+def test_a_port_is_bound_again_while_the_old_socket_lingers():
     now = [0.0]
     tries: list[int] = []
 
@@ -76,14 +77,23 @@ def test_the_tap_s_port_is_bound_again_while_the_old_socket_lingers():
     def sleep(s: float) -> None:
         now[0] += s
 
-    assert pt.serve_tap(make, 7, sleep=sleep, clock=lambda: now[0]) == "tap:7"
+    assert bind_again(make, 7, pt.BIND_PATIENCE_S, sleep=sleep, clock=lambda: now[0]) == "tap:7"
     assert tries == [7, 7, 7]
 
     def never(port: int) -> str:
         raise OSError("taken for good")
 
     with pytest.raises(OSError, match="for good"):
-        pt.serve_tap(never, 7, patience_s=1.0, sleep=sleep, clock=lambda: now[0])
+        bind_again(never, 7, 1.0, sleep=sleep, clock=lambda: now[0])
+
+    def refused(port: int) -> str:
+        tries.append(port)
+        raise OSError("no free port")
+
+    tries.clear()
+    with pytest.raises(OSError, match="no free port"):  # any free port: nothing to wait for
+        bind_again(refused, 0, 1.0, sleep=sleep, clock=lambda: now[0])
+    assert tries == [0]
 
 
 def test_a_group_s_last_step_is_its_current_incarnation_s_last_commit_or_heal():
