@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ class Remote:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._step: subprocess.Popen | None = None
+        self.on_watched: Callable[[], None] | None = None  # once: the first standby connected
 
     def start(self) -> None:
         """Serve beats, and start the standby step (the keeper reaps its ``srun``)."""
@@ -69,6 +71,9 @@ class Remote:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._clients.append(conn)
+                watched, self.on_watched = self.on_watched, None
+            if watched is not None:
+                watched()
 
     def _send(self, data: bytes) -> None:
         with self._lock:

@@ -165,7 +165,10 @@ class JobFaultContext:
 
         why = self.takeover
         if why is None and not self._standby_elsewhere():
-            why = "no standby on another node would take it over (keeper.json names no beat)"
+            why = (
+                "no standby on another node would take it over (keeper.json names no beat, or "
+                f"none connected to it within {STANDBY_WAIT_S:g} s)"
+            )
         if why is not None:
             raise ValueError(f"the loss of the controller's node {host} would end this job: {why}")
         argv = _outside(node_namespace(host), host)  # SlurmError: not a bin/test-cluster node
@@ -185,14 +188,24 @@ class JobFaultContext:
         raise ValueError(f"node {host} was not failed: its killer exited with status {code}")
 
     def _standby_elsewhere(self) -> bool:
-        """Whether this run's keeper serves beats to a standby on another node."""
+        """Whether this run's keeper serves beats to a standby on another node, waiting up to
+        :data:`STANDBY_WAIT_S` for the standby to connect (its job step starts with the run: a
+        fault early in the run would otherwise kill the node before anyone watches it)."""
         from harness.job.rundir import KEEPER_FILE, read_json
 
         path = self._job.journal.path
         if path is None:
             return False
-        info = read_json(path.parent / KEEPER_FILE) or {}
-        return bool(info.get("beat"))
+        deadline = time.monotonic() + STANDBY_WAIT_S
+        while True:
+            info = read_json(path.parent / KEEPER_FILE) or {}
+            if not info.get("beat"):
+                return False
+            if info.get("watched"):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
     def cancel_step(self, host: str) -> None:
         self._slurm("scancel of a step").cancel_step(host)
@@ -260,6 +273,8 @@ class JobFaultContext:
 
 #: How long the controller waits for its own node to be failed before it calls the fault failed.
 OWN_NODE_WAIT_S = 10.0
+#: How long the fault waits for the keeper's standby on another node to be connected.
+STANDBY_WAIT_S = 60.0
 #: The killer of the controller's own node: mounts the cgroup v1 freezer (a node's mount
 #: namespace has none: ``ip netns exec`` remounts /sys) and runs ``fail_node`` ($0 -c $1 $2).
 _KILLER = (

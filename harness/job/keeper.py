@@ -161,6 +161,10 @@ class Keeper:
         # Beats to a standby on another node, which takes the run over if this node is lost
         # (``harness.job.beats.Remote``, ``harness.job.standby_node``; SLURM only).
         self.remote = remote
+        self._started_at = time.time()
+        self._watched = False  # a standby on another node is connected to the beats
+        if remote is not None:
+            remote.on_watched = self._on_watched
 
     @classmethod
     def for_job(
@@ -399,13 +403,21 @@ class Keeper:
                 "pid": os.getpid(),
                 "host": this_host(),
                 "beat": self.remote.address if self.remote is not None else None,
+                "watched": self._watched,
                 "uid": os.getuid(),
-                "started": time.time(),
+                "started": self._started_at,
                 "create_time": psutil.Process().create_time(),
                 "detached": self.detached,
                 "console": CONSOLE_FILE if self.detached else None,
             },
         )
+
+    def _on_watched(self) -> None:
+        """The standby on another node connected (a beats thread): ``keeper.json`` says so, so
+        that a fault that fails this node waits for it (``harness.job.fault_context``)."""
+        self._watched = True
+        if still_keeper(self.run_dir):
+            self._write_keeper_file()
 
     def _stop_leftovers(self) -> None:
         """Whatever is still running under the keeper when the run ends: the agents and workers

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import subprocess
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +24,7 @@ from faults.injector import Injector
 from faults.schedule import PlannedFault
 from faults.targets import TargetSpec, Topology, select_target
 from harness.config import load_config
+from harness.job import fault_context
 from harness.job.fault_context import JobFaultContext
 from harness.job.recovery import RecoveryTracker
 from runtime.failure import Cause, Failure
@@ -236,7 +238,16 @@ def test_the_controllers_own_node_is_failed_only_with_a_standby_elsewhere(tmp_pa
         ctx.fail_node("n1")
     assert started == [] and synced == []
 
-    (tmp_path / "keeper.json").write_text(json.dumps({"host": "n1", "beat": "10.0.0.1:4000"}))
+    # beats served, but no standby connected yet (its job step still starting): waited for
+    keeper = tmp_path / "keeper.json"
+    keeper.write_text(json.dumps({"host": "n1", "beat": "10.0.0.1:4000", "watched": False}))
+    monkeypatch.setattr(fault_context, "STANDBY_WAIT_S", 0.3)
+    with pytest.raises(ValueError, match=r"none connected to it within 0\.3 s"):
+        ctx.fail_node("n1")
+    assert started == [] and synced == []
+    monkeypatch.setattr(fault_context, "STANDBY_WAIT_S", 30.0)
+    watched = {"host": "n1", "beat": "10.0.0.1:4000", "watched": True}
+    threading.Timer(0.3, lambda: keeper.write_text(json.dumps(watched))).start()
     ctx.journal.emit(FAULT_INJECT, fault_id="f000", kind=KIND, target={"host": "n1"})
     with pytest.raises(ValueError, match="its killer exited with status 1"):
         ctx.fail_node("n1")  # a killer that fails: the fault did not fire, and says so
