@@ -87,7 +87,7 @@ from runtime.messages import (
     UnblockPeers,
 )
 from runtime.preflight import AgentPreflight
-from runtime.relay import configure_relay
+from runtime.relay import RELAY_ENV, VIA_RELAY, configure_relay
 
 log = logging.getLogger("ftharness.agent")
 
@@ -394,6 +394,9 @@ class Agent:
     def _start_program(self, msg: SpawnProgram) -> None:
         from runtime import program_proc
 
+        if msg.env.get("TORCHFT_LIGHTHOUSE") == VIA_RELAY:  # the quorum, through our relay
+            relayed = os.environ.get(RELAY_ENV, "") if self.relay is not None else ""
+            msg = replace(msg, env={**msg.env, "TORCHFT_LIGHTHOUSE": relayed})
         self.highest_proc = max(self.highest_proc, orphan.proc_number(msg.proc_id))
         extra = dict(self.net_env)
         group = msg.coords.get("replica")

@@ -12,6 +12,13 @@ built-in trainer hands that to its Manager instead of the quorum service's own a
 controller tells each agent where its quorum service is (``AgentConfig.quorum_upstream``, then
 ``QuorumUpstream`` once it serves) and the relay forwards every connection there.
 
+Who may use it: only the processes of the agent's own tree (its workers, its programs and what
+they start). The relay vouches for that, with :func:`from_this_tree` (the client's end of the
+connection held by one of them, read from ``/proc``: ``runtime.peer_process``); any other
+client's connection is closed before anything is forwarded. The quorum tap in front of a
+program's quorum service relies on it (``harness.job.program_admission``: a call relayed by a
+group's host agent is a call of one of the job's processes on that host).
+
 What a client sees is what it sees of a quorum port that is closed during a takeover: a failed
 RPC, which its caller retries. A connection made while the relay has no upstream, or cannot
 reach it within :data:`DIAL_TIMEOUT_S`, is closed at once; when the upstream changes, every
@@ -35,10 +42,16 @@ import threading
 import time
 from collections.abc import Callable
 
+from runtime import peer_process
+
 log = logging.getLogger("ftharness.relay")
 
 #: The environment variable a host's workers find the relay's address in (``http://127.0.0.1:P``).
 RELAY_ENV = "FTHARNESS_QUORUM_RELAY"
+
+#: A program's ``TORCHFT_LIGHTHOUSE`` as the controller sets it when the job relays the quorum:
+#: its host agent puts its relay's address there (the controller does not know it).
+VIA_RELAY = "ftharness:relay"
 
 #: How long dialling the upstream may take before the client's connection is closed.
 DIAL_TIMEOUT_S = 2.0
@@ -77,8 +90,11 @@ class _Pair:
 class Relay:
     """Forwards each connection to ``bind_host:<port>`` to the current upstream (module doc)."""
 
-    def __init__(self, bind_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, bind_host: str = "127.0.0.1", admit: Callable[[socket.socket], bool] | None = None
+    ) -> None:
         self.bind_host = bind_host
+        self._admit = admit  # None: every client; else whether a client's connection may pass
         self._lock = threading.Lock()
         self._upstream: tuple[str, int] | None = None
         self._listener: socket.socket | None = None
@@ -189,6 +205,8 @@ class Relay:
         """Dial ``upstream`` for ``pair``, then copy client -> upstream (a second thread copies
         back); on no upstream or a failed dial, close the client's connection at once."""
         up = None
+        if self._admit is not None and not self._admitted(pair.down):
+            upstream = None  # not one of ours: closed at once, nothing forwarded
         if upstream is not None:
             try:
                 up = socket.create_connection(upstream, timeout=DIAL_TIMEOUT_S)
@@ -209,6 +227,23 @@ class Relay:
         else:
             pair.shut()
             self._finish(pair)
+
+    def _admitted(self, sock: socket.socket) -> bool:
+        assert self._admit is not None
+        try:
+            if self._admit(sock):
+                return True
+            who: object = sock.getpeername()
+            # a client that gave up at once (closed: its end has no socket left to look up)
+            # is no stranger; only a live one is worth a warning
+            gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError as exc:
+            who, gone = exc, False
+        if not gone:
+            log.warning("relay %s: refused %s: no process of this host's job", self.address, who)
+        return False
 
     def _pump(self, pair: _Pair, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -233,6 +268,14 @@ class Relay:
                 s.close()
 
 
+def from_this_tree(sock: socket.socket) -> bool:
+    """Whether the client end of ``sock`` (a connection accepted here) is held by this process or
+    one of its descendants (``runtime.peer_process.holders``)."""
+    client = peer_process.endpoint(sock.getpeername())
+    server = peer_process.endpoint(sock.getsockname())
+    return peer_process.holders(os.getpid(), client, server) is not None
+
+
 def configure_relay(relay: Relay | None, wanted: bool, upstream: str) -> Relay | None:
     """The host agent's relay after a configuration: started (and its address exported as
     :data:`RELAY_ENV`, for every worker forked from now on) when ``wanted`` and not running
@@ -242,7 +285,7 @@ def configure_relay(relay: Relay | None, wanted: bool, upstream: str) -> Relay |
         if not wanted:
             os.environ.pop(RELAY_ENV, None)
             return None
-        relay = Relay("127.0.0.1")
+        relay = Relay("127.0.0.1", admit=from_this_tree)  # the agent's tree only
         relay.start()
         os.environ[RELAY_ENV] = f"http://{relay.address}"
     relay.set_upstream(upstream)

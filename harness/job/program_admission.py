@@ -10,7 +10,7 @@ A program's Managers pick their own replica ids and know no secret, so a call is
   the local launcher, the netns test hosts and the SLURM test cluster, and cannot be faked by a
   process that does not hold that socket): the call's TCP connection must be held by rank 0's
   process or one of its descendants, and rank 0 must be a child of that agent
-  (``harness.job.peer_process``). Verified once per connection (tens of milliseconds: /proc
+  (``runtime.peer_process``). Verified once per connection (tens of milliseconds: /proc
   reads), then re-checked per call with one ``readlink``. Any number of Manager ids per
   incarnation, all from that process.
 * **On another machine** (the ``external`` launcher, a real SLURM cluster: its /proc cannot be
@@ -47,13 +47,15 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from harness.job import peer_process
 from harness.quorum.tap import Admission
+from runtime import peer_process
 
 #: How long a connection refused by the rule stays refused without a new look at /proc.
 REFUSAL_MEMORY_S = 1.0
 #: One look at /proc at a time (the slow path, see the module doc).
 _VERIFYING = threading.Lock()
+#: Why a heartbeat of an id not bound yet is refused where the caller's process is not known.
+_BIND_FIRST = "an unknown id, relayed or from another machine: it must ask for a quorum first"
 #: Connections remembered per group incarnation (verified or refused) before forgetting all.
 _MEMORY = 1024
 
@@ -67,6 +69,8 @@ class GroupAdmission:
     local: bool | None = None
     host_ips: frozenset[str] | None = None  # on another machine: the host's addresses
     verified: dict[str, tuple[peer_process.Holder, ...]] = field(default_factory=dict)
+    # the verified connections that come through the host agent's quorum relay
+    relayed: set[str] = field(default_factory=set)
     refused: dict[str, tuple[float, str]] = field(default_factory=dict)
 
 
@@ -140,10 +144,12 @@ def admit(
         with lock:
             if groups.get(g.replica) is not g:
                 return f"replica group {g.replica} incarnation {g.incarnation} was replaced"
-            if not g.admission.local and g.ids and replica_id not in g.ids:
+            if (not g.admission.local or peer in g.admission.relayed) and (
+                g.ids and replica_id not in g.ids
+            ):
                 return (
-                    f"replica group {g.replica} incarnation {g.incarnation} (on another "
-                    f"machine: one Manager id per incarnation) is {sorted(g.ids)[0]!r}"
+                    f"replica group {g.replica} incarnation {g.incarnation} (relayed, or on "
+                    f"another machine: one Manager id per incarnation) is {sorted(g.ids)[0]!r}"
                 )
             g.ids.add(replica_id)
         return Admission(g.replica, g.incarnation, g.member_id)
@@ -208,11 +214,11 @@ def refusal(
         if client.ip not in state.host_ips:
             return f"{peer} is not replica group {replica}'s host ({host.address or '?'})"
         if not binds:
-            return "an unknown id on a host of another machine: it must ask for a quorum first"
+            return _BIND_FIRST
         return None
     held = state.verified.get(peer)
     if held is not None and peer_process.still_held(held):
-        return None
+        return None if binds or peer not in state.relayed else _BIND_FIRST
     refused = state.refused.get(peer)
     if refused is not None and time.monotonic() - refused[0] < REFUSAL_MEMORY_S:
         return refused[1]
@@ -230,8 +236,16 @@ def refusal(
                 f"{replica}'s rank 0 (pid {pid}) or a process it started: not a Manager this "
                 "job started"
             )
+            # or its host agent's relay, which vouches for it (runtime.relay.from_this_tree)
+            relay = peer_process.holders(host.pid, client, tap) if held is None else None
+            if relay and all(h.pid == host.pid for h in relay):
+                held = relay
+                state.relayed.add(peer)
     memo: dict[str, Any] = state.verified if held is not None else state.refused
     if len(memo) > _MEMORY:
         memo.clear()
+        state.relayed.intersection_update(state.verified)
     memo[peer] = held if held is not None else (time.monotonic(), why)
+    if held is not None and peer in state.relayed and not binds:
+        return _BIND_FIRST
     return None if held is not None else why

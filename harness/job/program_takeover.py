@@ -33,13 +33,14 @@ report, so its group is restarted in place like a group that lost a rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.job.takeover import GroupPlan, TakeoverRefused
+from harness.job.takeover import GroupPlan, TakeoverRefused, not_adopted
 from runtime.journal import CONTROLLER_TAKEOVER, GROUP_START, HEALED, STEP_COMMIT
+from runtime.netaddr import bind_again
 
 #: The file in the run directory (mode 0600, like every control file of a run).
 STATE_FILE = "program.json"
@@ -108,6 +109,30 @@ def load(run_dir: Path) -> ProgramState:
         raise TakeoverRefused(f"the programs cannot be taken over: {exc}") from None
 
 
+def open_tap(
+    make: Callable[[int], Any], run_dir: Path, *, takeover: bool, survivable: bool, relayed: bool
+) -> tuple[Any, ProgramState | None]:
+    """The job's quorum tap (``make(port)``) and its durable state. After a takeover, on its
+    predecessor's port (:data:`BIND_PATIENCE_S`; where programs reach it through their agents'
+    relays, ``relayed``, any port will do if that one is taken: a new node's). A ``survivable``
+    job's state is saved before any program is given the tap's address."""
+    durable = load(run_dir) if takeover else None
+    if durable is None:
+        tap = make(0)
+    else:
+        try:
+            tap = bind_again(make, durable.tap_port, BIND_PATIENCE_S)
+        except OSError:
+            if not relayed:
+                raise
+            tap = make(0)
+    if survivable:
+        durable = durable or ProgramState(tap.port, {})
+        durable.tap_port = tap.port
+        save(run_dir, durable)
+    return tap, durable
+
+
 def last_step(records: Iterable[Mapping[str, Any]], replica: int) -> int | None:
     """The last quorum step (the Manager's, not inner steps: a record's ``step`` divided by its
     ``sync_every``) the journal says group ``replica``'s current incarnation reached (its tap
@@ -160,11 +185,7 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
     elif (member := member_id(job.run_dir, plan.replica, plan.incarnation)) is None:
         why = "the quorum service admitted a later incarnation"
     if why is not None:
-        c.stop_procs([p for p in plan.procs if p in c.procs], grace_s=0.5)
-        job.journal.emit(
-            CONTROLLER_TAKEOVER, replica=plan.replica, adopted=False,
-            reason=f"{why}: restarted in place",
-        )  # fmt: skip
+        not_adopted(job, plan, why)
         return None
     assert state is not None
     c.adopt(list(plan.procs))

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.job import peer_process, program_admission, program_takeover
+from harness.job import program_admission, program_takeover
 from harness.job.program_env import launcher_env, log_name, program_argv, run_in_program
 from harness.job.program_group import ProgramGroup as _Group
 from harness.job.program_group import ProgramJob
@@ -58,14 +58,16 @@ from harness.job.program_progress import (
     step_events,
 )
 from harness.job.program_unblock import RemoteUnblock
+from harness.job.site import wants_quorum_relay
 from harness.program_config import WARM_NEEDS, cold_reason
 from harness.quorum import rule
 from harness.quorum.tap import Admission, QuorumTap, Request, upstream_id
+from runtime import peer_process
 from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 from runtime.mesh import ProcMesh
 from runtime.messages import SpawnProgram
-from runtime.netaddr import bind_again
+from runtime.relay import VIA_RELAY
 
 
 class ProgramGroups:
@@ -86,6 +88,8 @@ class ProgramGroups:
         self.tap: QuorumTap | None = None
         # Where the job's controller can be taken over: RUN/program.json (program_takeover)
         self.survivable: bool = getattr(job, "survivable", False)
+        # Its programs reach the tap through their host agent's relay (harness.job.site)
+        self.relayed = wants_quorum_relay(self.cfg)
         self.durable: program_takeover.ProgramState | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -99,18 +103,15 @@ class ProgramGroups:
                 port=port,
             )
 
-        if getattr(self.job, "plan", None) is not None:  # a takeover: the tap where it was
-            self.durable = program_takeover.load(self.job.run_dir)
-            self.tap = bind_again(tap, self.durable.tap_port, program_takeover.BIND_PATIENCE_S)
-        else:
-            self.tap = tap(0)
-        if self.survivable:  # durable before any program is given the tap's address
-            self.durable = self.durable or program_takeover.ProgramState(self.tap.port, {})
-            program_takeover.save(self.job.run_dir, self.durable)
-        self.job.controller.add_failure_listener(self._show_tail)
-        self.job.controller.add_failure_listener(self._after_the_others)
-        self.job.controller.add_failure_listener(RemoteUnblock(self.job.controller, self._inc))
-        self.job.controller.add_failure_listener(self._survivors_due)
+        takeover = getattr(self.job, "plan", None) is not None
+        self.tap, self.durable = program_takeover.open_tap(
+            tap, self.job.run_dir, takeover=takeover, survivable=self.survivable,
+            relayed=self.relayed,
+        )  # fmt: skip
+        c = self.job.controller
+        unblock = RemoteUnblock(c, self._inc)
+        for listener in (self._show_tail, self._after_the_others, unblock, self._survivors_due):
+            c.add_failure_listener(listener)
         if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
@@ -174,7 +175,9 @@ class ProgramGroups:
                     self.cfg,
                     replica=r,
                     rank=k,
-                    lighthouse=self.tap.address,
+                    # where the job relays the quorum (SLURM), the agent's relay to the tap:
+                    # the address a new controller on another node is reached at too
+                    lighthouse=VIA_RELAY if self.relayed else self.tap.address,
                     store_addr=store_addr,
                     hook_dir=str(hooks),
                     survivable=self.survivable,

@@ -235,8 +235,9 @@ class Job:
         has them: :func:`harness.job.site.wants_quorum_relay`; agents that dial in later learn
         it when they do). A takeover's quorum may serve at another address than its
         predecessor's."""
-        if wants_quorum_relay(self.cfg):
-            self.controller.set_quorum_upstream(self.quorum.address)
+        if wants_quorum_relay(self.cfg):  # a program's calls go through its quorum tap
+            tap = self.program.tap if self.program is not None else None
+            self.controller.set_quorum_upstream(tap.address if tap else self.quorum.address)
 
     def _build_tree(self) -> Supervisor:
         r = self.cfg.recovery

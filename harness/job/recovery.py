@@ -53,6 +53,9 @@ STOP_SKEW_S = 0.5
 CONTROLLER_CRASH = "controller_crash"
 #: The cause of a program's survivor restarted for asking for no quorum after a death.
 BLOCKED_SURVIVOR = "blocked_survivor"
+#: The cause of a group restarted by a takeover that could not adopt it while it ran (a later
+#: incarnation admitted, its training call gone): ``harness.job.takeover.not_adopted``.
+NOT_ADOPTED = "not_adopted"
 
 
 class _Unset:

@@ -26,10 +26,10 @@ once it serves, ``participating`` at the first commit after it.
 
 It supports the built-in trainer on the local and SLURM launchers with the tree quorum (under
 SLURM the new controller may run on another node: ``harness.job.standby_node``), and a
-``[program]`` job running torchft's Manager on the local launcher
-(``harness.job.program_takeover``): any other job (another launcher or quorum service,
-torchtitan's program) is refused with the reason (the run then
-ends as it would have without a keeper).
+``[program]`` job running torchft's Manager (``harness.job.program_takeover``; under SLURM its
+programs reach the quorum tap through their host agent's relay, ``runtime.relay``): any other
+job (another launcher or quorum service, torchtitan's program) is refused with the reason (the
+run then ends as it would have without a keeper).
 """
 
 from __future__ import annotations
@@ -108,12 +108,6 @@ def supported(cfg: JobConfig) -> str | None:
 
 def _program_refusal(cfg: JobConfig) -> str | None:
     """Why a ``[program]`` job cannot be taken over (``harness.job.program_takeover``)."""
-    if cfg.launcher != "local":
-        return (
-            f'a [program] job on launcher = "{cfg.launcher}" cannot be taken over yet: its '
-            "programs keep the quorum tap's address for life, and only a local one comes back "
-            "on the same host and port"
-        )
     if cfg.program.kind == "torchtitan":
         return (
             'program.kind = "torchtitan" cannot be taken over yet: no test runs a torchtitan '
@@ -261,11 +255,7 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
         next((cid for cid, ep in cs.items() if ep == ("trainer", "train")), None) for cs in calls
     ]
     if not alive or None in training_calls or len(plan.procs) != job.ranks:
-        c.stop_procs([p for p in plan.procs if p in c.procs], grace_s=0.5)
-        job.journal.emit(
-            CONTROLLER_TAKEOVER, replica=plan.replica, adopted=False,
-            reason="a rank of the group is gone: restarted in place",
-        )  # fmt: skip
+        not_adopted(job, plan, "a rank of the group is gone")
         return None
     c.adopt(list(plan.procs))
     refs: dict[tuple[int, ...], ActorRef] = {
@@ -292,6 +282,38 @@ def next_incarnation(job: Any, plan: GroupPlan) -> int:
     past any the quorum service admitted (the dead controller may have admitted a replacement
     it did not live to journal)."""
     return max(plan.incarnation, job.quorum.admitted().get(plan.replica, -1)) + 1
+
+
+def not_adopted(job: Any, plan: GroupPlan, why: str) -> None:
+    """``plan``'s group cannot be adopted (``why``): what is left of it stops, and the caller
+    restarts it in place, as a recovery like any other. A rank no agent reported (its host's
+    agent did not re-dial: the host, the controller's own node with ``slurm.controller_node =
+    "trains"``, was lost with the old controller) failed with no failure of its own: it gets one
+    here (``lost_host``). Otherwise the recovery's cause is ``not_adopted`` (a failure an agent
+    saw while no controller served opened one already, which this joins)."""
+    from harness.job.recovery import NOT_ADOPTED
+    from runtime.failure import Cause, Failure
+    from runtime.journal import FAILURE
+
+    c = job.controller
+    c.stop_procs([p for p in plan.procs if p in c.procs], grace_s=0.5)
+    job.journal.emit(
+        CONTROLLER_TAKEOVER, replica=plan.replica, adopted=False,
+        reason=f"{why}: restarted in place",
+    )  # fmt: skip
+    unreported = [p for p in plan.procs if p not in c.procs]
+    if unreported:
+        failure = Failure(
+            cause=Cause.LOST_HOST,
+            detail=f"host {plan.host} was lost with the controller: no agent reported {unreported}",
+            proc=unreported[0],
+            host=plan.host,
+            coords={"replica": plan.replica, "rank": plan.procs.index(unreported[0])},
+        )
+        job.journal.emit(FAILURE, **failure.journal_fields(), t_detected=failure.t_detected)
+        job.tracker.on_failure(failure)
+    else:
+        job.tracker.failed_by_controller(plan.replica, NOT_ADOPTED, time.time())
 
 
 def release_unclaimed(job: Any) -> None:

@@ -1,4 +1,4 @@
-"""harness/job/peer_process.py on real sockets: which process holds the client end of a TCP
+"""runtime/peer_process.py on real sockets: which process holds the client end of a TCP
 connection to a listener of this process."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harness.job import peer_process as pp
+from runtime import peer_process as pp
 
 pytestmark = [
     pytest.mark.timeout(60),

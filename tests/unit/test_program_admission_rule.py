@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from harness.job import peer_process as pp
 from harness.job import program_admission as pa
+from runtime import peer_process as pp
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -113,10 +113,17 @@ def test_a_local_group_admits_the_connections_of_its_rank_0_only(tap, agent) -> 
         t = time.perf_counter()
         assert _refusal(state, rec, stranger_peer, tap) == why
         assert time.perf_counter() - t < 0.005
-        # The connection this process opens itself (the controller, or anybody else).
+        # A connection the host agent (this process) holds itself: its quorum relay's, which
+        # lets through only its own tree's processes (runtime.relay). Admitted when it binds an
+        # id (a quorum request names its group by its store), not for a heartbeat of an id not
+        # bound yet (which group would it be?), and remembered as relayed.
         me = socket.create_connection(tap.getsockname())
         try:
-            assert _refusal(state, rec, f"ipv4:127.0.0.1:{me.getsockname()[1]}", tap)
+            relayed = f"ipv4:127.0.0.1:{me.getsockname()[1]}"
+            assert "must ask for a quorum first" in _refusal(state, rec, relayed, tap, binds=False)
+            assert _refusal(state, rec, relayed, tap) is None
+            assert relayed in state.relayed and relayed in state.verified
+            assert "must ask for a quorum first" in _refusal(state, rec, relayed, tap, binds=False)
         finally:
             me.close()
         assert "not a TCP connection" in _refusal(state, rec, "unix:/tmp/x", tap)
@@ -183,11 +190,13 @@ def test_the_observer_binds_each_manager_to_its_group_and_forgets_replaced_incar
     a replaced incarnation's ids, another group's id, a stranger: refused."""
     from types import SimpleNamespace
 
+    from harness.config import JobConfig
     from harness.job.programs import ProgramGroups
     from harness.quorum.tap import Admission
 
     job = SimpleNamespace(
-        cfg=None, controller=SimpleNamespace(spec=SimpleNamespace(spawn_timeout_s=5))
+        cfg=JobConfig(name="admission"),
+        controller=SimpleNamespace(spec=SimpleNamespace(spawn_timeout_s=5)),
     )
     groups = ProgramGroups(job)
     groups.tap = SimpleNamespace(bind_host="127.0.0.1", port=tap.getsockname()[1])

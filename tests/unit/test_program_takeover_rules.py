@@ -17,7 +17,14 @@ from harness.job.program_env import launcher_env, program_quorum_retries
 from harness.job.programs import ProgramGroups
 from harness.job.takeover import TakeoverRefused, supported
 from harness.quorum.tap import Request
-from runtime.journal import GROUP_START, HEALED, STEP_ABORT, STEP_COMMIT
+from runtime.journal import (
+    CONTROLLER_TAKEOVER,
+    FAILURE,
+    GROUP_START,
+    HEALED,
+    STEP_ABORT,
+    STEP_COMMIT,
+)
 from runtime.netaddr import bind_again
 
 PROGRAM = ["python", "tests/programs/train_ddp.py", "40"]
@@ -35,8 +42,9 @@ def test_a_torchft_program_on_the_local_launcher_is_taken_over_and_nothing_else(
     assert supported(cfg("ranks=2")) is None  # its store is its host agent's
     why = supported(cfg("program.kind=torchtitan"))
     assert why is not None and "torchtitan" in why
-    why = supported(cfg("launcher=slurm"))
-    assert why is not None and 'launcher = "slurm"' in why and "[program]" in why
+    assert supported(cfg("launcher=slurm")) is None  # through its agents' relays
+    why = supported(cfg("launcher=netns"))
+    assert why is not None and 'launcher = "netns"' in why
     # the general reasons still hold for programs
     assert "full_restart" in (supported(cfg("recovery.policy=full_restart")) or "")
     assert "tree quorum" in (supported(cfg("recovery.quorum=torchft")) or "")
@@ -209,7 +217,10 @@ def _takeover_job(tmp_path: Path, procs: dict, admitted: int):
     job = SimpleNamespace(
         controller=_Controller(running), program=program, ranks=1, run_dir=tmp_path,
         journal=_Journal(), plan=SimpleNamespace(records=[]), groups={}, _lock=threading.Lock(),
+        tracker=SimpleNamespace(failures=[], opened=[]),
     )  # fmt: skip
+    job.tracker.on_failure = job.tracker.failures.append
+    job.tracker.failed_by_controller = lambda *a: job.tracker.opened.append(a[:2])
     return job, adopted
 
 
@@ -224,12 +235,19 @@ def test_a_running_program_group_is_adopted_and_one_that_cannot_be_is_stopped(tm
     assert (replica, inc, store, step) == (0, 2, "127.0.0.1:9", None)
     assert member.startswith("replica_0.2.") and job.groups[0].incarnation == 2
 
-    job, adopted = _takeover_job(tmp_path, {}, admitted=2)  # its program is gone
+    job, adopted = _takeover_job(tmp_path, {}, admitted=2)  # no agent reported its program
     assert pt.adopt(job, plan) is None and not adopted
-    _, fields = job.journal.records[-1]
+    (fields,) = [f for e, f in job.journal.records if e == CONTROLLER_TAKEOVER]
     assert fields["adopted"] is False and "a rank of the group is gone" in fields["reason"]
+    # its host was lost with the controller: a failure of its own, so its restart is a recovery
+    (failure,) = job.tracker.failures
+    assert failure.cause.value == "lost_host" and failure.coords == {"replica": 0, "rank": 0}
+    (lost,) = [f for e, f in job.journal.records if e == FAILURE]
+    assert lost["cause"] == "lost_host" and lost["host"] == "h0" and lost["replica"] == 0
 
     job, adopted = _takeover_job(tmp_path, {"h0/p1": 1}, admitted=3)  # a later one admitted
     assert pt.adopt(job, plan) is None and not adopted
     assert job.controller.stopped == ["h0/p1"]
     assert "admitted a later incarnation" in job.journal.records[-1][1]["reason"]
+    # its program ran: stopped here, and its restart is a recovery of its own
+    assert job.tracker.failures == [] and job.tracker.opened == [(0, "not_adopted")]
