@@ -24,8 +24,8 @@ store (``MASTER_ADDR``/``MASTER_PORT``) once, in its environment, and keeps them
   (``runtime.group_store``), not by the controller, so it outlives the controller as the ranks
   do: a program that builds its own process group on it (``torch.distributed``'s ``env://``)
   or whose ranks meet there after they started is served by it across a takeover.
-  torchtitan's programs are still refused (``harness.job.takeover.supported``): no test here
-  runs one through a takeover.
+  torchtitan's programs are still refused (``harness.job.takeover.supported``): torchtitan
+  does not train on a CPU-only machine, so no takeover of one has been tested.
 
 Not covered: a program that exited (code 0) while no controller served is not in its agent's
 report, so its group is restarted in place like a group that lost a rank.

@@ -110,8 +110,8 @@ def _program_refusal(cfg: JobConfig) -> str | None:
     """Why a ``[program]`` job cannot be taken over (``harness.job.program_takeover``)."""
     if cfg.program.kind == "torchtitan":
         return (
-            'program.kind = "torchtitan" cannot be taken over yet: no test runs a torchtitan '
-            "program through a takeover on this project's machines"
+            'program.kind = "torchtitan" cannot be taken over yet: torchtitan does not train on '
+            "a CPU-only machine (docs/own-program.md), so no takeover of one has been tested"
         )
     return None
 
