@@ -24,7 +24,7 @@ from typing import Any
 from dashboards.html import write_dashboard
 from experiments import postrun
 from experiments.spec import CONTROL, ExperimentError, ExperimentSpec, Run, load_experiment
-from harness.job.rundir import make_private_dir, run_dir_for
+from harness.job.rundir import LEFT_BEHIND_FILE, make_private_dir, read_json, run_dir_for
 from runtime.journal import Journal, read_journal
 
 
@@ -127,6 +127,46 @@ def _run_under_keeper(
     return outcome
 
 
+def _resumable(out: str | None) -> Path | None:
+    """``--resume``'s experiment directory: ``--out``, which an earlier ``ftharness chaos`` of
+    the experiment started (it holds ``experiment.toml``); None (said on stderr) if not."""
+    if out is None or not (Path(out) / "experiment.toml").is_file():
+        print(
+            f"ftharness chaos: --resume needs --out naming an experiment directory an earlier "
+            f"`ftharness chaos` started (with its experiment.toml); got {out!r}",
+            file=sys.stderr,
+        )
+        return None
+    return Path(out)
+
+
+def _ended(run_dir: Path, policy: str) -> dict[str, Any]:
+    """A run an earlier runner started, kept by ``--resume``: its outcome from its journal. A
+    run whose runner died (its controller's node lost, a standby's keeper finished the run) has
+    no post-run check yet: it is done now, by the journal's processes alone (no snapshot of what
+    ran before it exists)."""
+    from experiments.chaos_job import outcome_of
+    from runtime.journal import FAULT_INJECT, JOB_END
+
+    records = read_journal(run_dir / "journal.jsonl")
+    outcome = outcome_of(records, 0)
+    outcome["faults_fired"] = sum(1 for r in records if r.get("event") == FAULT_INJECT)
+    if not (run_dir / postrun.POSTRUN_FILE).exists():
+        starts = [r["t"] for r in records if r.get("event") == "job.start"]
+        ends = [r["t"] for r in records if r.get("event") == JOB_END]
+        before = postrun.Before(
+            t=starts[0] if starts else time.time(), descendants=frozenset(), shm=frozenset()
+        )
+        run_end = ends[-1] if ends else time.time()
+        checked = postrun.check(before, records, policy=policy, run_end=run_end)
+        checked["orphans"] += [
+            {**left, "source": "stopped by the standby's keeper when the run ended"}
+            for left in (read_json(run_dir / LEFT_BEHIND_FILE) or {}).get("left_behind", [])
+        ]
+        postrun.write(run_dir, checked)
+    return outcome
+
+
 def with_launcher(path: str | Path, launcher: str) -> ExperimentSpec:
     """The experiment file with its job's launcher overridden (``--launcher``), validated as a
     whole with it: a [slurm] section and SLURM faults are checked against the new launcher."""
@@ -158,15 +198,21 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"ftharness chaos: {problem}", file=sys.stderr)
         return 2
-    out = run_dir_for("chaos", args.out, spec.name)
+    if getattr(args, "resume", False):
+        out = _resumable(args.out)
+    else:
+        out = run_dir_for("chaos", args.out, spec.name)
     if out is None:
         return 2
     # SLURM's time-limit signal: checkpoint, stop, skip the remaining policies, write the report
     limit = TimeLimit() if job_config(spec, spec.policies[0]).launcher == "slurm" else None
-    if spec.source is not None:
+    if spec.source is not None and not (out / "experiment.toml").exists():
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
     outcomes = {}
     for run in spec.runs():
+        if getattr(args, "resume", False) and (out / run.folder / "journal.jsonl").exists():
+            outcomes[run.folder] = _ended(out / run.folder, run.policy)
+            continue
         if not args.quiet:
             print(f"[ftharness] === {spec.name}: {run.folder} ===", file=sys.stderr)
         outcomes[run.folder] = run_policy(

@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment directory; must be new or empty. Default runs/NAME, or "
         "runs/NAME-2, -3... if an earlier experiment holds it",
     )
+    chaos.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish the experiment in --out whose `ftharness chaos` process died (its node "
+        "lost): runs that ended are kept, the rest are run, then the report is written",
+    )
     _add_live_options(chaos)
 
     report = sub.add_parser(

@@ -427,15 +427,20 @@ class Keeper:
 
         from runtime.proctree import signal_all
 
-        left = psutil.Process().children(recursive=True)
+        left = []
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # gone, or a zombie: nothing left running
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    self.left_behind.append(
+                        {"pid": p.pid, "name": p.name(), "cmdline": " ".join(p.cmdline())[:200],
+                         "create_time": p.create_time()}
+                    )  # fmt: skip
+                    left.append(p)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # the zombies: reaped
+                pass
         if not left:
             return
-        for p in left:
-            with contextlib.suppress(psutil.Error):
-                self.left_behind.append(
-                    {"pid": p.pid, "name": p.name(), "cmdline": " ".join(p.cmdline())[:200],
-                     "create_time": p.create_time()}
-                )  # fmt: skip
         self.say(f"stopping {len(left)} process(es) the run left behind")
         signal_all(left, signal.SIGTERM)
         _, alive = psutil.wait_procs(left, timeout=5.0)

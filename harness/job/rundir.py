@@ -112,6 +112,8 @@ JOB_FILE = "job.json"
 KEEPER_FILE = "keeper.json"
 #: The serving controller's address, epoch and pid (runtime.control_file).
 CONTROLLER_FILE = "controller.json"
+#: What a standby's keeper had to stop when the run ended (harness.job.standby_node).
+LEFT_BEHIND_FILE = "left_behind.json"
 #: A detached run's output (what the terminal shows for a run in the foreground).
 CONSOLE_FILE = "console.log"
 

@@ -30,7 +30,9 @@ something on another node takes the keeper's place. That is this module:
   waits for the run's end instead of exiting, because a batch script that exits ends the job.
 * **The end.** A run that ends under a standby's keeper leaves the batch step on the lost node
   behind, and SLURM would hold the allocation until its time limit: the standby writes the
-  run's report and cancels the job (``scancel``) last.
+  run's report (for a run of a chaos experiment, whose ``ftharness chaos`` process died with
+  the node, it finishes the experiment: ``ftharness chaos --resume``) and cancels the job
+  (``scancel``) last.
 
 Not covered: the shared file system itself failing; a lost node coming back while the job
 runs (SLURM may then end the job whose batch step it no longer finds there).
@@ -48,7 +50,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.job.beats import END, job_env
-from harness.job.rundir import KEEPER_FILE, find_job_end, read_json, this_host
+from harness.job.rundir import (
+    KEEPER_FILE,
+    LEFT_BEHIND_FILE,
+    find_job_end,
+    read_json,
+    this_host,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from harness.job.keeper import Keeper
@@ -135,25 +144,46 @@ def main(argv: list[str] | None = None) -> int:
     lost = str(info.get("host") or "")
     keeper: Keeper = Keeper.for_job(run_dir, cfg, avoid=(lost,) if lost else ())
     code = keeper.run(takeover_first=True)
+    # what its keeper had to stop: orphans to a chaos experiment's no_orphans (experiments.runner)
+    write_json_atomic(run_dir / LEFT_BEHIND_FILE, {"left_behind": keeper.left_behind})
     _end_allocation(run_dir)
     return code
 
 
 def _end_allocation(run_dir: Path) -> None:
     """The run ended under this keeper: write its report, then cancel the job (its batch step
-    on the lost node would hold the allocation until the time limit)."""
+    on the lost node would hold the allocation until the time limit). A run of a chaos
+    experiment (its ``job.json`` names the experiment) lost the ``ftharness chaos`` process with
+    the node: the experiment is finished here instead (``ftharness chaos --resume``: the runs
+    after this one, then the experiment's report)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(
-            [sys.executable, "-m", "harness", "report", str(run_dir)],
-            stdout=subprocess.DEVNULL,
-            timeout=300,
-        )
+        subprocess.run(_finish_command(run_dir), stdout=subprocess.DEVNULL, timeout=None)
     job = os.environ.get("SLURM_JOB_ID")
     if job and job.replace("_", "").isdigit():
         sys.stdout.flush()
         sys.stderr.flush()
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["scancel", job], timeout=60)
+
+
+def _finish_command(run_dir: Path) -> list[str]:
+    """``ftharness report RUN``, or for a run of a chaos experiment ``ftharness chaos
+    EXPERIMENT --out OUT --resume`` (OUT: the experiment's directory, the run's parent)."""
+    here = [sys.executable, "-m", "harness"]
+    info = read_json(run_dir / "job.json") or {}
+    section = (info.get("hook") or {}).get("args") or {}
+    experiment = section.get("experiment")
+    if not experiment or not (run_dir.parent / "experiment.toml").is_file():
+        return [*here, "report", str(run_dir)]
+    launcher = [
+        ["--launcher", str(o).split("=", 1)[1]]
+        for o in section.get("overrides", ())
+        if str(o).startswith("launcher=")
+    ]
+    return [
+        *here, "chaos", str(experiment), "--out", str(run_dir.parent), "--resume", "--quiet",
+        *(launcher[-1] if launcher else []),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,6 +34,12 @@ policies = ["in_place"]
 job = "{job}"
 overrides = ["timeouts.host_timeout=2.0", "timeouts.controller_silence=4.0"]
 
+[hypotheses]
+committed_steps_rise = true
+every_fault_recovered = true
+journal_complete = true
+no_orphans = true
+
 [schedule]
 kind = "at_times"
 at_times = [12]
@@ -114,5 +120,10 @@ start_timeout_s = 120.0
         steps = [r["step"] for r in commits]
         assert steps == sorted(set(steps)), replica  # none went back, none twice
         assert [r for r in commits if r["t"] > t_takeover], (replica, said)
-    assert (run / "report.json").exists()
+    # the `ftharness chaos` process died with n1: the standby finished the experiment
+    # (`ftharness chaos --resume`): the run's post-run check, and the experiment's report
+    checked = json.loads((run / "postrun.json").read_text())
+    said += f"\npostrun: {checked}"
+    report = json.loads((run.parent / "report.json").read_text())
+    assert report["hypotheses"] and report["passed"], (report["hypotheses"], said)
     print(f"took {time.monotonic() - t0:.0f} s")
