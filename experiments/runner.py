@@ -146,13 +146,13 @@ def _ended(run_dir: Path, policy: str) -> dict[str, Any]:
     no post-run check yet: it is done now, by the journal's processes alone (no snapshot of what
     ran before it exists)."""
     from experiments.chaos_job import outcome_of
-    from runtime.journal import FAULT_INJECT, JOB_END
+    from runtime.journal import FAULT_INJECT, JOB_END, JOB_START
 
     records = read_journal(run_dir / "journal.jsonl")
     outcome = outcome_of(records, 0)
     outcome["faults_fired"] = sum(1 for r in records if r.get("event") == FAULT_INJECT)
     if not (run_dir / postrun.POSTRUN_FILE).exists():
-        starts = [r["t"] for r in records if r.get("event") == "job.start"]
+        starts = [r["t"] for r in records if r.get("event") == JOB_START]
         ends = [r["t"] for r in records if r.get("event") == JOB_END]
         before = postrun.Before(
             t=starts[0] if starts else time.time(), descendants=frozenset(), shm=frozenset()

@@ -79,8 +79,7 @@ def serve_in_child(host: str, timeout_s: float) -> tuple[int, str]:
     port = sock.getsockname()[1]
     parent = os.getpid()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child; tests/unit/test_group_store.py watches it
-        code = 1
+    if pid == 0:  # pragma: no cover - the child; tests/integration/test_group_store.py watches it
         try:
             os.setsid()  # no terminal's signals
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
@@ -96,7 +95,7 @@ def serve_in_child(host: str, timeout_s: float) -> tuple[int, str]:
         except BaseException as exc:  # the agent's log says why a group's store is missing
             print(f"ftharness: the group store on {host}:{port} failed: {exc!r}", file=sys.stderr)
         finally:
-            os._exit(code)
+            os._exit(1)  # it serves until killed: any end is a failure
     sock.close()
     # host:port, split at the last colon by its users (MASTER_ADDR, MASTER_PORT): no brackets
     return pid, f"{host}:{port}"

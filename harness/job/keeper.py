@@ -436,18 +436,14 @@ class Keeper:
                          "create_time": p.create_time()}
                     )  # fmt: skip
                     left.append(p)
+        if left:
+            self.say(f"stopping {len(left)} process(es) the run left behind")
+            signal_all(left, signal.SIGTERM)
+            _, alive = psutil.wait_procs(left, timeout=5.0)
+            signal_all(alive, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=5.0)
         with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # the zombies: reaped
-                pass
-        if not left:
-            return
-        self.say(f"stopping {len(left)} process(es) the run left behind")
-        signal_all(left, signal.SIGTERM)
-        _, alive = psutil.wait_procs(left, timeout=5.0)
-        signal_all(alive, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=5.0)
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # grandchildren re-parented to us meanwhile
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # zombies, grandchildren re-parented to us
                 pass
 
 

@@ -69,9 +69,13 @@ class GroupAdmission:
     local: bool | None = None
     host_ips: frozenset[str] | None = None  # on another machine: the host's addresses
     verified: dict[str, tuple[peer_process.Holder, ...]] = field(default_factory=dict)
-    # the verified connections that come through the host agent's quorum relay
-    relayed: set[str] = field(default_factory=set)
     refused: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def relayed(self, peer: str, agent: int) -> bool:
+        """Whether ``peer``'s verified connection is held by the host agent (pid ``agent``)
+        itself: its quorum relay's (``runtime.relay``), not rank 0's."""
+        held = self.verified.get(peer)
+        return bool(held) and all(h.pid == agent for h in held or ())
 
 
 class Group(Protocol):
@@ -144,9 +148,8 @@ def admit(
         with lock:
             if groups.get(g.replica) is not g:
                 return f"replica group {g.replica} incarnation {g.incarnation} was replaced"
-            if (not g.admission.local or peer in g.admission.relayed) and (
-                g.ids and replica_id not in g.ids
-            ):
+            relayed = g.admission.relayed(peer, g.procs[0].host.pid)
+            if (not g.admission.local or relayed) and g.ids and replica_id not in g.ids:
                 return (
                     f"replica group {g.replica} incarnation {g.incarnation} (relayed, or on "
                     f"another machine: one Manager id per incarnation) is {sorted(g.ids)[0]!r}"
@@ -218,7 +221,7 @@ def refusal(
         return None
     held = state.verified.get(peer)
     if held is not None and peer_process.still_held(held):
-        return None if binds or peer not in state.relayed else _BIND_FIRST
+        return None if binds or not state.relayed(peer, host.pid) else _BIND_FIRST
     refused = state.refused.get(peer)
     if refused is not None and time.monotonic() - refused[0] < REFUSAL_MEMORY_S:
         return refused[1]
@@ -240,12 +243,10 @@ def refusal(
             relay = peer_process.holders(host.pid, client, tap) if held is None else None
             if relay and all(h.pid == host.pid for h in relay):
                 held = relay
-                state.relayed.add(peer)
     memo: dict[str, Any] = state.verified if held is not None else state.refused
     if len(memo) > _MEMORY:
         memo.clear()
-        state.relayed.intersection_update(state.verified)
     memo[peer] = held if held is not None else (time.monotonic(), why)
-    if held is not None and peer in state.relayed and not binds:
+    if held is not None and not binds and state.relayed(peer, host.pid):
         return _BIND_FIRST
     return None if held is not None else why

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.job.beats import END, job_env
 from harness.job.rundir import (
+    JOB_FILE,
     KEEPER_FILE,
     LEFT_BEHIND_FILE,
     find_job_end,
@@ -170,7 +171,7 @@ def _finish_command(run_dir: Path) -> list[str]:
     """``ftharness report RUN``, or for a run of a chaos experiment ``ftharness chaos
     EXPERIMENT --out OUT --resume`` (OUT: the experiment's directory, the run's parent)."""
     here = [sys.executable, "-m", "harness"]
-    info = read_json(run_dir / "job.json") or {}
+    info = read_json(run_dir / JOB_FILE) or {}
     section = (info.get("hook") or {}).get("args") or {}
     experiment = section.get("experiment")
     if not experiment or not (run_dir.parent / "experiment.toml").is_file():

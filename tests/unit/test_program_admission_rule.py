@@ -122,7 +122,8 @@ def test_a_local_group_admits_the_connections_of_its_rank_0_only(tap, agent) -> 
             relayed = f"ipv4:127.0.0.1:{me.getsockname()[1]}"
             assert "must ask for a quorum first" in _refusal(state, rec, relayed, tap, binds=False)
             assert _refusal(state, rec, relayed, tap) is None
-            assert relayed in state.relayed and relayed in state.verified
+            assert state.relayed(relayed, agent.pid) and relayed in state.verified
+            assert not state.relayed(peer, agent.pid)  # rank 0's own connection
             assert "must ask for a quorum first" in _refusal(state, rec, relayed, tap, binds=False)
         finally:
             me.close()
