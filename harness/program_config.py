@@ -23,8 +23,8 @@ from typing import Any, Literal
 from runtime.program_proc import PYTHON_NAMES  # run as the agent's own interpreter
 
 #: What every rank of a program gets from ftharness, as a torchft launcher (torchx's
-#: ``torchft.torchx`` component, SLURM scripts) would give it. ``program.env`` may not set these.
-LAUNCHER_ENV = (
+#: ``torchft.torchx`` component, SLURM scripts) would give it.
+TORCHFT_ENV = (
     "REPLICA_GROUP_ID",
     "NUM_REPLICA_GROUPS",
     "TORCHFT_LIGHTHOUSE",
@@ -35,6 +35,24 @@ LAUNCHER_ENV = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
 )
+#: ... and as torchrun gives it (``harness.job.program_env.torchrun_env``): the group's store is
+#: its host agent's, as torchrun's is its agent's.
+TORCHRUN_ENV = (
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_ERROR_FILE",
+)
+#: ``program.env`` may not set these.
+LAUNCHER_ENV = TORCHFT_ENV + TORCHRUN_ENV
+#: Where the group's store is (``harness.job.program_env.torchrun_env``): ftharness's alone.
+STORE_ENV = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 #: The flags ftharness adds to a torchtitan command (torchtitan does not read REPLICA_GROUP_ID).
 TORCHTITAN_FLAGS = (
     "--fault_tolerance.enable",
@@ -123,6 +141,27 @@ class ProgramConfig:
         return self.enabled and cold_reason(self) is None
 
 
+def torchrun_nproc(command: tuple[str, ...]) -> str | None:
+    """The ``--nproc_per_node`` (or ``--nproc-per-node``) value of a ``torchrun`` or ``python
+    -m torch.distributed.run`` command, ``"1"`` when it gives none (torchrun's default), None
+    when ``command`` is not torchrun."""
+    if not command:
+        return None
+    if os.path.basename(command[0]) == "torchrun":
+        args = command[1:]
+    elif is_python(command[0]) and command[1:3] == ("-m", "torch.distributed.run"):
+        args = command[3:]
+    else:
+        return None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--nproc_per_node", "--nproc-per-node"):
+            return value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if arg.endswith(".py"):
+            break  # the script: what follows is its own
+    return "1"
+
+
 def is_python(exe: str) -> bool:
     """``exe`` means the interpreter ftharness runs in (``python`` is replaced by it)."""
     return exe in PYTHON_NAMES or exe == sys.executable
@@ -170,11 +209,27 @@ def program_problem(cfg: Any) -> str | None:
             return f"program.env.{name}: not a valid environment variable name"
         if "\0" in value:  # the spawn of every rank would fail (execve takes C strings)
             return f"program.env.{name}: holds a NUL character, which no environment value can"
+        if name in STORE_ENV:
+            return (
+                f"program.env.{name}: the group's store is ftharness's to place: its host agent "
+                "serves it on a fresh port each incarnation and every rank's env:// process "
+                "group connects to it as a client (MASTER_ADDR, MASTER_PORT, "
+                "TORCHELASTIC_USE_AGENT_STORE=True, as torchrun gives them); a value of the "
+                "program's would make rank 0 host a second store or miss the group's; remove it"
+            )
         if name in LAUNCHER_ENV:
             return (
                 f"program.env.{name}: set by ftharness for every rank (the launcher environment: "
                 f"{', '.join(LAUNCHER_ENV)}); remove it"
             )
+    nproc = torchrun_nproc(p.command)
+    if cfg.ranks > 1 and nproc is not None and nproc != "1":
+        return (
+            f"program.command runs torchrun with --nproc_per_node {nproc} under ranks = "
+            f"{cfg.ranks}: ftharness starts the {cfg.ranks} ranks of each group itself, with "
+            "torchrun's environment (docs/own-program.md); run the script directly: command = "
+            "['python', SCRIPT, ...]"
+        )
     if p.kind == "torchtitan":
         for arg in p.command:
             for flag in TORCHTITAN_FLAGS:

@@ -73,8 +73,8 @@ def fork_program(msg: SpawnProgram, extra_env: dict[str, str], close: list[int])
     * ``sys.modules`` holds what the agent imported (torch, its preloads, ftharness's runtime),
       so environment variables read at import (torch's thread counts, ``PYTHON*`` start-up
       options) are the agent's (``harness.program_config.cold_reason`` starts such a program
-      cold unless told otherwise), and module-level state of those modules is shared with
-      nothing but was set up by the agent;
+      cold unless told otherwise; the launcher's ``OMP_NUM_THREADS`` is applied by hand), and
+      module-level state of those modules is shared with nothing but was set up by the agent;
     * ``sys.path`` is the script's directory (``-m``: the cwd) and ``PYTHONPATH``, put first
       by hand, then the agent's path (which can reach ftharness);
     * ``sys.orig_argv`` is ``program.command`` with this interpreter; ``sys.argv[0]`` is the
@@ -153,6 +153,11 @@ def _fresh_stdio(unbuffered: bool) -> None:
 def _run_warm(msg: SpawnProgram, extra_env: dict[str, str]) -> int:
     sys.orig_argv = program_argv(msg.argv)
     os.environ.update({**extra_env, **msg.env})
+    threads = msg.env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        # read by torch when it was imported (by the agent): applied by hand, as a fresh
+        # interpreter would have read it (torchrun sets 1 for several ranks: program_env)
+        sys.modules["torch"].set_num_threads(int(threads))
     if msg.cwd:
         os.chdir(msg.cwd)
     extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

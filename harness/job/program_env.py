@@ -30,9 +30,13 @@ def launcher_env(
     store_addr: str,
     hook_dir: str | None = None,
     survivable: bool = False,
+    incarnation: int = 0,
+    error_file: str = "",
 ) -> dict[str, str]:
     """The environment of ``rank`` of replica group ``replica``: what torchft's launchers give
-    (``torchft.torchx``), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
+    (``torchft.torchx``), what torchrun gives each of its workers (:func:`torchrun_env`; the
+    group's ``incarnation`` is its restart count, ``error_file`` where ``@record`` writes a
+    failure), torchft's timeouts from ``cfg.timeouts`` (its Manager reads them and
     they take precedence over the program's own, so the ordering ``harness.config`` checks
     holds for the program too; the quorum timeout outlasts a hung group's fencing:
     :func:`program_quorum_timeout`), then ``program.env``; first on ``PYTHONPATH``
@@ -52,6 +56,7 @@ def launcher_env(
         "WORLD_SIZE": str(cfg.ranks),
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(cfg.ranks),
+        **torchrun_env(cfg, rank=rank, incarnation=incarnation, error_file=error_file),
         # torchft reads whole seconds
         "TORCHFT_TIMEOUT_SEC": str(math.ceil(t.manager_timeout)),
         "TORCHFT_QUORUM_TIMEOUT_SEC": str(math.ceil(program_quorum_timeout(cfg))),
@@ -66,6 +71,36 @@ def launcher_env(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (*site, path) if p)
     env["FTHARNESS_SITE"] = os.pathsep.join(site)
     env.update({"FTHARNESS_HOOK_DIR": hook_dir or ""} if cfg.program.hooks else {})
+    return env
+
+
+def torchrun_env(cfg: Any, *, rank: int, incarnation: int, error_file: str) -> dict[str, str]:
+    """What torch 2.13's torchrun (``LocalElasticAgent._start_workers``) gives a worker beyond
+    ``RANK``/``WORLD_SIZE``/``LOCAL_*``/``MASTER_*``, for a replica group of ``cfg.ranks`` ranks
+    on one host, as one torchrun per group would: one node (``GROUP_RANK`` 0 of
+    ``GROUP_WORLD_SIZE`` 1), the role ``default``, and the group's store hosted by the agent
+    (``TORCHELASTIC_USE_AGENT_STORE``), so that every rank's ``env://`` process group connects to
+    it as a client instead of rank 0 trying to host it on ``MASTER_PORT`` (``EADDRINUSE``).
+    ``TORCHELASTIC_RESTART_COUNT`` is the group's incarnation (torchrun's counts its restarts of
+    the group too); ``TORCHELASTIC_MAX_RESTARTS`` the job's ``recovery.max_restarts``;
+    ``TORCHELASTIC_RUN_ID`` the job's name. ``OMP_NUM_THREADS=1`` with more than one rank where
+    the environment does not set it, as ``torch.distributed.run`` does. Where it differs from
+    torchrun on purpose: docs/own-program.md#what-a-rank-gets."""
+    env = {
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(cfg.ranks),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": cfg.name,
+        "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.recovery.max_restarts),
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    if cfg.ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
@@ -115,6 +150,23 @@ def program_argv(cfg: Any, *, replica: int) -> tuple[str, ...]:
 
 def log_name(replica: int, rank: int) -> str:
     return f"replica{replica}-rank{rank}.log"
+
+
+def start_log(logs: Path, replica: int, rank: int, incarnation: int) -> Path:
+    """A rank's log, with a line that says which incarnation starts (0600 like every worker
+    log: it holds the program's output and tracebacks); a past incarnation's error file gone."""
+    log = logs / log_name(replica, rank)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with open(fd, "a", encoding="utf-8") as f:
+        f.write(f"=== ftharness: replica {replica} rank {rank} incarnation {incarnation}\n")
+    error_file(logs, replica, rank).unlink(missing_ok=True)
+    return log
+
+
+def error_file(logs: Path, replica: int, rank: int) -> Path:
+    """``TORCHELASTIC_ERROR_FILE`` of a rank: where torch's ``@record`` (torchrun's convention)
+    writes the exception that ended it, next to its log."""
+    return logs / f"replica{replica}-rank{rank}.error.json"
 
 
 def run_in_program(pid: int, hooks: Path | None, func: str, *args: Any) -> None:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.job import program_admission, program_takeover
+from harness.job import program_admission, program_env, program_takeover
 from harness.job.program_env import launcher_env, log_name, program_argv, run_in_program
 from harness.job.program_group import ProgramGroup as _Group
 from harness.job.program_group import ProgramJob
@@ -166,11 +166,7 @@ class ProgramGroups:
                 self.durable.groups[r] = program_takeover.GroupState(incarnation[r], store_addr)
                 program_takeover.save(self.job.run_dir, self.durable)
             for k in range(self.cfg.ranks):
-                log = logs / log_name(r, k)
-                # 0600 like every worker log: it holds the program's output and tracebacks
-                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                with open(fd, "a", encoding="utf-8") as f:
-                    f.write(f"=== ftharness: replica {r} rank {k} incarnation {incarnation[r]}\n")
+                log = program_env.start_log(logs, r, k, incarnation[r])
                 env = launcher_env(
                     self.cfg,
                     replica=r,
@@ -181,6 +177,8 @@ class ProgramGroups:
                     store_addr=store_addr,
                     hook_dir=str(hooks),
                     survivable=self.survivable,
+                    incarnation=incarnation[r],
+                    error_file=str(program_env.error_file(logs, r, k)),
                 )
                 spawn = SpawnProgram(
                     proc_id="",  # assigned by the controller

@@ -13,7 +13,7 @@ import pytest
 from harness.config import ConfigError, load_config
 from harness.job.program_env import launcher_env, log_name, program_argv
 from harness.job.program_progress import hung_for, read_tail, step_events
-from harness.program_config import LAUNCHER_ENV, cold_reason
+from harness.program_config import LAUNCHER_ENV, TORCHFT_ENV, cold_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ["python", "tests/programs/train_ddp.py", "20"]
@@ -30,7 +30,7 @@ def test_launcher_env_is_what_a_torchft_launcher_gives():
     env = launcher_env(
         c, replica=2, rank=1, lighthouse="http://127.0.0.1:7", store_addr="10.0.0.5:99"
     )
-    assert {k: env[k] for k in LAUNCHER_ENV} == {
+    assert {k: env[k] for k in TORCHFT_ENV} == {
         "REPLICA_GROUP_ID": "2",
         "NUM_REPLICA_GROUPS": "3",
         "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:7",
@@ -42,6 +42,17 @@ def test_launcher_env_is_what_a_torchft_launcher_gives():
         "LOCAL_WORLD_SIZE": "2",
     }
     assert env["LOGLEVEL"] == "INFO"
+    # torchrun's conventions (tests/e2e/test_program_hsdp.py compares them with torchrun's own)
+    assert {k: env[k] for k in LAUNCHER_ENV if k.startswith(("GROUP_", "ROLE_"))} == {
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": "1",
+        "ROLE_WORLD_SIZE": "2",
+    }
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # env:// connects to the agent's store
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == str(c.recovery.max_restarts)
     # torchft's Manager reads its timeouts from the environment first: ftharness's checked ones
     assert env["TORCHFT_TIMEOUT_SEC"] == "10"
     # the quorum timeout (10) is raised past the default progress timeout (30) + the
@@ -62,8 +73,50 @@ def test_program_env_may_override_torchft_timeouts_but_not_the_launcher_environm
     c = cfg('program.env={TORCHFT_TIMEOUT_SEC="30"}')
     env = launcher_env(c, replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2")
     assert env["TORCHFT_TIMEOUT_SEC"] == "30"
-    with pytest.raises(ConfigError, match=r"program.env.MASTER_PORT: set by ftharness"):
-        cfg('program.env={MASTER_PORT="1"}')
+    with pytest.raises(ConfigError, match=r"program.env.RANK: set by ftharness"):
+        cfg('program.env={RANK="1"}')
+
+
+@pytest.mark.parametrize("name", ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"])
+def test_program_env_may_not_place_the_groups_store(name):
+    with pytest.raises(ConfigError, match=rf"program.env.{name}: the group's store is ftharness's"):
+        cfg(f'program.env={{{name}="False"}}')
+
+
+def test_the_restart_count_is_the_incarnation():
+    env = launcher_env(
+        cfg("ranks=2"), replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2", incarnation=3
+    )
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("command", "ranks", "refused"),
+    [
+        (
+            ["torchrun", "--nproc_per_node", "2", "train.py"],
+            2,
+            "--nproc_per_node 2 under ranks = 2",
+        ),
+        (["torchrun", "--nproc-per-node=4", "train.py"], 2, "--nproc_per_node 4 under ranks = 2"),
+        (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "t.py"], 2, "nproc"),
+        (["torchrun", "--nnodes", "1", "--nproc_per_node", "1", "train.py"], 2, None),
+        (["torchrun", "--nproc_per_node", "2", "train.py"], 1, None),  # one rank: torchrun's own
+        (["torchrun", "train.py", "--nproc_per_node", "2"], 2, None),  # the script's own flag
+    ],
+)
+def test_torchrun_starting_ranks_of_its_own_is_refused(tmp_path, command, ranks, refused):
+    torchrun = tmp_path / "torchrun"  # on PATH for the check, as a user's would be
+    torchrun.write_text("#!/bin/sh\n")
+    torchrun.chmod(0o755)
+    command = [str(torchrun) if a == "torchrun" else a for a in command]
+    overrides = [f"program.command={json.dumps(command)}", f"ranks={ranks}"]
+    if refused is None:
+        load_config("experiments/tiny.toml", overrides)
+        return
+    with pytest.raises(ConfigError, match=refused) as e:
+        load_config("experiments/tiny.toml", overrides)
+    assert "ftharness starts the" in str(e.value)
 
 
 def test_torchtitan_gets_its_fault_tolerance_flags():
