@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--json", action="store_true", help="print only the JSON result line")
         b.add_argument("--reps", type=int, default=None, help="repetitions (default per bench)")
         b.add_argument("--quick", action="store_true", help="a smaller, faster variant")
+        if name == "recovery":
+            b.add_argument(
+                "--only",
+                metavar="TEXT",
+                help="run only the rows whose name contains TEXT (e.g. program_hsdp)",
+            )
     return parser
 
 

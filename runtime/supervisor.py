@@ -162,6 +162,15 @@ class Supervisor:
         for child in reversed(list(self.children.values())):
             self._stop(child)
 
+    def hold(self) -> None:
+        """Restart nothing from now on (the job is ending): this supervisor and every one below
+        it ignore failures; their processes run until :meth:`stop`. A restart already under way
+        starts no further child."""
+        self.stopped = True
+        for child in self.children.values():
+            if child.sup is not None:
+                child.sup.hold()
+
     def _journal(self, decision: Decision, failure: Failure) -> None:
         self.plane.emit(
             SUPERVISOR,

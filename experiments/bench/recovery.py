@@ -80,28 +80,43 @@ PROGRAM = PROGRAMS / "train_ddp.py"
 PROGRAM_ARGS = '"0", "60"'
 #: The semi-synchronous programs' inner steps per sync (program.sync_every).
 SYNC_EVERY = 10
-PROGRAM_CONFIGS = {
-    f"program{'_warm' if warm else ''}/{quorum}": [
-        "recovery.policy=in_place",
-        f"recovery.quorum={quorum}",
-        f'program.command=["python", "{PROGRAM}", "1000000", {PROGRAM_ARGS}]',
-        "program.progress_timeout_s=30",
-        f"program.warm={str(warm).lower()}",
-    ]
-    for warm in (False, True)
-    for quorum in ("torchft", "tree")
-} | {
-    f"program_{name}/{quorum}": [  # semi-synchronous, warm (the default)
-        "recovery.policy=in_place",
-        f"recovery.quorum={quorum}",
-        f'program.command=["python", "{PROGRAMS / f"train_{name}.py"}", "1000000", '
-        f'"{SYNC_EVERY}", {PROGRAM_ARGS}]',
-        f"program.sync_every={SYNC_EVERY}",
-        "program.progress_timeout_s=30",
-    ]
-    for name in ("diloco", "localsgd")
-    for quorum in ("torchft", "tree")
-}
+PROGRAM_CONFIGS = (
+    {
+        f"program{'_warm' if warm else ''}/{quorum}": [
+            "recovery.policy=in_place",
+            f"recovery.quorum={quorum}",
+            f'program.command=["python", "{PROGRAM}", "1000000", {PROGRAM_ARGS}]',
+            "program.progress_timeout_s=30",
+            f"program.warm={str(warm).lower()}",
+        ]
+        for warm in (False, True)
+        for quorum in ("torchft", "tree")
+    }
+    | {
+        f"program_{name}/{quorum}": [  # semi-synchronous, warm (the default)
+            "recovery.policy=in_place",
+            f"recovery.quorum={quorum}",
+            f'program.command=["python", "{PROGRAMS / f"train_{name}.py"}", "1000000", '
+            f'"{SYNC_EVERY}", {PROGRAM_ARGS}]',
+            f"program.sync_every={SYNC_EVERY}",
+            "program.progress_timeout_s=30",
+        ]
+        for name in ("diloco", "localsgd")
+        for quorum in ("torchft", "tree")
+    }
+    | {
+        # a sharded program: FSDP2 over each group's 2 ranks, torchft across 2 groups (warm)
+        "program_hsdp/tree": [
+            "replicas=2",
+            "ranks=2",
+            "recovery.policy=in_place",
+            "recovery.quorum=tree",
+            f'program.command=["python", "{PROGRAMS / "train_hsdp.py"}", "1000000", '
+            f"{PROGRAM_ARGS}]",
+            "program.progress_timeout_s=30",
+        ],
+    }
+)
 
 
 def _stats(xs: list[float]) -> dict[str, float] | None:
@@ -222,10 +237,30 @@ def run_config(
         row["cold_start_to_first_commit_s"] = _stats(_cold_starts(records))
         if cfg.program.sync_every > 1:  # the semi-synchronous programs print a digest per sync
             row["weights_match"] = _syncs_match(run_dir / "logs")
+        if "train_hsdp.py" in " ".join(cfg.program.command):  # a checksum of each rank's shards
+            row["weights_match"] = _shards_match(run_dir / "logs")
+        if (cfg.replicas, cfg.ranks) != (3, 1):
+            row["replicas"], row["ranks"] = cfg.replicas, cfg.ranks
         return row  # otherwise weights are not observed: the program reports no checksums
     hyp = evaluate_hypotheses(Hypotheses(replicas_equal_after_heal=True), {}, records)
     row["weights_match"] = all(h["passed"] for h in hyp)
     return row
+
+
+def _shards_match(logs: Path) -> bool | None:
+    """Whether every (rank, step) that several groups' logs print (``group G rank R step S
+    shards H``, tests/programs/train_hsdp.py) has one checksum: rank R of every group holds
+    the same shards after the same step, heals included; None: no step printed by two groups."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    groups: dict[tuple[str, str], set[str]] = {}
+    for log in logs.glob("replica*-rank*.log"):
+        for m in re.finditer(
+            r"group (\d+) rank (\d+) step (\d+) shards ([0-9a-f]+)", log.read_text()
+        ):
+            seen.setdefault((m[2], m[3]), set()).add(m[4])
+            groups.setdefault((m[2], m[3]), set()).add(m[1])
+    shared = [k for k, g in groups.items() if len(g) > 1]
+    return all(len(seen[k]) == 1 for k in shared) if shared else None
 
 
 def _syncs_match(logs: Path) -> bool | None:
@@ -321,12 +356,14 @@ def main(args: argparse.Namespace) -> int:
         for model in models:
             result["rows"][model] = {}
             for name in configs + (programs if model == "tiny" else []):
+                if args.only and args.only not in name:
+                    continue
                 log(f"{model} / {name}: starting")
                 n = program_reps(args) if name in PROGRAM_CONFIGS else reps
                 row = run_config(model, name, n, seed=7, workdir=Path(tmp), log=log)
                 result["rows"][model][name] = row
                 log(f"{model} / {name}: {json.dumps(row)}")
-    tiny = result["rows"]["tiny"]
+    tiny = result["rows"].get("tiny", {})
     best = tiny.get("in_place/tree") or tiny.get("in_place/torchft")
     full = tiny.get("full_restart")
 

@@ -63,5 +63,8 @@ class ProgramJob(Protocol):
     def finished(self) -> None:
         """Every group is done (every rank exited with code 0)."""
 
+    def fail(self, reason: str) -> None:
+        """The job cannot go on, for ``reason`` (a crash loop: ``harness.job.crash_loop``)."""
+
     @property
     def tracker(self) -> RecoveryTracker: ...

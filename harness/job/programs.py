@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.job import program_admission, program_env, program_takeover
+from harness.job.program_deaths import DeathWatch
 from harness.job.program_env import launcher_env, log_name, program_argv, run_in_program
 from harness.job.program_group import ProgramGroup as _Group
 from harness.job.program_group import ProgramJob
@@ -112,6 +113,7 @@ class ProgramGroups:
         unblock = RemoteUnblock(c, self._inc)
         for listener in (self._show_tail, self._after_the_others, unblock, self._survivors_due):
             c.add_failure_listener(listener)
+        DeathWatch.attach(self.job, self._groups.get)  # a crash loop ends the job, named
         if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()

@@ -424,6 +424,13 @@ class Job:
         """Every group is done (a program of the user's own exited 0 in every rank)."""
         self.completion.finished()
 
+    def fail(self, reason: str) -> None:
+        """The job cannot go on, for ``reason``: it ends as failed, and no group is restarted
+        meanwhile (a crash loop's restarts take tens of milliseconds each)."""
+        self.completion.fail(reason)
+        if self.job_supervisor is not None:
+            self.job_supervisor.hold()
+
     def wait(
         self,
         timeout: float | None = None,

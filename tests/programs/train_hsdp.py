@@ -104,7 +104,9 @@ def main() -> int:
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=f"train_hsdp_{group}",
-        use_async_quorum=False,  # heal on the training thread, never mid-forward
+        # heal on the training thread, never mid-forward (TRAIN_HSDP_ASYNC_QUORUM=1: torchft's
+        # default, for a test that shows what goes wrong then)
+        use_async_quorum=os.environ.get("TRAIN_HSDP_ASYNC_QUORUM") == "1",
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=10),

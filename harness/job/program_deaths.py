@@ -1,0 +1,127 @@
+"""Each death of a program's rank, read from its log, fed to the crash-loop rule
+(``harness.job.crash_loop``); the injected faults, read from the journal, explain theirs. A
+crash loop ends the job with its diagnosis: on the console, in ``job.end`` and so in the report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
+from harness.job.program_env import FENCE_SLACK_S, error_file, log_name
+from harness.job.program_group import ProgramGroup, ProgramJob
+from runtime.failure import Failure
+from runtime.journal import FAULT_INJECT, HEALED, Record
+
+#: How much of a rank's log is read for its traceback.
+LOG_LINES = 200
+
+
+class DeathWatch:
+    """Listens to the controller's failures and the journal's fault records of one job.
+    ``group(replica)``: the group's current incarnation, or None; ``fail(reason)`` ends the job;
+    ``say(line)`` tells the user."""
+
+    def __init__(
+        self,
+        *,
+        cfg: Any,
+        logs: Path,
+        group: Callable[[int], ProgramGroup | None],
+        say: Callable[[str], None],
+        fail: Callable[[str], None],
+    ) -> None:
+        # a survivor a peer's death took down dies within its collective timeout
+        explained = cfg.timeouts.process_group_timeout + FENCE_SLACK_S
+        self._loop = CrashLoop(explained_s=explained)
+        self._logs = logs
+        self._group = group
+        self._say = say
+        self._fail = fail
+        self._every = cfg.program.steps_per_quorum
+        self._lock = threading.Lock()
+        self._seen: set[tuple[int, int]] = set()  # (replica, incarnation): its first death only
+        self._healed: dict[int, tuple[int, int]] = {}  # replica -> (incarnation, step) healed
+
+    @classmethod
+    def attach(cls, job: ProgramJob, group: Callable[[int], ProgramGroup | None]) -> DeathWatch:
+        """A watch of ``job``'s deaths and faults (``group``: as for the constructor)."""
+        watch = cls(
+            cfg=job.cfg, logs=Path(job.run_dir) / "logs", group=group, say=job.say, fail=job.fail
+        )
+        job.journal.add_sink(watch.on_record)
+        job.controller.add_failure_listener(watch.on_failure)
+        return watch
+
+    def on_record(self, r: Record) -> None:
+        event = r.get("event")
+        if event == HEALED and isinstance(r.get("replica"), int):
+            g = self._group(r["replica"])
+            if g is not None:  # journalled in inner steps
+                with self._lock:
+                    self._healed[g.replica] = (g.incarnation, int(r.get("step", 0)))
+        if event != FAULT_INJECT:
+            return
+        replica = (r.get("target") or {}).get("replica")
+        g = self._group(replica) if isinstance(replica, int) else None
+        with self._lock:
+            self._loop.fault(float(r.get("t", time.time())), replica, g.incarnation if g else None)
+
+    def on_failure(self, failure: Failure) -> None:
+        coords = failure.coords or {}
+        replica, rank = coords.get("replica"), coords.get("rank")
+        if not isinstance(replica, int) or not isinstance(rank, int):
+            return
+        g = self._group(replica)
+        if g is None or failure.proc not in {p.ref.proc_id for p in g.procs}:
+            return  # an old incarnation's, a spare's
+        with self._lock:
+            if (replica, g.incarnation) in self._seen:
+                return  # the rest of a group one death took down
+            self._seen.add((replica, g.incarnation))
+        read = read_death(
+            _incarnation_lines(self._logs / log_name(replica, rank)),
+            signal=failure.signal,
+            exit_code=failure.exit_code,
+            error_file=error_file(self._logs, replica, rank),
+        )
+        if read is None:
+            return
+        what, kind, frame, lines = read
+        death = Death(
+            replica, rank, g.incarnation, what, kind, frame, self._where(g), time.time(), lines
+        )
+        with self._lock:
+            loop = self._loop.died(death)
+        if loop:
+            text = diagnosis(loop)
+            for line in text.splitlines():
+                self._say(line)
+            self._fail(text)
+
+    def _where(self, g: ProgramGroup) -> str:
+        if g.last_step is None:
+            return "at start (before its first quorum)"
+        step = g.last_step * self._every
+        with self._lock:
+            inc, healed = self._healed.get(g.replica, (-1, 0))
+        if inc != g.incarnation:
+            return f"at step {step}"
+        return f"at step {step}, {step - healed} step(s) after its heal"
+
+
+def _incarnation_lines(log: Path) -> list[str]:
+    """The last :data:`LOG_LINES` lines of ``log`` since its last incarnation's header."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    text = text.rsplit("=== ftharness:", 1)[-1]
+    return text.splitlines()[1:][-LOG_LINES:]
