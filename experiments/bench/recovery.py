@@ -27,7 +27,10 @@ quorum backend, started cold (a fresh interpreter: ``program/torchft``, ``progra
 warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``), and
 the semi-synchronous ``train_diloco.py`` and ``train_localsgd.py`` (a sync every
 :data:`SYNC_EVERY` inner steps, warm: ``program_diloco/...``, ``program_localsgd/...``; their
-steps are inner steps). Every program runs with torchft's default 60 s process-group timeout, and
+steps are inner steps), and a sharded one, ``train_hsdp.py`` (FSDP2 over each group's ranks,
+torchft across groups, a synchronous quorum; 2 groups x 2 ranks, warm: ``program_hsdp/tree``;
+its ``weights_match``: every group's rank r printed the same shard checksum at each step). Every
+program runs with torchft's default 60 s process-group timeout, and
 program rows kill ``--reps`` times, else 10 (even with ``--quick``: p95 needs them).
 Their figures come from what the quorum tap observed (commits one request late, see
 ``harness.job.programs``), plus ``cold_start_to_first_commit_s``: from the program's first start to
