@@ -59,8 +59,10 @@ HINTS: tuple[tuple[str, str], ...] = (
         "program.env.PYTHONPATH",
     ),
     (
-        r"Torch not compiled with CUDA|No CUDA GPUs|CUDA driver|no NVIDIA driver",
-        "the program needs a GPU this machine does not have",
+        r"Torch not compiled with CUDA|No CUDA GPUs|CUDA driver|no NVIDIA driver|_cuda_\w+"
+        r"|torch/cuda/__init__\.py",
+        "the program needs a GPU this machine does not have (torchtitan's trainer sets its "
+        "CUDA device first thing, even on a CPU-only machine)",
     ),
 )
 

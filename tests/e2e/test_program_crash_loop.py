@@ -46,3 +46,40 @@ def test_a_program_that_fails_at_every_start_ends_the_job_with_its_cause(tmp_pat
     tries = Counter(p["replica"] for p in events(run, "proc.start") if p["rank"] == 0)
     assert tries and max(tries.values()) <= 3, tries
     assert "restart intensity exceeded" not in end["reason"]
+
+
+@pytest.mark.timeout(240)
+def test_torchtitan_with_two_ranks_a_group_gets_as_far_as_its_cuda_device_on_a_cpu(tmp_path):
+    """torchtitan's fault-tolerant trainer with ``ranks = 2``, as a user would run it: its
+    command line and torchrun's environment take it into ``Trainer.__init__``, which sets its
+    CUDA device before anything else (torchtitan/experiments/torchft/trainer.py); on a CPU-only
+    machine that is where it stops, named, in a few tries."""
+    pytest.importorskip("torchtitan")
+    run = tmp_path / "run"
+    command = [
+        "python",
+        "-m",
+        "torchtitan.train",
+        "--module",
+        "torchft.llama3",
+        "--config",
+        "llama3_torchft_debugmodel",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "harness", "run", "experiments/tiny.toml", "--out", str(run),
+            "--set", "replicas=2", "--set", "ranks=2", "--set", "program.kind=torchtitan",
+            "--set", f"program.command={json.dumps(command)}",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=210,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-4000:]
+    (end,) = events(run, "job.end")
+    assert "the program fails the same way every time" in end["reason"], end
+    assert "hint: the program needs a GPU this machine does not have" in end["reason"]
+    # it got past the command line and the environment, into the trainer
+    log = "".join(f.read_text() for f in sorted((run / "logs").glob("replica*-rank*.log")))
+    assert "torchtitan/experiments/torchft/trainer.py" in log and "set_device" in log, log[-3000:]
+    tries = Counter(p["replica"] for p in events(run, "proc.start") if p["rank"] == 0)
+    assert max(tries.values()) <= 3, tries
