@@ -2,8 +2,8 @@
 trainer: each replica group's ranks forked on its host (warm spares
 adopted where there are), a ``TrainerActor`` built in each, and training started at once.
 
-A program of the user's own takes this module's place (``harness.job.programs``); both start
-groups through the same call (:class:`GroupStarter`), so the job never asks which it holds.
+A program of the user's own takes this module's place (``harness.job.programs``); both are a kind
+of replica group (:class:`Groups`), so the job never asks which it holds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ class ReplicaGroup:
     training: cf.Future  # rank 0's ``train`` call: done when the group stops training
 
 
-class GroupStarter(Protocol):
+class Groups(Protocol):
+    """A kind of replica group: what the job (``harness.job.protocol.Job``) calls, never asking
+    which kind it holds. :class:`TrainerGroups` (the built-in trainer) and
+    ``harness.job.programs.ProgramGroups`` (a program of the user's own) are the two."""
+
+    def start(self) -> None:
+        """Once, before any group starts (a program's quorum tap, its watches)."""
+        ...
+
     def start_groups(
         self,
         replicas: list[int],
@@ -50,10 +58,37 @@ class GroupStarter(Protocol):
         restart pays)."""
         ...
 
+    def adopt(self, job: Any, plan: Any) -> ActorMesh | ProcMesh | None:
+        """After a takeover: adopt the group ``plan`` (a ``harness.job.takeover.GroupPlan``)
+        says runs, as it runs; None if it cannot be (the caller restarts it)."""
+        ...
+
+    def member_ids(self, replica: int) -> tuple[str, ...]:
+        """The ids ``replica``'s current incarnation is known by upstream of the quorum service
+        (fenced with it), beyond the one the service admitted; () for none."""
+        ...
+
+    def quorum_upstream(self) -> str | None:
+        """The address the groups' quorum calls must reach (a program's quorum tap), or None:
+        the quorum service's own."""
+        ...
+
+    def quorum_ids_reset(self) -> None:
+        """The quorum service numbers its quorums from the start again."""
+        ...
+
+    def stop(self) -> None:
+        """The job is stopping: every group's training ends (before the job waits on it)."""
+        ...
+
+    def close(self) -> None:
+        """After every process is stopped."""
+        ...
+
 
 class TrainerGroups:
-    """The built-in trainer's groups (:class:`GroupStarter`); ``on_done()`` runs whenever a
-    group's training ends."""
+    """The built-in trainer's groups (:class:`Groups`); ``on_done()`` runs whenever a group's
+    training ends; ``adopt(job, plan)`` adopts one after a takeover."""
 
     def __init__(
         self,
@@ -62,12 +97,35 @@ class TrainerGroups:
         run_dir: Path,
         quorum: QuorumService,
         on_done: Callable[[], None],
+        adopt: Callable[[Any, Any], ActorMesh | None],
     ) -> None:
         self.controller = controller
+        self._adopt = adopt  # harness.job.takeover.adopt (which imports this module)
         self.cfg_dict = cfg_dict
         self.run_dir = run_dir
         self.quorum = quorum
         self.on_done = on_done
+
+    def start(self) -> None:
+        return None
+
+    def adopt(self, job: Any, plan: Any) -> ActorMesh | None:
+        return self._adopt(job, plan)
+
+    def member_ids(self, replica: int) -> tuple[str, ...]:
+        return ()  # its trainers ask the quorum service under the id it admitted
+
+    def quorum_upstream(self) -> str | None:
+        return None
+
+    def quorum_ids_reset(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None  # the job stops its trainers after a step (harness.rank.actors)
+
+    def close(self) -> None:
+        return None
 
     def start_groups(
         self,

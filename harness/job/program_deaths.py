@@ -1,6 +1,7 @@
-"""Each death of a program's rank, read from its log, fed to the crash-loop rule
-(``harness.job.crash_loop``); the injected faults, read from the journal, explain theirs. A
-crash loop ends the job with its diagnosis: on the console, in ``job.end`` and so in the report.
+"""Each death of a program's rank: the tail of its log on the console, and its cause, read from
+the log, fed to the crash-loop rule (``harness.job.crash_loop``); the injected faults, read from
+the journal, explain theirs. A crash loop ends the job with its diagnosis: on the console, in
+``job.end`` and so in the report.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
 from harness.job.program_env import FENCE_SLACK_S, error_file, log_name
 from harness.job.program_group import ProgramGroup, ProgramJob
+from harness.job.program_progress import read_tail
 from runtime.failure import Failure
 from runtime.journal import FAULT_INJECT, HEALED, Record
 
@@ -76,6 +78,10 @@ class DeathWatch:
         replica, rank = coords.get("replica"), coords.get("rank")
         if not isinstance(replica, int) or not isinstance(rank, int):
             return
+        log = self._logs / log_name(replica, rank)
+        self._say(f"{log.stem}: {failure.summary()}; last lines of {log}:")
+        for line in read_tail(log):
+            self._say(f"{log.stem} | {line}")
         g = self._group(replica)
         if g is None or failure.proc not in {p.ref.proc_id for p in g.procs}:
             return  # an old incarnation's, a spare's

@@ -193,7 +193,7 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
         c, {"replica": 1, "rank": len(recs)}, {(0, k): r.ref for k, r in enumerate(recs)}
     )
     step = last_step(job.plan.records, plan.replica)
-    training = program.adopt(plan.replica, plan.incarnation, state.store, recs, member, step)
+    training = program.readmit(plan.replica, plan.incarnation, state.store, recs, member, step)
     group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, state.store, training)
     with job._lock:
         job.groups[plan.replica] = group

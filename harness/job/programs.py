@@ -45,7 +45,7 @@ from typing import Any
 
 from harness.job import program_admission, program_env, program_takeover
 from harness.job.program_deaths import DeathWatch
-from harness.job.program_env import launcher_env, log_name, program_argv, run_in_program
+from harness.job.program_env import launcher_env, program_argv, run_in_program
 from harness.job.program_group import ProgramGroup as _Group
 from harness.job.program_group import ProgramJob
 from harness.job.program_progress import (
@@ -55,7 +55,6 @@ from harness.job.program_progress import (
     hung_detail,
     hung_for,
     past_last_step,
-    read_tail,
     step_events,
 )
 from harness.job.program_unblock import RemoteUnblock
@@ -84,7 +83,6 @@ class ProgramGroups:
         self._by_store: dict[str, _Group] = {}
         self._stale_ids: set[str] = set()
         self._deaths: set[tuple[int, int]] = set()  # (replica, incarnation) seen failing
-        self._logs: dict[str, Path] = {}  # proc id -> its log
         self._stop = threading.Event()
         self.tap: QuorumTap | None = None
         # Where the job's controller can be taken over: RUN/program.json (program_takeover)
@@ -110,10 +108,9 @@ class ProgramGroups:
             relayed=self.relayed,
         )  # fmt: skip
         c = self.job.controller
-        unblock = RemoteUnblock(c, self._inc)
-        for listener in (self._show_tail, self._after_the_others, unblock, self._survivors_due):
+        DeathWatch.attach(self.job, self._groups.get)  # each death's log; a crash loop, named
+        for listener in (self._after_the_others, RemoteUnblock(c, self._inc), self._survivors_due):
             c.add_failure_listener(listener)
-        DeathWatch.attach(self.job, self._groups.get)  # a crash loop ends the job, named
         if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
@@ -192,7 +189,6 @@ class ProgramGroups:
                     warm=self.cfg.program.starts_warm and not cold,
                 )
                 rec = c.spawn_program(hosts[r], spawn)
-                self._logs[rec.ref.proc_id] = log
                 items[(i, k)] = rec.ref
                 recs.append(rec)
             training[r] = self._track(g)
@@ -201,7 +197,13 @@ class ProgramGroups:
         cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
         return ProcMesh(c, {"replica": len(replicas), "rank": self.cfg.ranks}, items), training
 
-    def adopt(
+    def adopt(self, job: Any, plan: Any) -> ProcMesh | None:
+        return program_takeover.adopt(job, plan)
+
+    def quorum_upstream(self) -> str | None:
+        return self.tap.address if self.tap is not None else None
+
+    def readmit(
         self,
         replica: int,
         incarnation: int,
@@ -217,9 +219,6 @@ class ProgramGroups:
         g = self._register(replica, incarnation, store, list(recs), member_id)
         with self._lock:
             g.last_step, g.last, g.resumed = last_step, time.monotonic(), last_step is not None
-        logs = Path(self.job.run_dir) / "logs"
-        for k, rec in enumerate(recs):
-            self._logs[rec.ref.proc_id] = logs / log_name(replica, k)
         return self._track(g)
 
     def _inc(self, replica: int, proc_id: str) -> int | None:  # for RemoteUnblock
@@ -492,9 +491,3 @@ class ProgramGroups:
             "step: the job is done (nothing is left to heal it from)"
         )
         self.job.finished()
-
-    def _show_tail(self, failure: Failure) -> None:
-        if (log := self._logs.get(failure.proc or "")) is not None:
-            self.job.say(f"{log.stem}: {failure.summary()}; last lines of {log}:")
-            for line in read_tail(log):
-                self.job.say(f"{log.stem} | {line}")

@@ -74,7 +74,7 @@ from harness.config import config_to_dict
 from harness.job import takeover
 from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
-from harness.job.groups import GroupStarter, ReplicaGroup, TrainerGroups
+from harness.job.groups import Groups, ReplicaGroup, TrainerGroups
 from harness.job.hosts import HostPool
 from harness.job.preflight import check_network
 from harness.job.progress import Progress
@@ -151,7 +151,10 @@ class Job:
         )
         self.progress.aborts = self.stall.summary
         self.faults = JobFaultContext(self)
-        self.program: Any = None  # a program of the user's own: harness.job.programs.ProgramGroups
+        # the kind of replica group (harness.job.groups.Groups): the built-in trainer's, or a
+        # program of the user's own (then also ``program``, its harness.job.programs.ProgramGroups)
+        self.kind: Groups | None = None
+        self.program: Any = None
         self.job_supervisor: Supervisor | None = None
         self.silent: SilentWatch | None = None
         # The controller can die and be replaced (harness.job.takeover): ``plan`` is what a new
@@ -203,14 +206,8 @@ class Job:
         self._wire_failures()
         self.silent = SilentWatch(self)  # diverged replicas and stragglers (harness.job.silent)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        if self.cfg.program.enabled:
-            from harness.job.programs import ProgramGroups
-
-            self.program = ProgramGroups(self)
-            self.program.start()
-        self._starter: GroupStarter = self.program or TrainerGroups(
-            self.controller, self._cfg_dict, self.run_dir, self.quorum, self._check_done
-        )
+        self.kind = self._make_groups()
+        self.kind.start()
         if self.plan is None:
             self.journal.emit(
                 JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
@@ -230,14 +227,35 @@ class Job:
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
         )
 
+    def _make_groups(self) -> Groups:
+        """The kind of replica group this job runs: the one place that asks."""
+        if not self.cfg.program.enabled:
+            return TrainerGroups(
+                self.controller,
+                self._cfg_dict,
+                self.run_dir,
+                self.quorum,
+                self._check_done,
+                adopt=takeover.adopt,
+            )
+        from harness.job.programs import ProgramGroups
+
+        kind: Groups = ProgramGroups(self)
+        self.program = kind
+        return kind
+
+    @property
+    def groups_kind(self) -> Groups:
+        return _started(self.kind)
+
     def relay_quorum(self) -> None:
         """Once the quorum service serves: every host's relay forwards to it (where the job
         has them: :func:`harness.job.site.wants_quorum_relay`; agents that dial in later learn
         it when they do). A takeover's quorum may serve at another address than its
         predecessor's."""
         if wants_quorum_relay(self.cfg):  # a program's calls go through its quorum tap
-            tap = self.program.tap if self.program is not None else None
-            self.controller.set_quorum_upstream(tap.address if tap else self.quorum.address)
+            upstream = self.groups_kind.quorum_upstream() or self.quorum.address
+            self.controller.set_quorum_upstream(upstream)
 
     def _build_tree(self) -> Supervisor:
         r = self.cfg.recovery
@@ -276,7 +294,7 @@ class Job:
             group = self.groups.get(replica)
         if group is not None and failure.proc not in group.mesh.proc_ids:
             return  # a late report about a replaced incarnation: fencing would drop its successor
-        self.quorum.fence(replica, self.program.member_ids(replica) if self.program else ())
+        self.quorum.fence(replica, self.groups_kind.member_ids(replica))
 
     def _on_every_group_lost(self, failure: Failure) -> None:
         """In place, when no group holds training state any more (every one failed, or was
@@ -302,8 +320,7 @@ class Job:
 
     # -- the quorum service's events (harness.quorum.service.QuorumEvents) ---------------------
     def quorum_ids_reset(self) -> None:
-        if self.program is not None:
-            self.program.quorum_ids_reset()  # its tap continues the ids it handed out
+        self.groups_kind.quorum_ids_reset()  # a program's tap continues the ids it handed out
 
     def quorum_restarted(self) -> None:
         self.tracker.replacement_started(None)  # the quorum service's recovery
@@ -326,12 +343,7 @@ class Job:
         runs is adopted instead, the first time (``harness.job.takeover.adopt``)."""
         if len(replicas) == 1 and replicas[0] in self._adopting:
             plan = self._adopting.pop(replicas[0])
-            if self.program is not None:  # a program of the user's own: no calls to adopt
-                from harness.job import program_takeover
-
-                adopted = program_takeover.adopt(self, plan)
-            else:
-                adopted = takeover.adopt(self, plan)
+            adopted = self.groups_kind.adopt(self, plan)
             if adopted is not None:
                 return adopted
             self._next_incarnation[plan.replica] = takeover.next_incarnation(self, plan)
@@ -364,7 +376,7 @@ class Job:
         # incarnation (a partitioned group that comes back) can never rejoin or serve weights.
         admitted = {r: self.quorum.admit(r, incarnation[r]) for r in replicas}
         member_ids = {r: m for r, m in admitted.items() if m is not None}
-        mesh, training = self._starter.start_groups(
+        mesh, training = self.groups_kind.start_groups(
             replicas, hosts, incarnation, stores, cold, member_ids=member_ids
         )
         self._record_groups(replicas, hosts, incarnation, stores, mesh, training)
@@ -463,8 +475,8 @@ class Job:
         with self._lock:
             groups = list(self.groups.values())
         self.hosts.close()
-        if self.program is not None:
-            self.program.stop()  # before waiting on the groups' training below
+        if self.kind is not None:
+            self.kind.stop()  # before waiting on the groups' training below
         self.in_every_trainer(stop_training, self.tracker.stop_step())  # one step for all
         # Given up on (steps that only abort, an allocation gone): no step will finish.
         patience = 0.0 if self.completion.given_up else 10.0
@@ -482,7 +494,7 @@ class Job:
         reap_orphans()
         if self._quorum is not None:
             self._quorum.shutdown()
-        if self.program is not None:
-            self.program.close()  # the quorum tap, once no program can call it
+        if self.kind is not None:
+            self.kind.close()  # a program's quorum tap, once no program can call it
         self.site.close()
         self.progress.close()

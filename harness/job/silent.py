@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from harness.config import JobConfig
 from harness.job.divergence import Divergence, Verdict
-from harness.job.groups import ReplicaGroup
+from harness.job.groups import Groups, ReplicaGroup
 from harness.job.recovery import RecoveryTracker
 from harness.job.stragglers import StragglerDetector, StragglerEvent
 from harness.quorum.service import QuorumService
@@ -65,11 +65,13 @@ class Job(Protocol):
     groups: dict[int, ReplicaGroup]
     replicas: int
     run_dir: Path
-    program: Any
     _lock: threading.RLock
 
     @property
     def controller(self) -> Controller: ...
+
+    @property
+    def groups_kind(self) -> Groups: ...
 
     @property
     def quorum(self) -> QuorumService: ...
@@ -210,7 +212,7 @@ class SilentWatch:
             return
         now = time.time()
         job.tracker.failed_by_controller(replica, cause, now)
-        job.quorum.fence(replica, job.program.member_ids(replica) if job.program else ())
+        job.quorum.fence(replica, job.groups_kind.member_ids(replica))
         for proc_id in group.mesh.proc_ids:
             job.controller.report_hung(proc_id, 0.0, now, detail)
 

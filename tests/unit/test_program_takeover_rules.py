@@ -161,7 +161,7 @@ def test_an_adopted_group_s_repeated_request_is_no_abort_and_its_steps_go_on(tmp
     rec = SimpleNamespace(
         host=SimpleNamespace(name="h0"), finished=cf.Future(), ref=SimpleNamespace(proc_id="p0")
     )
-    training = groups.adopt(0, 3, "127.0.0.1:1000", [rec], "T0", last_step=7)
+    training = groups.readmit(0, 3, "127.0.0.1:1000", [rec], "T0", last_step=7)
     g = groups._groups[0]
     assert (g.incarnation, g.member_id, g.last_step, g.resumed) == (3, "T0", 7, True)
     assert groups._by_store["127.0.0.1:1000"] is g
@@ -203,12 +203,12 @@ def _takeover_job(tmp_path: Path, procs: dict, admitted: int):
     )  # fmt: skip
     adopted: list[tuple] = []
 
-    def adopt(*args: object) -> cf.Future:
+    def readmit(*args: object) -> cf.Future:
         adopted.append(args)
         return cf.Future()
 
     program = SimpleNamespace(
-        durable=pt.ProgramState(1, {0: pt.GroupState(2, "127.0.0.1:9")}), adopt=adopt
+        durable=pt.ProgramState(1, {0: pt.GroupState(2, "127.0.0.1:9")}), readmit=readmit
     )
     running = {
         p: SimpleNamespace(program=True, state=ProcState.RUNNING, ref=SimpleNamespace(proc_id=p))
