@@ -76,12 +76,12 @@ from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
 from harness.job.groups import Groups, ReplicaGroup, TrainerGroups
 from harness.job.hosts import HostPool
-from harness.job.preflight import check_network
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
 from harness.job.silent import SilentWatch
 from harness.job.site import Site, controller_spec, wants_quorum_relay
 from harness.job.stall import StallWatch
+from harness.job.start import job_start
 from harness.job.takeover import Plan
 from harness.quorum.backends import make_quorum_service
 from harness.quorum.service import QuorumService
@@ -89,7 +89,7 @@ from runtime.controller import Controller
 from runtime.dataplane.snapshot import reap_orphans
 from runtime.failure import Failure
 from runtime.host_handle import HostAgentHandle
-from runtime.journal import JOB_RESTART, JOB_START, Journal
+from runtime.journal import JOB_RESTART, Journal
 from runtime.mesh import ActorMesh, ProcMesh
 from runtime.spec import Strategy, SupervisorSpec
 from runtime.supervisor import Supervisor
@@ -159,9 +159,10 @@ class Job:
         self.silent: SilentWatch | None = None
         # The controller can die and be replaced (harness.job.takeover): ``plan`` is what a new
         # controller found in the run directory; ``survivable`` lets agents outlive this one.
+        self.how = job_start(plan)  # fresh, or a takeover (harness.job.start)
         self.plan = plan
         self.survivable = survivable or plan is not None
-        self._adopting = dict(plan.groups) if plan is not None else {}
+        self._adopting = self.how.adopting()
         self._group_seq = 0  # numbers this controller's group.start records
         self._next_incarnation: dict[int, int] = {}  # a group a takeover could not adopt
 
@@ -187,9 +188,7 @@ class Job:
         self._controller = self._make_controller(
             spec, journal=self.journal, launcher=launcher, **survival
         )
-        if self.plan is not None:
-            self.tracker.resume(self.plan.records)
-            self.tracker.controller_replaced(time.time())
+        self.how.before(self)
         self._hosts = HostPool(
             self.site, self.controller, self.run_dir, self.say, fail=self.completion.fail
         )
@@ -201,26 +200,16 @@ class Job:
             log_dir=str(self.run_dir / "logs"),
             # durable, so that a new controller serves the same members where they are
             state_path=self.run_dir / "quorum.json" if self.survivable else None,
-            resume=self.plan is not None,
+            resume=self.how.resumes,
         )
         self._wire_failures()
         self.silent = SilentWatch(self)  # diverged replicas and stragglers (harness.job.silent)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.kind = self._make_groups()
         self.kind.start()
-        if self.plan is None:
-            self.journal.emit(
-                JOB_START, config=self._cfg_dict, replicas=self.replicas, ranks=self.ranks
-            )
-            self.hosts.start()
-            self.quorum.start()
-            self.relay_quorum()
-            check_network(self)  # every host reaches every other, or no group starts
-        else:  # the agents re-dial (or are lost), the quorum continues where it was
-            takeover.reattach(self)
+        self.how.bring_up(self)
         self.job_supervisor = self._build_tree()
-        if self.plan is not None:
-            takeover.release_unclaimed(self)
+        self.how.after_tree(self)
         self._started = True
         self.stall.start()
         self.say(

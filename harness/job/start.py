@@ -1,0 +1,96 @@
+"""How a job starts: fresh, or as a takeover of a dead controller's run. The job
+(``harness.job.protocol.Job``) calls one of these at the same points of its start, never asking
+which it holds.
+
+* :class:`FreshStart`: the job begins (``job.start`` journalled), its hosts and quorum service
+  start, every host checks that it reaches every other, then its groups start.
+* :class:`TakeoverStart`: a new controller continues a run (``harness.job.takeover``): the
+  recovery tracker continues from the journal, the quorum service serves its members where it
+  was, the agents re-dial, running groups are adopted as they start, and whatever no group claims
+  is stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from harness.job import takeover
+from harness.job.preflight import check_network
+from harness.job.takeover import GroupPlan, Plan
+from runtime.journal import JOB_START
+
+
+class JobStart(Protocol):
+    """What :class:`~harness.job.protocol.Job` calls while it starts."""
+
+    #: The dead controller's plan (a takeover), or None.
+    plan: Plan | None
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the quorum service continues from its durable state."""
+        ...
+
+    def adopting(self) -> dict[int, GroupPlan]:
+        """The groups to adopt as they start, by replica: the dead controller's running ones."""
+        ...
+
+    def before(self, job: Any) -> None:
+        """Once the controller exists, before anything else is built."""
+        ...
+
+    def bring_up(self, job: Any) -> None:
+        """Hosts and quorum service, once the kind of groups has started; before the tree."""
+        ...
+
+    def after_tree(self, job: Any) -> None:
+        """Once the supervision tree is built (and its groups started or adopted)."""
+        ...
+
+
+class FreshStart:
+    plan: Plan | None = None
+    resumes = False
+
+    def adopting(self) -> dict[int, GroupPlan]:
+        return {}
+
+    def before(self, job: Any) -> None:
+        return None
+
+    def bring_up(self, job: Any) -> None:
+        job.journal.emit(JOB_START, config=job._cfg_dict, replicas=job.replicas, ranks=job.ranks)
+        job.hosts.start()
+        job.quorum.start()
+        job.relay_quorum()
+        check_network(job)  # every host reaches every other, or no group starts
+
+    def after_tree(self, job: Any) -> None:
+        return None
+
+
+class TakeoverStart:
+    resumes = True
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan: Plan | None = plan
+        self._plan = plan
+
+    def adopting(self) -> dict[int, GroupPlan]:
+        return dict(self._plan.groups)
+
+    def before(self, job: Any) -> None:
+        job.tracker.resume(self._plan.records)
+        job.tracker.controller_replaced(time.time())
+
+    def bring_up(self, job: Any) -> None:
+        takeover.reattach(job)  # the agents re-dial (or are lost), the quorum goes on
+
+    def after_tree(self, job: Any) -> None:
+        takeover.release_unclaimed(job)
+
+
+def job_start(plan: Plan | None) -> JobStart:
+    """A takeover of ``plan``'s run, or (None) a fresh start."""
+    return FreshStart() if plan is None else TakeoverStart(plan)
