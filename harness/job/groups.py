@@ -68,6 +68,11 @@ class Groups(Protocol):
         (fenced with it), beyond the one the service admitted; () for none."""
         ...
 
+    def absorbs(self, failure: Any) -> bool:
+        """Whether ``failure`` is no fault to recover from (its group had finished): its
+        supervisor then restarts nothing."""
+        ...
+
     def quorum_upstream(self) -> str | None:
         """The address the groups' quorum calls must reach (a program's quorum tap), or None:
         the quorum service's own."""
@@ -114,6 +119,9 @@ class TrainerGroups:
 
     def member_ids(self, replica: int) -> tuple[str, ...]:
         return ()  # its trainers ask the quorum service under the id it admitted
+
+    def absorbs(self, failure: Any) -> bool:
+        return False
 
     def quorum_upstream(self) -> str | None:
         return None

@@ -15,7 +15,7 @@ from typing import Any
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
 from harness.job.program_env import FENCE_SLACK_S, error_file, log_name
 from harness.job.program_group import ProgramGroup, ProgramJob
-from harness.job.program_progress import read_tail
+from harness.job.program_progress import ended_early, read_tail
 from runtime.failure import Failure
 from runtime.journal import FAULT_INJECT, HEALED, Record
 
@@ -26,7 +26,8 @@ LOG_LINES = 200
 class DeathWatch:
     """Listens to the controller's failures and the journal's fault records of one job.
     ``group(replica)``: the group's current incarnation, or None; ``fail(reason)`` ends the job;
-    ``say(line)`` tells the user."""
+    ``say(line)`` tells the user; ``finished()``: a group's training ended (:meth:`after_finish`);
+    ``overtaken(replica)`` closes the recovery a finished group's failure opened."""
 
     def __init__(
         self,
@@ -36,6 +37,8 @@ class DeathWatch:
         group: Callable[[int], ProgramGroup | None],
         say: Callable[[str], None],
         fail: Callable[[str], None],
+        finished: Callable[[], None] = lambda: None,
+        overtaken: Callable[[int], object] = lambda replica: None,
     ) -> None:
         # a survivor a peer's death took down dies within its collective timeout
         explained = cfg.timeouts.process_group_timeout + FENCE_SLACK_S
@@ -45,19 +48,53 @@ class DeathWatch:
         self._say = say
         self._fail = fail
         self._every = cfg.program.steps_per_quorum
+        self._steps = cfg.steps
+        self._finished = finished
+        self._overtaken = overtaken
         self._lock = threading.Lock()
         self._seen: set[tuple[int, int]] = set()  # (replica, incarnation): its first death only
         self._healed: dict[int, tuple[int, int]] = {}  # replica -> (incarnation, step) healed
 
     @classmethod
-    def attach(cls, job: ProgramJob, group: Callable[[int], ProgramGroup | None]) -> DeathWatch:
-        """A watch of ``job``'s deaths and faults (``group``: as for the constructor)."""
+    def attach(
+        cls,
+        job: ProgramJob,
+        group: Callable[[int], ProgramGroup | None],
+        finished: Callable[[], None] = lambda: None,
+    ) -> DeathWatch:
+        """A watch of ``job``'s deaths and faults (``group``: as for the constructor;
+        ``finished()``: a group's training ended, see :meth:`after_finish`)."""
         watch = cls(
-            cfg=job.cfg, logs=Path(job.run_dir) / "logs", group=group, say=job.say, fail=job.fail
-        )
+            cfg=job.cfg, logs=Path(job.run_dir) / "logs", group=group, say=job.say, fail=job.fail,
+            finished=finished, overtaken=job.tracker.overtaken,
+        )  # fmt: skip
         job.journal.add_sink(watch.on_record)
         job.controller.add_failure_listener(watch.on_failure)
         return watch
+
+    def after_finish(self, failure: Failure) -> bool:
+        """Whether ``failure`` is a rank's of a group that had finished: another of its ranks
+        exited with code 0 at the job's last step (torchft's rank 0 shuts its ManagerServer down
+        as it exits, which fails a peer's last ``should_commit`` still in flight with a transport
+        error). Then the group is done: its training ends, the recovery its failure opened is
+        overtaken, and its supervisor restarts nothing (it absorbs the failure)."""
+        replica = (failure.coords or {}).get("replica")
+        g = self._group(replica) if isinstance(replica, int) else None
+        if g is None or failure.proc not in {p.ref.proc_id for p in g.procs}:
+            return False
+        if not any(p.finished.done() for p in g.procs):
+            return False
+        if ended_early(g.last_step, self._steps, self._every) is not None:
+            return False
+        self._say(
+            f"replica group {g.replica}: {failure.summary()}, after another of its ranks "
+            "finished the job's last step: the group is done"
+        )
+        self._overtaken(g.replica)
+        if not g.training.done():
+            g.training.set_result(None)
+            self._finished()
+        return True
 
     def on_record(self, r: Record) -> None:
         event = r.get("event")

@@ -108,7 +108,7 @@ class ProgramGroups:
             relayed=self.relayed,
         )  # fmt: skip
         c = self.job.controller
-        DeathWatch.attach(self.job, self._groups.get)  # each death's log; a crash loop, named
+        self._deaths_watch = DeathWatch.attach(self.job, self._groups.get, self._check_all_done)
         for listener in (self._after_the_others, RemoteUnblock(c, self._inc), self._survivors_due):
             c.add_failure_listener(listener)
         if self.cfg.program.warm is None and (why := cold_reason(self.cfg.program)):
@@ -199,6 +199,9 @@ class ProgramGroups:
 
     def adopt(self, job: Any, plan: Any) -> ProcMesh | None:
         return program_takeover.adopt(job, plan)
+
+    def absorbs(self, failure: Failure) -> bool:
+        return self._deaths_watch.after_finish(failure)
 
     def quorum_upstream(self) -> str | None:
         return self.tap.address if self.tap is not None else None

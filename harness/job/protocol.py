@@ -252,7 +252,7 @@ class Job:
         intensity = SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
         group_spec = dataclasses.replace(intensity, strategy=Strategy.ONE_FOR_ALL, grace_s=0.5)
         if self.policy == "full_restart":
-            job = self.controller.supervisor("job", group_spec)
+            job = self.controller.supervisor("job", group_spec, on_failure=self._absorbs)
             if service is not None:
                 job.add_child("quorum", service)
             # One child for all groups: a full restart brings them back together, in parallel.
@@ -262,9 +262,13 @@ class Job:
         if service is not None:
             job.add_supervisor("quorum", intensity).add_child("lighthouse", service)
         for rep in range(self.replicas):
-            group = job.add_supervisor(f"replica{rep}", group_spec)
+            group = job.add_supervisor(f"replica{rep}", group_spec, on_failure=self._absorbs)
             group.add_child("ranks", functools.partial(self._start_groups, [rep]))
         return job
+
+    def _absorbs(self, failure: Failure) -> bool:
+        """A failure that is no fault (its group had finished: ``Groups.absorbs``)."""
+        return self.groups_kind.absorbs(failure)
 
     # -- detect and fence -----------------------------------------------------------------------
     def _wire_failures(self) -> None:
