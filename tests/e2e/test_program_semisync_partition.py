@@ -160,7 +160,12 @@ def test_a_partitioned_semisync_group_is_replaced_and_heals_to_its_peers_state(t
     assert common and all(survivors[0][s] == survivors[1][s] for s in common), common
     peer = {**survivors[0], **survivors[1]}
     old, new = logs[REPLICA]
-    assert old and min(old) == 1 and max(old) < min(new), (sorted(old), sorted(new))
+    # the cut-off incarnation trained before the cut (from sync 1, or from sync 2 when it started
+    # after its peers' first sync, under load, and healed into it: torchft's join at start)
+    assert old and min(old) < AT_STEP // SYNC_EVERY and max(old) < min(new), (
+        sorted(old),
+        sorted(new),
+    )
     first = min(new)
     assert first > AT_STEP // SYNC_EVERY, sorted(new)  # healed, not trained from step 0
     assert peer.get(first) == new[first], (first, peer.get(first), new[first])
