@@ -21,19 +21,25 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ROOT / "tests" / "programs" / "fails_at_start.py"
 
 
-@pytest.mark.timeout(180)
-def test_a_program_that_fails_at_every_start_ends_the_job_with_its_cause(tmp_path):
+def _failed_run(tmp_path: Path, command: list[str], *sets: str, timeout: float) -> tuple[Path, str]:
+    """``ftharness run`` of a 2 groups x 2 ranks job of ``command`` (in ``tmp_path``), which
+    must fail; its run directory and console output."""
     run = tmp_path / "run"
+    overrides = ["replicas=2", "ranks=2", f"program.command={json.dumps(command)}",
+                 f"program.cwd={json.dumps(str(tmp_path))}", *sets]  # fmt: skip
     done = subprocess.run(
-        [
-            sys.executable, "-m", "harness", "run", "experiments/tiny.toml", "--out", str(run),
-            "--set", "replicas=2", "--set", "ranks=2",
-            "--set", f"program.command={json.dumps(['python', str(PROGRAM)])}",
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        [sys.executable, "-m", "harness", "run", "experiments/tiny.toml", "--out", str(run),
+         *(a for o in overrides for a in ("--set", o))],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode != 0, out[-4000:]
+    return run, out
+
+
+@pytest.mark.timeout(180)
+def test_a_program_that_fails_at_every_start_ends_the_job_with_its_cause(tmp_path):
+    run, out = _failed_run(tmp_path, ["python", str(PROGRAM)], timeout=150)
     said = "the program fails the same way every time, so ftharness stopped restarting it"
     assert said in out, out[-4000:]
     assert "ModuleNotFoundError: No module named 'model_code_that_is_not_installed'" in out
@@ -55,26 +61,12 @@ def test_torchtitan_with_two_ranks_a_group_gets_as_far_as_its_cuda_device_on_a_c
     CUDA device before anything else (torchtitan/experiments/torchft/trainer.py); on a CPU-only
     machine that is where it stops, named, in a few tries."""
     pytest.importorskip("torchtitan")
-    run = tmp_path / "run"
     command = [
-        "python",
-        "-m",
-        "torchtitan.train",
-        "--module",
-        "torchft.llama3",
-        "--config",
-        "llama3_torchft_debugmodel",
-    ]
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "harness", "run", "experiments/tiny.toml", "--out", str(run),
-            "--set", "replicas=2", "--set", "ranks=2", "--set", "program.kind=torchtitan",
-            "--set", f"program.command={json.dumps(command)}",
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=210,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode != 0, out[-4000:]
+        "python", "-m", "torchtitan.train", "--module", "torchft.llama3",
+        "--config", "llama3_torchft_debugmodel",
+    ]  # fmt: skip
+    # in tmp_path: torchtitan writes ./outputs/structured_logs where it runs
+    run, _ = _failed_run(tmp_path, command, "program.kind=torchtitan", timeout=210)
     (end,) = events(run, "job.end")
     assert "the program fails the same way every time" in end["reason"], end
     assert "hint: the program needs a GPU this machine does not have" in end["reason"]
