@@ -17,7 +17,7 @@ rank's log. This module tells the two apart from the deaths themselves:
   another, are a crash loop: the job ends with a diagnosis (the exception, its last frame, the
   log lines that show it, where it died, and a hint where the cause is known: :data:`HINTS`).
 
-Pure: ``harness.job.programs`` feeds it the deaths and the injected faults.
+Pure: ``harness.job.program_deaths`` feeds it the deaths and the injected faults.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _last_traceback(lines: list[str]) -> tuple[str, str, str, tuple[str, ...]] |
     frame = f"{Path(m['file']).name}:{m['line']} in {m['func'].strip()}"
     kind = what.split(":", 1)[0].strip()
     end = block.index(what, frames[-1][0])
-    return what.strip(), kind, frame, tuple(block[max(0, frames[-1][0]) : end + 1])
+    return what.strip(), kind, frame, tuple(block[frames[-1][0] : end + 1])
 
 
 def _error_file_traceback(path: Path | None) -> tuple[str, str, str, tuple[str, ...]] | None:
@@ -152,14 +152,14 @@ class CrashLoop:
         self.window_s = window_s
         self.explained_s = explained_s
         self._run: deque[Death] = deque(maxlen=tries)
-        self._faults: list[tuple[float, int | None]] = []  # (t, replica: None for a host's)
+        self._faults: list[float] = []  # when each injected fault fired
         self._hit: set[tuple[int, int]] = set()  # (replica, incarnation) an injected fault hit
         self.loop: list[Death] | None = None  # the crash loop found, once it is
 
     def fault(self, t: float, replica: int | None, incarnation: int | None) -> None:
         """A fault was injected at ``t``: into ``replica``'s ``incarnation`` (None: a host, a
         network, the quorum service)."""
-        self._faults.append((t, replica))
+        self._faults.append(t)
         if replica is not None and incarnation is not None:
             self._hit.add((replica, incarnation))
         self._run.clear()
@@ -167,7 +167,7 @@ class CrashLoop:
     def explained(self, d: Death) -> bool:
         if (d.replica, d.incarnation) in self._hit:
             return True
-        return any(t <= d.t <= t + self.explained_s for t, _ in self._faults)
+        return any(t <= d.t <= t + self.explained_s for t in self._faults)
 
     def died(self, d: Death) -> list[Death] | None:
         """Count ``d``; the deaths that make a crash loop, the first time one completes (the

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
-from harness.job.program_env import FENCE_SLACK_S, error_file, log_name
+from harness.job.program_env import FENCE_SLACK_S, LOG_HEADER, error_file, log_name
 from harness.job.program_group import ProgramGroup, ProgramJob
-from harness.job.program_progress import ended_early, read_tail
+from harness.job.program_progress import TAIL_LINES, ended_early, read_tail
 from runtime.failure import Failure
 from runtime.journal import FAULT_INJECT, HEALED, Record
 
-#: How much of a rank's log is read for its traceback.
+#: How much of a rank's log is read for its traceback (the console shows its last TAIL_LINES).
 LOG_LINES = 200
 
 
@@ -116,8 +116,9 @@ class DeathWatch:
         if not isinstance(replica, int) or not isinstance(rank, int):
             return
         log = self._logs / log_name(replica, rank)
+        tail = read_tail(log, LOG_LINES)
         self._say(f"{log.stem}: {failure.summary()}; last lines of {log}:")
-        for line in read_tail(log):
+        for line in tail[-TAIL_LINES:]:
             self._say(f"{log.stem} | {line}")
         g = self._group(replica)
         if g is None or failure.proc not in {p.ref.proc_id for p in g.procs}:
@@ -127,7 +128,7 @@ class DeathWatch:
                 return  # the rest of a group one death took down
             self._seen.add((replica, g.incarnation))
         read = read_death(
-            _incarnation_lines(self._logs / log_name(replica, rank)),
+            _since_header(tail),
             signal=failure.signal,
             exit_code=failure.exit_code,
             error_file=error_file(self._logs, replica, rank),
@@ -157,14 +158,7 @@ class DeathWatch:
         return f"at step {step}, {step - healed} step(s) after its heal"
 
 
-def _incarnation_lines(log: Path) -> list[str]:
-    """The last :data:`LOG_LINES` lines of ``log`` since its last incarnation's header."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return []
-    text = text.rsplit("=== ftharness:", 1)[-1]
-    return text.splitlines()[1:][-LOG_LINES:]
+def _since_header(lines: list[str]) -> list[str]:
+    """``lines`` of a rank's log after its last incarnation's header (all, if none is there)."""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(LOG_HEADER)]
+    return lines[starts[-1] + 1 :] if starts else lines

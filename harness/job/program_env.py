@@ -152,13 +152,17 @@ def log_name(replica: int, rank: int) -> str:
     return f"replica{replica}-rank{rank}.log"
 
 
+#: What each incarnation's first line in a rank's log starts with (:func:`start_log`).
+LOG_HEADER = "=== ftharness:"
+
+
 def start_log(logs: Path, replica: int, rank: int, incarnation: int) -> Path:
     """A rank's log, with a line that says which incarnation starts (0600 like every worker
     log: it holds the program's output and tracebacks); a past incarnation's error file gone."""
     log = logs / log_name(replica, rank)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with open(fd, "a", encoding="utf-8") as f:
-        f.write(f"=== ftharness: replica {replica} rank {rank} incarnation {incarnation}\n")
+        f.write(f"{LOG_HEADER} replica {replica} rank {rank} incarnation {incarnation}\n")
     error_file(logs, replica, rank).unlink(missing_ok=True)
     return log
 

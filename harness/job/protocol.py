@@ -153,7 +153,7 @@ class Job:
         self.faults = JobFaultContext(self)
         # the kind of replica group (harness.job.groups.Groups): the built-in trainer's, or a
         # program of the user's own (then also ``program``, its harness.job.programs.ProgramGroups)
-        self.kind: Groups | None = None
+        self._kind: Groups | None = None
         self.program: Any = None
         self.job_supervisor: Supervisor | None = None
         self.silent: SilentWatch | None = None
@@ -205,8 +205,8 @@ class Job:
         self._wire_failures()
         self.silent = SilentWatch(self)  # diverged replicas and stragglers (harness.job.silent)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.kind = self._make_groups()
-        self.kind.start()
+        self._kind = self._make_groups()
+        self._kind.start()
         self.how.bring_up(self)
         self.job_supervisor = self._build_tree()
         self.how.after_tree(self)
@@ -235,7 +235,7 @@ class Job:
 
     @property
     def groups_kind(self) -> Groups:
-        return _started(self.kind)
+        return _started(self._kind)
 
     def relay_quorum(self) -> None:
         """Once the quorum service serves: every host's relay forwards to it (where the job
@@ -468,8 +468,8 @@ class Job:
         with self._lock:
             groups = list(self.groups.values())
         self.hosts.close()
-        if self.kind is not None:
-            self.kind.stop()  # before waiting on the groups' training below
+        if self._kind is not None:
+            self._kind.stop()  # before waiting on the groups' training below
         self.in_every_trainer(stop_training, self.tracker.stop_step())  # one step for all
         # Given up on (steps that only abort, an allocation gone): no step will finish.
         patience = 0.0 if self.completion.given_up else 10.0
@@ -487,7 +487,7 @@ class Job:
         reap_orphans()
         if self._quorum is not None:
             self._quorum.shutdown()
-        if self.kind is not None:
-            self.kind.close()  # a program's quorum tap, once no program can call it
+        if self._kind is not None:
+            self._kind.close()  # a program's quorum tap, once no program can call it
         self.site.close()
         self.progress.close()
