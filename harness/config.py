@@ -92,6 +92,8 @@ MAX_SEED = 2**63 - 1
 #: not wait for it (the running groups are asked at once); it is the safety net should that ask
 #: be lost (sent to a worker as it restarts): the groups still meet within this many steps.
 SPARSE_QUORUM_EVERY = 10
+#: The llama3 debug model's width (torchtitan's ``debugmodel``): its smallest parameter dimension.
+LLAMA3_DEBUG_DIM = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +280,18 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How each replica group holds the model across its ``ranks``. ``group = "replicate"`` (the
+    default): every rank holds all of it and the ranks average their gradients (data parallel
+    within the group). ``"fsdp"``: FSDP2 shards every parameter and the optimizer state over
+    the group's ranks, each transformer block wrapped on its own, and torchft averages each
+    gradient shard with the same shard of the other groups (HSDP; harness/rank/group_layout.py).
+    A replacement group's rank r heals from rank r of a healthy group. Built-in trainer only."""
+
+    group: Literal["replicate", "fsdp"] = "replicate"
+
+
+@dataclass(frozen=True, kw_only=True)
 class TelemetryConfig:
     """Live exports besides the JSONL journal (None = off)."""
 
@@ -315,6 +329,7 @@ class JobConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transport: Literal["torchft_http", "torchft_pg", "dataplane"] = "torchft_http"
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     # A program of the user's own instead of the built-in trainer (harness/program_config.py).
@@ -415,6 +430,36 @@ def _check_sizes(cfg: JobConfig) -> None:
             f"model.dim = {m.dim}, model.layers = {m.layers} (data.vocab_size = {d.vocab_size}): "
             f"about {params:.3g} parameters, {params * 16 / 2**30:.3g} GiB with gradients and "
             f"AdamW state per worker: must be <= {MAX_MODEL_BYTES >> 30} GiB"
+        )
+
+
+def _smallest_dim0(cfg: JobConfig) -> int:
+    """The smallest first dimension of any parameter of the job's model: FSDP2 splits every
+    parameter along it, so more shards than this leave a rank holding nothing of one."""
+    width = cfg.model.dim if cfg.model.kind == "tiny" else LLAMA3_DEBUG_DIM
+    return min(width, cfg.data.vocab_size)
+
+
+def _check_parallel(cfg: JobConfig) -> None:
+    if cfg.parallel.group != "fsdp":
+        return
+    if cfg.program.enabled:
+        raise ConfigError(
+            'parallel.group = "fsdp" with a [program]: it shards the built-in trainer\'s model; '
+            "a program shards its own (fully_shard over its group's ranks) and ftharness gives "
+            "every rank torchrun's environment for it; remove [parallel]"
+        )
+    if cfg.ranks < 2:
+        raise ConfigError(
+            f'parallel.group = "fsdp" with ranks = {cfg.ranks}: sharding needs at least 2 ranks '
+            'per replica group to shard over; set ranks >= 2 or parallel.group = "replicate"'
+        )
+    most = _smallest_dim0(cfg)
+    if cfg.ranks > most:
+        raise ConfigError(
+            f'parallel.group = "fsdp" with ranks = {cfg.ranks}: model.kind = '
+            f"{cfg.model.kind!r} has a parameter of first dimension {most} (FSDP2 shards along "
+            f"it), so some rank would hold none of it; use ranks <= {most}"
         )
 
 
@@ -559,6 +604,7 @@ def validate(cfg: JobConfig) -> None:
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"telemetry.prometheus_port = {port}: must be 0..65535 (0 = any free)")
     _check_sizes(cfg)
+    _check_parallel(cfg)
     _check_optim(cfg.optim)
     problem = program_problem(cfg)
     if problem is not None:

@@ -41,12 +41,14 @@ class _ReportingTrainer(Trainer):
         return super().train_step()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Weights (``model.<name>``) and optimizer state (``optim.<param>.<key>``), in place."""
-        out = {f"model.{k}": p.data for k, p in self.model.named_parameters()}
+        """Weights (``model.<name>``) and optimizer state (``optim.<param>.<key>``), in place:
+        this rank's shards of them, when its group is sharded."""
+        local = self.layout.local
+        out = {f"model.{k}": local(p.data) for k, p in self.model.named_parameters()}
         for idx, st in self.optimizer.state_dict()["state"].items():
             for key, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    out[f"optim.{idx}.{key}"] = v
+                    out[f"optim.{idx}.{key}"] = local(v)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

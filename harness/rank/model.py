@@ -164,3 +164,14 @@ def _build(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; ``logits`` (B, L, V), ``targets`` (B, L)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, in order: FSDP2's unit of sharding
+    (``harness.rank.group_layout.Sharded`` wraps each, then the root)."""
+    if isinstance(model, TinyLM):
+        return list(model.blocks)
+    layers = getattr(model, "layers", None)  # torchtitan's llama3: a ModuleDict of blocks
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    raise ValueError(f"{type(model).__name__}: no transformer blocks to shard")

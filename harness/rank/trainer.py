@@ -61,15 +61,24 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
+from torch.distributed import TCPStore
 
 from harness.config import JobConfig, config_from_dict
 from harness.rank import checkpoint
-from harness.rank.model import build_model, loss_fn
+from harness.rank.group_layout import (
+    GroupLayout,
+    Replicated,
+    Sharded,
+    init_group_world,
+    intra_group_pg,
+)
+from harness.rank.model import build_model, loss_fn, model_blocks
 from harness.rank.token_data import HeldOut, make_stream
 from harness.rank.torchft_glue import (
     close_communicator,
@@ -173,8 +182,17 @@ class Trainer:
         # thread for the whole run, not one started per step.
         self._quorum_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="harness-quorum")
 
-        # Same seed in every group and rank: identical initial weights everywhere.
+        self._store = None
+        if store_addr is None:
+            if rank != 0:
+                raise ValueError("only rank 0 may host the group's store (store_addr=None)")
+            self._store, store_addr = host_store(cfg.bind_host, cfg.timeouts)
+        self.store_addr = store_addr
+
+        # Same seed in every group and rank: identical initial weights everywhere. A sharded
+        # group then keeps each rank's shards of them (before the optimizer sees the params).
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
+        self.layout = self._group_layout(store_addr)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -189,14 +207,6 @@ class Trainer:
             num_shards=cfg.replicas * cfg.ranks,
             group_size=cfg.ranks,
         )
-
-        self._store = None
-        if store_addr is None:
-            if rank != 0:
-                raise ValueError("only rank 0 may host the group's store (store_addr=None)")
-            self._store, store_addr = host_store(cfg.bind_host, cfg.timeouts)
-        self.store_addr = store_addr
-        self._intra = self._intra_group_pg(store_addr) if cfg.ranks > 1 else None
 
         self.manager, self._pg = make_manager(
             cfg,
@@ -257,20 +267,16 @@ class Trainer:
         joined: tuple[int, int | None, int, torch.Tensor] | None
         if not with_quorum:
             joined = self._pass()
-        elif OVERLAP_QUORUM and self._last_slot is not None:
+        elif OVERLAP_QUORUM and self.layout.overlap_quorum and self._last_slot is not None:
             joined = self._quorum_overlapped()
         else:
             joined = self._quorum_then_pass()
         if joined is None:
             return False, float("nan")
         step, slot, pos, loss = joined
-        if not torch.isfinite(loss):
-            # A corrupted replica's NaN must not reach the other groups through the allreduce:
-            # it contributes nothing, commits, and is healed (harness.job.divergence).
-            self.optimizer.zero_grad(set_to_none=False)
 
         # 3. Average gradients within the group, then across participating groups.
-        flag = self._average_gradients()
+        flag = self._average_gradients(finite=bool(torch.isfinite(loss)))
 
         # 4. Commit only if every rank of the group saw a clean step (no collective failed,
         #    enough groups took part). Otherwise nothing changes and the step is retried.
@@ -322,13 +328,16 @@ class Trainer:
     def _maybe_eval(self, step: int) -> None:
         """Held-out loss every ``data.eval_every`` committed steps (harness.rank.token_data),
         by one group (replica rank 0 of the quorum; all hold the same weights), on rank 0."""
-        if self._heldout is None or step % self.cfg.data.eval_every or self.rank != 0:
+        if self._heldout is None or step % self.cfg.data.eval_every:
+            return
+        if self.rank != 0 and not self.layout.eval_on_every_rank:
             return
         if step and self.manager.participating_rank() != 0:
             return
-        with self._state_lock:
+        with self._state_lock:  # sharded: every rank runs the forward pass, rank 0 reports it
             record = self._heldout.record(self.model, step=step, replica=self.replica_id, rank=0)
-        self._emit(EVAL, record)
+        if self.rank == 0:
+            self._emit(EVAL, record)
 
     def _maybe_eval_initial(self) -> None:
         """The held-out loss of the initial weights, once per job: by the group that is replica
@@ -446,63 +455,57 @@ class Trainer:
         self._quorum_failures = 0
         return True
 
-    def _average_gradients(self) -> bool:
-        """One flat allreduce per step (fewer, larger messages than one per tensor). With a
-        sparse quorum one more float rides along, the quorum flag; returns whether any rank of
-        any participating group raised it (the same answer everywhere the allreduce succeeded)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        parts = [g.reshape(-1) for g in grads]
-        sparse = self._quorum_every > 1
-        if sparse:
+    def _average_gradients(self, finite: bool) -> bool:
+        """Average this step's gradients over every rank of every participating group (the
+        group's layout: ``harness.rank.group_layout``). With a sparse quorum the quorum flag
+        rides along; returns whether any rank of any participating group raised it (the same
+        answer everywhere the allreduce succeeded). ``finite``: this rank's loss was finite; a
+        corrupted replica's NaN must not reach the other groups, so it contributes nothing,
+        commits, and is healed (harness.job.divergence).
+
+        torchft averages over participants; on a peer failure it records the error (so
+        should_commit says no) instead of raising. Then close the communicator at once: a
+        survivor blocked on this rank would otherwise wait out the process-group timeout."""
+        asked = None
+        if self._quorum_every > 1:
             asked = self._quorum_asked.is_set()
             self._quorum_asked.clear()
-            parts.append(torch.tensor([1.0 if asked else 0.0], dtype=parts[0].dtype))
-        flat = torch.cat(parts)
-        if self._intra is not None:
-            # A dead group peer raises: the group restarts. (torch's stub of ProcessGroupGloo
-            # leaves out the collectives its pybind11 class has, allreduce among them.)
-            self._intra.allreduce([flat]).wait()  # type: ignore[attr-defined]
-            flat /= self.cfg.ranks
-        # torchft averages over participants; on a peer failure it records the error (so
-        # should_commit says no) instead of raising. Then close the communicator at once: a
-        # survivor blocked on this rank would otherwise wait out the process-group timeout.
-        self.manager.allreduce(flat).wait()
+        flag = self.layout.average(self.model, asked, contribute=finite)
         failed = self.manager.errored()
         if failed is not None:
             close_communicator(self._pg, failed.original_exception)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return sparse and bool(flat[-1].item() > 0)
+        return flag
+
+    def _across_groups(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` in place over the participating groups (torchft)."""
+        self.manager.allreduce(tensor).wait()
 
     # --- state: what heals and checkpoints -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
-            "data": self.data.state_dict(),
-        }
+        """This rank's model, optimizer and data state (its own shards, when sharded)."""
+        state = self.layout.state_dict(self.model, self.optimizer)
+        return {**state, "data": self.data.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._state_lock:  # never in the middle of a (speculative) forward/backward
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
+            self.layout.load_state_dict(self.model, self.optimizer, state)
             self.data.load_state_dict(state["data"])
             self._state_changed = True
 
     def checksum(self) -> str:
-        """xxh3-64 over the parameters and the optimizer state, in a fixed order (hex)."""
+        """xxh3-64 over the parameters and the optimizer state, in a fixed order (hex): this
+        rank's shards of them, when sharded (compared with the same rank of the other groups)."""
         h = xxhash.xxh3_64()
+        local = self.layout.local
         for p in self.model.parameters():
-            h.update(_bytes_of(p))
+            h.update(_bytes_of(local(p)))
         state = self.optimizer.state_dict()["state"]
         for idx in sorted(state):
             for key in sorted(state[idx]):
                 v = state[idx][key]
                 if isinstance(v, torch.Tensor):
-                    h.update(_bytes_of(v))
+                    h.update(_bytes_of(local(v)))
                 else:
                     h.update(repr(v).encode())
         return h.hexdigest()
@@ -619,21 +622,19 @@ class Trainer:
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    def _intra_group_pg(self, store_addr: str) -> torch.distributed.ProcessGroupGloo:
-        """A plain gloo group over this replica group's ranks (same store, own prefix)."""
-        from torch.distributed import PrefixStore, TCPStore
-
+    def _group_layout(self, store_addr: str) -> GroupLayout:
+        """How this group holds the model (``parallel.group``), over the group's store."""
+        ranks = self.cfg.ranks
+        if ranks == 1:
+            return Replicated(self._across_groups, None, 1)
         host, port = store_addr.rsplit(":", 1)
         store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
-        t = self.cfg.timeouts
-        from datetime import timedelta
-
-        return torch.distributed.ProcessGroupGloo(
-            PrefixStore("harness/intra", store),
-            self.rank,
-            self.cfg.ranks,
-            timedelta(seconds=t.process_group_timeout),
-        )
+        timeout = timedelta(seconds=self.cfg.timeouts.process_group_timeout)
+        if self.cfg.parallel.group == "fsdp":
+            init_group_world(store, self.rank, ranks, timeout)
+            return Sharded(self.model, model_blocks(self.model), self._across_groups)
+        intra = intra_group_pg(store, self.rank, ranks, timeout)
+        return Replicated(self._across_groups, intra, ranks)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

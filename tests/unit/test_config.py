@@ -205,3 +205,36 @@ def test_cli_rejects_nan_before_launch(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr == "ftharness run: optim.lr = nan: must be a finite number\n"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.group=fsdp"], r'parallel.group = "fsdp" with ranks = 1: sharding needs'),
+        (["ranks=2", "parallel.group=tp"], r"parallel.group = 'tp': must be one of"),
+        (["ranks=2", "parallel.grup=fsdp"], r"unknown key 'parallel.grup' \(did you mean"),
+        (
+            ["ranks=65", "parallel.group=fsdp"],
+            r"model.kind = 'tiny' has a parameter of first dimension 64 .* use ranks <= 64",
+        ),
+        (
+            ["ranks=3", "parallel.group=fsdp", "data.vocab_size=2"],
+            r"first dimension 2 \(FSDP2 shards along it\)",
+        ),
+        (
+            ["ranks=2", "parallel.group=fsdp", 'program.command=["python", "x.py"]'],
+            r'parallel.group = "fsdp" with a \[program\]: it shards the built-in trainer',
+        ),
+    ],
+)
+def test_a_sharded_group_it_cannot_shard_is_refused(overrides: list[str], message: str) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(repo / "experiments" / "tiny.toml"), overrides)
+
+
+def test_a_sharded_group_loads() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(str(repo / "experiments" / "tiny.toml"), ["ranks=2", "parallel.group=fsdp"])
+    assert cfg.parallel.group == "fsdp"
+    assert load_config(str(repo / "experiments" / "tiny.toml"), []).parallel.group == "replicate"

@@ -1,0 +1,261 @@
+"""How one replica group holds its model: whole in every rank (``parallel.group = "replicate"``)
+or sharded over its ranks with FSDP2 (``"fsdp"``, HSDP with the groups).
+
+The trainer (``harness.rank.trainer``) calls a layout for the three things that differ:
+
+* **averaging the gradients** of a step over every rank of every participating group. Replicated:
+  one flat allreduce within the group (when it has several ranks), then torchft's across the
+  groups. Sharded: FSDP2 reduce-scatters each block's gradients within the group during the
+  backward pass, and its all-reduce hook averages each resulting shard with the same shard of
+  the other groups through torchft's Manager, as torchtitan wires its ``replicate_pg``;
+* **the state** a heal and a checkpoint carry: each rank's own tensors. Sharded, these are the
+  local shards of the DTensors (rank r of a group heals from rank r of a peer, torchft pairs the
+  ranks so), plain tensors that every transport carries and ``torch.load(weights_only=True)``
+  reads;
+* **whether the quorum may overlap the pass** (``harness.rank.trainer.OVERLAP_QUORUM``): not when
+  the backward pass itself talks to the other groups (sharded), since a heal must never land
+  while FSDP2 has the parameters unsharded (torchft RFC 343, torchtitan issue 4753).
+
+Sharded wiring (torch 2.13; ``../shared/HSDP.md``): each group is its own ``torch.distributed``
+world, initialised on the group's store (the default process group of the rank's process, gloo
+on CPU), with a 1-D device mesh over it; ``fully_shard`` wraps every transformer block and then
+the root. FSDP2's reduce-scatter is forced to SUM (gloo's AVG under FSDP2 is reported to sum,
+pytorch#162338), the hook averages over the groups, then FSDP2 divides by the group's ranks: the
+mean over every rank of every participating group (``tests/integration/test_fsdp_group.py``
+checks it numerically).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+#: Where a sharded group's process group rendezvouses on the group's store.
+FSDP_PREFIX = "harness/fsdp"
+#: Where a replicated group's intra-group process group rendezvouses on the group's store.
+INTRA_PREFIX = "harness/intra"
+
+#: ``allreduce(tensor)``: average ``tensor`` in place over the participating groups (torchft's
+#: ``Manager.allreduce`` and wait); a failure is recorded for ``should_commit``, not raised.
+CrossGroup = Callable[[torch.Tensor], None]
+
+
+class GroupLayout(Protocol):
+    """What the trainer asks of the way its group holds the model."""
+
+    #: Whether the quorum may form while the pass runs (no collective across groups in it).
+    overlap_quorum: bool
+    #: Every rank runs the model's forward pass for a held-out evaluation (its parameters are
+    #: spread over the ranks), not only rank 0.
+    eval_on_every_rank: bool
+
+    def average(self, model: nn.Module, asked: bool | None, *, contribute: bool) -> bool:
+        """After the backward pass: finish averaging the gradients over every rank of every
+        participating group. ``asked``: this rank's sparse-quorum flag (None: no sparse
+        quorum); returns whether any rank of any participating group raised it.
+        ``contribute``: False when this rank's loss was not finite (its gradients count as
+        zeros: a corrupted replica's NaN must not reach the other groups)."""
+        ...
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of ``t`` this rank holds (``t`` itself unless sharded), sharing storage."""
+        ...
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The model's and the optimizer's state as this rank's own plain tensors."""
+        ...
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load what :meth:`state_dict` of the same rank of an identical group returned."""
+        ...
+
+
+class Replicated:
+    """The whole model in every rank; ranks of a group average through a plain gloo group."""
+
+    overlap_quorum = True
+    eval_on_every_rank = False
+
+    def __init__(
+        self, across: CrossGroup, intra: torch.distributed.ProcessGroupGloo | None, ranks: int
+    ) -> None:
+        self._across = across
+        self._intra = intra
+        self._ranks = ranks
+
+    def average(self, model: nn.Module, asked: bool | None, *, contribute: bool) -> bool:
+        """One flat allreduce per step (fewer, larger messages than one per tensor); the
+        quorum flag rides along as one more float."""
+        if not contribute:
+            model.zero_grad(set_to_none=False)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        parts = [g.reshape(-1) for g in grads]
+        if asked is not None:
+            parts.append(torch.tensor([1.0 if asked else 0.0], dtype=parts[0].dtype))
+        flat = torch.cat(parts)
+        if self._intra is not None:
+            # A dead group peer raises: the group restarts. (torch's stub of ProcessGroupGloo
+            # leaves out the collectives its pybind11 class has, allreduce among them.)
+            self._intra.allreduce([flat]).wait()  # type: ignore[attr-defined]
+            flat /= self._ranks
+        self._across(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return asked is not None and bool(flat[-1].item() > 0)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+
+
+def intra_group_pg(
+    store: Any, rank: int, ranks: int, timeout: timedelta
+) -> torch.distributed.ProcessGroupGloo:
+    """A plain gloo group over a replicated group's ranks, on the group's store."""
+    from torch.distributed import PrefixStore
+
+    prefixed = PrefixStore(INTRA_PREFIX, store)
+    return torch.distributed.ProcessGroupGloo(prefixed, rank, ranks, timeout)
+
+
+class Sharded:
+    """FSDP2 over the group's ranks (see the module doc). Build it before the optimizer: it
+    replaces the model's parameters with sharded DTensors."""
+
+    overlap_quorum = False
+    eval_on_every_rank = True
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], across: CrossGroup) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self._across = across
+
+        def average_shard(shard: torch.Tensor) -> None:
+            # A non-finite gradient (a corrupted replica) must not reach the other groups: the
+            # group contributes nothing and is healed (harness.job.divergence).
+            if not bool(torch.isfinite(shard).all()):
+                shard.zero_()
+            across(shard)
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_all_reduce_hook(average_shard)
+
+    def average(self, model: nn.Module, asked: bool | None, *, contribute: bool) -> bool:
+        """The gradients are averaged already (in the backward pass, where a non-finite shard
+        counted as zeros: ``contribute`` is moot); the quorum flag is reduced within the group,
+        then across the groups: every rank gets the same answer."""
+        if asked is None:
+            return False
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if asked else 0.0])
+        dist.all_reduce(flag)
+        self._across(flag)
+        return bool(flag.item() > 0)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optim = optimizer.state_dict()
+        state = {
+            i: {k: self._local_any(v) for k, v in s.items()} for i, s in optim["state"].items()
+        }
+        return {
+            "model": {k: self.local(v) for k, v in model.state_dict().items()},
+            "optim": {"state": state, "param_groups": optim["param_groups"]},
+        }
+
+    def _local_any(self, v: Any) -> Any:
+        return self.local(v) if isinstance(v, torch.Tensor) else v
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Copy each shard in place, and give the optimizer's shards their parameter's sharding
+        (a fresh optimizer has no state to copy into: AdamW makes its moments on its first
+        step)."""
+        from torch.distributed.tensor import DTensor
+
+        current = model.state_dict()
+        if set(current) != set(state["model"]):
+            missing = sorted(set(current) - set(state["model"]))
+            extra = sorted(set(state["model"]) - set(current))
+            raise ValueError(f"model shards do not match: missing {missing}, unexpected {extra}")
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                _copy_shard(name, self.local(current[name]), value)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        rebuilt: dict[Any, dict[str, Any]] = {}
+        for idx, entry in state["optim"]["state"].items():
+            p = params[int(idx)]
+            rebuilt[idx] = {}
+            for key, v in entry.items():
+                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0:
+                    _check_shape(f"optim.{idx}.{key}", p.to_local(), v)
+                    v = DTensor.from_local(
+                        v, p.device_mesh, p.placements, run_check=False,
+                        shape=p.shape, stride=p.stride(),
+                    )  # fmt: skip
+                rebuilt[idx][key] = v
+        optimizer.load_state_dict(
+            {"state": rebuilt, "param_groups": state["optim"]["param_groups"]}
+        )
+
+
+def _check_shape(name: str, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+        raise ValueError(
+            f"{name}: shard {tuple(theirs.shape)} {theirs.dtype} does not fit this rank's "
+            f"{tuple(mine.shape)} {mine.dtype} (another model, or another shard count)"
+        )
+
+
+def _copy_shard(name: str, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    _check_shape(name, mine, theirs)
+    if mine.data_ptr() != theirs.data_ptr():  # a transport may have read into ours already
+        mine.copy_(theirs)
+
+
+def init_group_world(store: Any, rank: int, ranks: int, timeout: timedelta) -> None:
+    """Make this process's default process group the replica group's own world (gloo, on the
+    group's store, under its own prefix): FSDP2's device mesh is built over it. One group per
+    process: a trainer process trains one rank of one group for its whole life."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "parallel.group = 'fsdp': this process has a default process group already; a "
+            "sharded rank must be the only trainer of its process"
+        )
+    dist.init_process_group(
+        "gloo", store=PrefixStore(FSDP_PREFIX, store), rank=rank, world_size=ranks,
+        timeout=timeout,
+    )  # fmt: skip
