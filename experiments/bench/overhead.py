@@ -78,8 +78,12 @@ VARIANTS = {
     "ftharness_every_step": ["recovery.quorum_every_steps=1"],
     "ftharness_vocab2048": ["data.vocab_size=2048"],
     "ftharness_tokens": ["data.kind=tokens"],
+    "ftharness_fsdp": ["ranks=2", "parallel.group=fsdp"],
 }
-CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry", *VARIANTS]
+#: Every configuration's overrides: the variants, and the plain sharded loop's shape (the same
+#: as ``ftharness_fsdp``'s, which it is the floor of).
+OVERRIDES = VARIANTS | {"plain_hsdp": VARIANTS["ftharness_fsdp"]}
+CONFIGS = ["plain", "torchft", "ftharness", "ftharness_telemetry", *VARIANTS, "plain_hsdp"]
 #: (steps per run, steady-state window starts after this many commits, repetitions)
 PLAN = {"tiny": (200, 40, 3), "llama3_debug": (36, 8, 2)}
 QUICK_PLAN = {"tiny": (150, 30, 2)}
@@ -89,9 +93,12 @@ REPO = Path(__file__).resolve().parents[2]
 # --- the plain and torchft trainers (one process per replica group) ---------------------------
 
 
-def worker(mode: str, cfg_dict: dict[str, Any], replica: int, addr: str, out: str) -> None:
-    """One replica group's trainer for ``plain`` or ``torchft``: train ``cfg.steps`` steps and
-    write the wall-clock time of every committed step to ``out`` (JSON)."""
+def worker(
+    mode: str, cfg_dict: dict[str, Any], replica: int, addr: str, out: str, rank: int = 0
+) -> None:
+    """One replica group's trainer for ``plain`` or ``torchft``, or rank ``rank`` of one for
+    ``plain_hsdp``: train ``cfg.steps`` steps and write the wall-clock time of every committed
+    step to ``out`` (JSON)."""
     from datetime import timedelta
 
     import torch
@@ -123,7 +130,9 @@ def worker(mode: str, cfg_dict: dict[str, Any], replica: int, addr: str, out: st
             offset += g.numel()
 
     times: list[float] = []
-    if mode == "plain":
+    if mode == "plain_hsdp":
+        _plain_hsdp(cfg, replica, rank, addr, times)
+    elif mode == "plain":
         from torch.distributed import PrefixStore, TCPStore
 
         host, port = addr.rsplit(":", 1)
@@ -182,6 +191,51 @@ def worker(mode: str, cfg_dict: dict[str, Any], replica: int, addr: str, out: st
     Path(out).write_text(json.dumps({"replica": replica, "times": times}))
     sys.stdout.flush()
     os._exit(0)  # skip gloo's teardown once the peers have gone (it can abort)
+
+
+def _plain_hsdp(cfg: Any, replica: int, rank: int, addr: str, times: list[float]) -> None:
+    """HSDP in plain torch: the group's own gloo world (FSDP2 over its ranks, the same layout
+    as ``parallel.group = "fsdp"``: ``harness.rank.group_layout.Sharded``), and a plain gloo
+    group of rank ``rank`` of every group averaging each gradient shard across the groups in
+    FSDP2's hook; no quorum, no commit protocol, no fault tolerance."""
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import PrefixStore, TCPStore
+
+    from harness.rank.data import TokenStream
+    from harness.rank.group_layout import Sharded, init_group_world
+    from harness.rank.model import build_model, loss_fn, model_blocks
+
+    timeout = timedelta(seconds=cfg.timeouts.process_group_timeout)
+    host, port = addr.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+    init_group_world(PrefixStore(f"group{replica}", store), rank, cfg.ranks, timeout)
+    cross = torch.distributed.ProcessGroupGloo(
+        PrefixStore(f"across{rank}", store), replica, cfg.replicas, timeout
+    )
+
+    def across(t: torch.Tensor) -> None:
+        cross.allreduce([t]).wait()  # type: ignore[attr-defined]
+        t /= cfg.replicas
+
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
+    Sharded(model, model_blocks(model), across)
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, eps=o.eps
+    )
+    n = cfg.replicas * cfg.ranks
+    data = TokenStream(
+        cfg.data, shard=replica * cfg.ranks + rank, num_shards=n, group_size=cfg.ranks
+    )
+    for _ in range(cfg.steps):
+        inputs, targets = data.batch()
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(inputs), targets).backward()  # reduce-scatter, then the hook: across
+        opt.step()
+        data.advance()
+        times.append(time.time())
 
 
 def _spawn(code: str, log: Path) -> subprocess.Popen[bytes]:
@@ -327,7 +381,7 @@ def _run_subprocess_config(
     extra: list[subprocess.Popen[bytes]] = []
     store = None
     with Sampler(sampler_period) as sampler:
-        if mode == "plain":
+        if mode in ("plain", "plain_hsdp"):
             from torch.distributed import TCPStore
 
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -345,13 +399,15 @@ def _run_subprocess_config(
             port = lh.stdout.readline().decode().strip()  # type: ignore[union-attr]
             addr = f"http://127.0.0.1:{port}"
         procs = []
-        for r in range(cfg.replicas):
-            args = (mode, cfg_dict, r, addr, str(workdir / f"times_{r}.json"))
+        ranks = cfg.ranks if mode == "plain_hsdp" else 1
+        for r, rank in itertools.product(range(cfg.replicas), range(ranks)):
+            out = workdir / (f"times_{r}.json" if rank == 0 else f"times_{r}_{rank}.json")
+            args = (mode, cfg_dict, r, addr, str(out), rank)
             code = (
                 "import json\nfrom experiments.bench.overhead import worker\n"
                 f"worker(*json.loads({json.dumps(json.dumps(list(args)))}))\n"
             )
-            procs.append(_spawn(code, workdir / f"worker_{r}.log"))
+            procs.append(_spawn(code, workdir / f"worker_{r}_{rank}.log"))
         nprocs = 1 + len(procs) + len(extra)
         try:
             for p in procs:
@@ -467,10 +523,10 @@ def _roles(
 
 
 def run_one(model: str, mode: str, rep: int, workdir: Path, steps: int, warmup: int) -> dict:
-    cfg = _job_config(model, steps, seed=7, variant=tuple(VARIANTS.get(mode, ())))
+    cfg = _job_config(model, steps, seed=7, variant=tuple(OVERRIDES.get(mode, ())))
     d = workdir / f"{model}_{mode}_{rep}"
     service: set[int] = set()
-    if mode in ("plain", "torchft"):
+    if mode in ("plain", "torchft", "plain_hsdp"):
         times, sampler, nprocs, aside = _run_subprocess_config(mode, cfg, d, 0.25)
     else:
         telemetry = mode == "ftharness_telemetry"
@@ -567,6 +623,11 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
             statistics.median(t["gaps"]) / statistics.median(v["gaps"]) for t, v in pairs
         ]
         rows["ftharness_tokens"]["ratio_to_synthetic"] = round(statistics.median(to_synthetic), 3)
+    if runs.get("ftharness_fsdp") and runs.get("plain_hsdp"):
+        # what ftharness adds to a sharded group, against the same HSDP loop in plain torch
+        pairs = zip(runs["ftharness_fsdp"], runs["plain_hsdp"], strict=False)
+        to_hsdp = [statistics.median(f["gaps"]) / statistics.median(p["gaps"]) for f, p in pairs]
+        rows["ftharness_fsdp"]["ratio_to_plain_hsdp"] = round(statistics.median(to_hsdp), 3)
     return rows
 
 

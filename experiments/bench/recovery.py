@@ -9,7 +9,14 @@ since. Configurations, all in the same run and on the same seed:
 * ``in_place/tree``    — in-place restart; membership by the supervision tree (harness.quorum.tree),
   a quorum every 10 steps and whenever membership may change (the default, harness.rank.trainer);
 * ``in_place/tree_every_step`` — the same with a quorum every step;
-* ``full_restart``     — every process restarted, resume from the last checkpoint.
+* ``full_restart``     — every process restarted, resume from the last checkpoint;
+* ``sharded/tree``     — 3 groups x 2 ranks, the model sharded over each group's ranks with FSDP2
+  (``parallel.group = "fsdp"``: HSDP), in place, tree quorum; a kill of rank 0 restarts its whole
+  group, whose ranks heal their shards from a healthy group;
+* ``replicated_2ranks/tree`` — the same 3 x 2 shape, the model whole in every rank.
+
+``sharded_vs_unsharded`` (per model) divides the sharded row's median ``replacement_back_s`` by
+the unsharded rows' (goal: at most 1.5x) and repeats its stall (goal: p50 <= 0.1 s, p95 <= 0.3 s).
 
 Figures per configuration (median, p95, min, max over the kills; p95 is linear-interpolated,
 so with 10 kills it lies between the two slowest), computed from the journal by
@@ -74,6 +81,20 @@ CONFIGS = {
         "recovery.quorum_every_steps=1",
     ],
     "full_restart": ["recovery.policy=full_restart", "recovery.quorum=torchft"],
+    # 3 groups x 2 ranks, the model sharded over each group's ranks (FSDP2, HSDP with torchft),
+    # against the same shape replicated: what sharding costs a recovery, side by side
+    "sharded/tree": [
+        "ranks=2",
+        "parallel.group=fsdp",
+        "recovery.policy=in_place",
+        "recovery.quorum=tree",
+    ],
+    "replicated_2ranks/tree": [
+        "ranks=2",
+        "parallel.group=replicate",
+        "recovery.policy=in_place",
+        "recovery.quorum=tree",
+    ],
 }
 #: A program of the user's own (harness.job.programs), run from a source checkout.
 PROGRAMS = Path(__file__).resolve().parents[2] / "tests" / "programs"
@@ -236,14 +257,14 @@ def run_config(
                     backs.append(min(after) - k["t"])
         row["full_restart_back_s"] = _stats(backs)
     row["phases_s"] = _phase_medians(records, recs)
+    if (cfg.replicas, cfg.ranks) != (3, 1):
+        row["replicas"], row["ranks"] = cfg.replicas, cfg.ranks
     if cfg.program.enabled:
         row["cold_start_to_first_commit_s"] = _stats(_cold_starts(records))
         if cfg.program.sync_every > 1:  # the semi-synchronous programs print a digest per sync
             row["weights_match"] = _syncs_match(run_dir / "logs")
         if "train_hsdp.py" in " ".join(cfg.program.command):  # a checksum of each rank's shards
             row["weights_match"] = _shards_match(run_dir / "logs")
-        if (cfg.replicas, cfg.ranks) != (3, 1):
-            row["replicas"], row["ranks"] = cfg.replicas, cfg.ranks
         return row  # otherwise weights are not observed: the program reports no checksums
     hyp = evaluate_hypotheses(Hypotheses(replicas_equal_after_heal=True), {}, records)
     row["weights_match"] = all(h["passed"] for h in hyp)
@@ -384,8 +405,38 @@ def main(args: argparse.Namespace) -> int:
     result["vs_builtin"] = {
         name: _vs_builtin(tiny, name) for name in programs if tiny.get(name) is not None
     }
+    result["sharded_vs_unsharded"] = {
+        model: _sharded_vs(rows) for model, rows in result["rows"].items() if "sharded/tree" in rows
+    }
     print(json.dumps(result))
     return 0
+
+
+def _median(row: dict | None, key: str) -> float | None:
+    v = (row or {}).get(key)
+    return v["median"] if v else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+def _sharded_vs(rows: dict[str, Any]) -> dict[str, float | None]:
+    """The sharded row's killed group back, against the unsharded rows of the same model (goal:
+    at most 1.5x), and its survivors' stall (goal: p50 <= 0.1 s, p95 <= 0.3 s)."""
+    sharded = rows["sharded/tree"]
+    back = _median(sharded, "replacement_back_s")
+    stall = sharded.get("survivor_stall_s") or {}
+    return {
+        "back_over_unsharded_1rank": _ratio(
+            back, _median(rows.get("in_place/tree"), "replacement_back_s")
+        ),
+        "back_over_replicated_2ranks": _ratio(
+            back, _median(rows.get("replicated_2ranks/tree"), "replacement_back_s")
+        ),
+        "stall_p50_s": stall.get("median"),
+        "stall_p95_s": stall.get("p95"),
+    }
 
 
 def _vs_builtin(rows: dict[str, Any], name: str) -> dict[str, float | None]:

@@ -90,6 +90,12 @@ class RecoveryTracker:
         self.journal = journal
         self.link_window_s = link_window_s
         self._lock = threading.Lock()
+        # Held across a commit's phases and each phase's check and journal write: commits reach
+        # the tracker on the emitting groups' threads, so without it one thread could journal
+        # ``participating`` while another, which had just claimed ``survivors_resumed``, had not
+        # yet written it (seen once in CI: a recovery's last phase journaled was
+        # ``survivors_resumed``).
+        self._write_lock = threading.RLock()
         self._ids = itertools.count(1)
         self._open: dict[int | str | None, _Open] = {}  # by _Open.key
         # Groups whose processes failed and that have not participated since: they hold no
@@ -185,7 +191,8 @@ class RecoveryTracker:
             with self._lock:
                 self._faults.append(r)
         elif event == STEP_COMMIT:
-            self._on_commit(r)
+            with self._write_lock:  # one commit at a time: its phases in order (see __init__)
+                self._on_commit(r)
         elif event == STEP_ABORT and r.get("rank") == 0:
             # An aborted step is its own recovery only when a fault hit this group without
             # killing it (collective_abort); survivors of a peer's death abort a step too, and
@@ -289,10 +296,6 @@ class RecoveryTracker:
                     self.completed += 1
 
     def _write(self, rec: _Open, phase: str, t: float | None) -> None:
-        with self._lock:
-            if phase in rec.phases:
-                return
-            rec.phases.add(phase)
         fields: dict[str, Any] = {
             "recovery_id": rec.recovery_id,
             "fault_id": rec.fault_id,
@@ -300,7 +303,12 @@ class RecoveryTracker:
             "phase": phase,
             "cause": rec.cause,
         }
-        self.journal.emit(RECOVERY_PHASE, t=t, **fields)
+        with self._write_lock:  # phases reach the journal in the order they were claimed
+            with self._lock:
+                if phase in rec.phases:
+                    return
+                rec.phases.add(phase)
+            self.journal.emit(RECOVERY_PHASE, t=t, **fields)
 
     def overtaken(self, replica: int) -> bool:
         """The job ended while ``replica`` was still rejoining (``runtime.journal.OVERTAKEN``):
