@@ -15,6 +15,7 @@ import torch
 
 import harness.rank.transport  # noqa: F401 - preloaded with the actors, so a fork need not import it
 from harness.config import config_from_dict
+from harness.rank.torchft_glue import heal_source
 from harness.rank.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint
 from runtime.journal import HEALED
@@ -61,6 +62,9 @@ class _ReportingTrainer(Trainer):
                     "rank": self.rank,
                     "data_pos": self.data.position,
                     "transport": self.cfg.transport,  # the CheckpointTransport that carried it
+                    # the group it healed from (recorded for groups of several ranks, which
+                    # all heal from one: harness.rank.torchft_glue.OneHealSource)
+                    "source": heal_source(self.manager),
                 },
             )
 

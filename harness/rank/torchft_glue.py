@@ -59,7 +59,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 from torchft import Manager
 from torchft import ProcessGroupGloo as _TorchftProcessGroupGloo
 from torchft._torchft import LighthouseServer
@@ -281,7 +281,86 @@ def make_manager(
         # service's connection (the trainer's own call still gives up after quorum_timeout).
         quorum_retries=quorum_retries,
     )
+    if cfg.ranks > 1:
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        prefix = f"harness/heal/{member_id or replica_id}"
+        one_heal_source(manager, PrefixStore(prefix, store), rank, _s(t.manager_timeout))
     return manager, pg
+
+
+class OneHealSource:
+    """A Manager's client of its group's ManagerServer (torchft's ``Manager._client``), made to
+    give every rank of a group of several ranks one heal source: the one its rank 0 was given.
+
+    torchft picks a heal source per group rank: rank r of the i-th group to heal gets
+    ``up_to_date[(i + r) % n]`` of the ``n`` groups at the highest step (its ``manager.rs``,
+    ``compute_quorum_results``), so with two up-to-date groups a replacement's ranks 0 and 1 heal
+    from different groups. That is safe only while those groups hold the same bits, and a sharded
+    group's shards must all come from one group at one step. So each quorum result of rank 0 is
+    the group's: rank 0 writes its source and the groups it serves to the group's store, keyed by
+    the quorum call's number, id and step (every rank of a group makes the same calls, and the
+    group restarts as one), and every other rank takes them. Healing, rank r fetches its own
+    rank's state from rank 0's source group (whose ManagerServer hands out the metadata of each
+    of its ranks); as a source, rank r serves the same groups that rank 0 serves, so the source
+    group's every rank publishes the step. A heal from a source that dies is an error torchft
+    records: the step is not committed, and the next quorum, without the dead group, heals again.
+
+    ``source``: the member id (``QuorumResult.replica_ids``) of the latest heal's source group.
+    """
+
+    def __init__(self, client: Any, store: PrefixStore, rank: int, timeout: timedelta) -> None:
+        self._client = client
+        self._store = store
+        self._rank = rank
+        self._timeout = timeout
+        self._calls = 0
+        self._last_key: str | None = None
+        self.source: str | None = None
+
+    def __getattr__(self, name: str) -> Any:  # should_commit and the rest: torchft's own
+        return getattr(self._client, name)
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        n, self._calls = self._calls, self._calls + 1
+        quorum = self._client._quorum(**kwargs)
+        key = f"{n}/{quorum.quorum_id}/{quorum.max_step}"
+        if self._rank == 0:
+            lead = {
+                "src": quorum.recover_src_manager_address,
+                "src_rank": quorum.recover_src_replica_rank,
+                "dst": list(quorum.recover_dst_replica_ranks),
+            }
+            self._store.set(key, json.dumps(lead))
+            # every rank read the previous one before it asked for this quorum, which the
+            # ManagerServer answers only once all of the group's ranks have asked
+            if self._last_key is not None:
+                self._store.delete_key(self._last_key)
+            self._last_key = key
+        else:
+            self._store.wait([key], self._timeout)
+            lead = json.loads(self._store.get(key))
+            quorum.recover_dst_replica_ranks = lead["dst"]
+            if quorum.heal:  # the whole group is behind, or none of it
+                quorum.recover_src_manager_address = lead["src"]
+                quorum.recover_src_replica_rank = lead["src_rank"]
+        if quorum.heal:
+            ids = list(quorum.replica_ids)
+            src = quorum.recover_src_replica_rank
+            self.source = ids[src] if src is not None and src < len(ids) else None
+        return quorum
+
+
+def one_heal_source(manager: Manager, store: PrefixStore, rank: int, timeout: timedelta) -> None:
+    """Give every rank of ``manager``'s group the heal source of its rank 0 (:class:`OneHealSource`;
+    torchft's private ``_client``, torchft-nightly 2026.10.26)."""
+    manager._client = OneHealSource(manager._client, store, rank, timeout)
+
+
+def heal_source(manager: Manager) -> str | None:
+    """The member id of the group ``manager`` last healed from, where :class:`OneHealSource`
+    records it (groups of several ranks); None otherwise."""
+    client = manager._client
+    return client.source if isinstance(client, OneHealSource) else None
 
 
 def close_communicator(pg: ProcessGroupGloo, failure: BaseException | None = None) -> None:
