@@ -68,6 +68,12 @@ def abort_collectives() -> None:
     _trainer("abort_collectives").abort_collectives()
 
 
+def set_serve_delay(seconds: float) -> None:
+    """Make the trainer sleep ``seconds`` before it serves each heal, as a heal source behind a
+    slow link would (0 restores it). The built-in trainer's only: a program has no hook for it."""
+    _trainer("set_serve_delay").set_serve_delay(float(seconds))
+
+
 def set_step_delay(seconds: float) -> None:
     """Make the trainer sleep ``seconds`` inside each step (0 restores normal speed)."""
     _trainer("set_step_delay").set_step_delay(float(seconds))

@@ -15,18 +15,28 @@ import torch
 
 import harness.rank.transport  # noqa: F401 - preloaded with the actors, so a fork need not import it
 from harness.config import config_from_dict
-from harness.rank.torchft_glue import heal_source
+from harness.rank.torchft_glue import heal_client
 from harness.rank.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint
-from runtime.journal import HEALED
+from runtime.journal import HEAL_START, HEALED
 
 
 class _ReportingTrainer(Trainer):
-    """A Trainer that journals each heal: torchft calls ``load_state_dict`` (the bound method
-    handed to its Manager) when it loads a healthy peer's state into a group that is behind."""
+    """A Trainer that journals each heal: its start (``trainer.heal_start``, when a quorum says
+    this group is behind, naming the source) and its end (``trainer.healed``: torchft calls
+    ``load_state_dict``, the bound method handed to its Manager, once it has a healthy peer's
+    state)."""
 
     training = False  # False while __init__ resumes from a checkpoint: that is not a heal
     _between: collections.deque[Callable[..., Any]] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        heal_client(self.manager).on_heal = self._heal_started
+
+    def _heal_started(self, source: str | None, step: int) -> None:
+        fields = {"replica": self.replica_id, "rank": self.rank, "source": source, "step": step}
+        self._emit(HEAL_START, fields)
 
     def between_steps(self, fn: Callable[..., Any]) -> None:
         """Run ``fn(tensors, step, emit)`` on the training thread before the next step: the
@@ -64,7 +74,7 @@ class _ReportingTrainer(Trainer):
                     "transport": self.cfg.transport,  # the CheckpointTransport that carried it
                     # the group it healed from (recorded for groups of several ranks, which
                     # all heal from one: harness.rank.torchft_glue.OneHealSource)
-                    "source": heal_source(self.manager),
+                    "source": heal_client(self.manager).source,
                 },
             )
 

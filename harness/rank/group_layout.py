@@ -124,6 +124,20 @@ class Replicated:
         optimizer.load_state_dict(state["optim"])
 
 
+def intra_group_timeout(process_group_timeout: float, manager_timeout: float) -> timedelta:
+    """How long a collective within a group waits for the group's other ranks.
+
+    Longer than a collective across groups: after a quorum the ranks of a group start the pass
+    at different times when one of them is held up joining, each on its own, the quorum's new
+    communicator (torchft retries a dead member's store: up to about two process-group
+    timeouts) and then a heal (the source's metadata, then its state: up to a manager timeout
+    each). Seen when a heal source died mid-heal: one rank's heal failed at once, it started the
+    pass, and FSDP2's all-gather gave up on its peer, still connecting, after one process-group
+    timeout; the group crashed instead of retrying the heal. A rank that hangs for good is the
+    supervision tree's to find (heartbeats), not this timeout's."""
+    return timedelta(seconds=2 * process_group_timeout + 2 * manager_timeout)
+
+
 def intra_group_pg(
     store: Any, rank: int, ranks: int, timeout: timedelta
 ) -> torch.distributed.ProcessGroupGloo:

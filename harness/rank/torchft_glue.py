@@ -54,6 +54,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -281,10 +282,11 @@ def make_manager(
         # service's connection (the trainer's own call still gives up after quorum_timeout).
         quorum_retries=quorum_retries,
     )
+    store = None
     if cfg.ranks > 1:
-        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
         prefix = f"harness/heal/{member_id or replica_id}"
-        one_heal_source(manager, PrefixStore(prefix, store), rank, _s(t.manager_timeout))
+        store = PrefixStore(prefix, TCPStore(host, int(port), is_master=False))
+    manager._client = OneHealSource(manager._client, store, rank, _s(t.manager_timeout))
     return manager, pg
 
 
@@ -305,10 +307,16 @@ class OneHealSource:
     group's every rank publishes the step. A heal from a source that dies is an error torchft
     records: the step is not committed, and the next quorum, without the dead group, heals again.
 
-    ``source``: the member id (``QuorumResult.replica_ids``) of the latest heal's source group.
+    A group of one rank (``store`` None) keeps torchft's answers as they are. For every group:
+    ``source``, the member id (``QuorumResult.replica_ids``) of the latest heal's source group;
+    ``on_heal(source, step)``, called as a heal begins (on torchft's quorum thread); and
+    ``serve_delay_s``, a fault hook: a source sleeps that long before it serves a heal, as one
+    behind a slow link would (``faults.inworker.set_serve_delay``).
     """
 
-    def __init__(self, client: Any, store: PrefixStore, rank: int, timeout: timedelta) -> None:
+    def __init__(
+        self, client: Any, store: PrefixStore | None, rank: int, timeout: timedelta
+    ) -> None:
         self._client = client
         self._store = store
         self._rank = rank
@@ -316,6 +324,8 @@ class OneHealSource:
         self._calls = 0
         self._last_key: str | None = None
         self.source: str | None = None
+        self.on_heal: Callable[[str | None, int], None] | None = None
+        self.serve_delay_s = 0.0
 
     def __getattr__(self, name: str) -> Any:  # should_commit and the rest: torchft's own
         return getattr(self._client, name)
@@ -323,7 +333,21 @@ class OneHealSource:
     def _quorum(self, **kwargs: Any) -> Any:
         n, self._calls = self._calls, self._calls + 1
         quorum = self._client._quorum(**kwargs)
-        key = f"{n}/{quorum.quorum_id}/{quorum.max_step}"
+        if self._store is not None:
+            self._agree(quorum, f"{n}/{quorum.quorum_id}/{quorum.max_step}")
+        if quorum.heal:
+            ids = list(quorum.replica_ids)
+            src = quorum.recover_src_replica_rank
+            self.source = ids[src] if src is not None and src < len(ids) else None
+            if self.on_heal is not None:
+                self.on_heal(self.source, quorum.max_step)
+        if quorum.recover_dst_replica_ranks and self.serve_delay_s > 0:
+            time.sleep(self.serve_delay_s)  # fault hook: a slow source
+        return quorum
+
+    def _agree(self, quorum: Any, key: str) -> None:
+        """Make rank 0's source and destinations this rank's (rank 0 publishes them)."""
+        assert self._store is not None
         if self._rank == 0:
             lead = {
                 "src": quorum.recover_src_manager_address,
@@ -343,24 +367,14 @@ class OneHealSource:
             if quorum.heal:  # the whole group is behind, or none of it
                 quorum.recover_src_manager_address = lead["src"]
                 quorum.recover_src_replica_rank = lead["src_rank"]
-        if quorum.heal:
-            ids = list(quorum.replica_ids)
-            src = quorum.recover_src_replica_rank
-            self.source = ids[src] if src is not None and src < len(ids) else None
-        return quorum
 
 
-def one_heal_source(manager: Manager, store: PrefixStore, rank: int, timeout: timedelta) -> None:
-    """Give every rank of ``manager``'s group the heal source of its rank 0 (:class:`OneHealSource`;
-    torchft's private ``_client``, torchft-nightly 2026.10.26)."""
-    manager._client = OneHealSource(manager._client, store, rank, timeout)
-
-
-def heal_source(manager: Manager) -> str | None:
-    """The member id of the group ``manager`` last healed from, where :class:`OneHealSource`
-    records it (groups of several ranks); None otherwise."""
+def heal_client(manager: Manager) -> OneHealSource:
+    """The :class:`OneHealSource` that :func:`make_manager` put in front of ``manager``'s
+    ManagerServer (torchft's private ``Manager._client``, torchft-nightly 2026.10.26)."""
     client = manager._client
-    return client.source if isinstance(client, OneHealSource) else None
+    assert isinstance(client, OneHealSource), "not a Manager from make_manager"
+    return client
 
 
 def close_communicator(pg: ProcessGroupGloo, failure: BaseException | None = None) -> None:

@@ -61,7 +61,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +76,14 @@ from harness.rank.group_layout import (
     Sharded,
     init_group_world,
     intra_group_pg,
+    intra_group_timeout,
 )
 from harness.rank.model import build_model, loss_fn, model_blocks
 from harness.rank.token_data import HeldOut, make_stream
 from harness.rank.torchft_glue import (
     close_communicator,
     forget_failed_quorum,
+    heal_client,
     host_store,
     make_manager,
 )
@@ -602,6 +603,11 @@ class Trainer:
         """Sleep ``seconds`` inside every step from now on (0 heals it). Thread-safe."""
         self._step_delay = max(0.0, float(seconds))
 
+    def set_serve_delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` before serving each heal from now on (0 heals it): a source behind
+        a slow link (``harness.rank.torchft_glue.OneHealSource``). Thread-safe."""
+        heal_client(self.manager).serve_delay_s = max(0.0, float(seconds))
+
     def abort_collectives(self) -> None:
         """Abort this rank's cross-group communicator, as a NIC/NCCL failure would. The collective
         in flight (or the next one) fails, the step aborts, the process lives; the next quorum
@@ -629,7 +635,8 @@ class Trainer:
             return Replicated(self._across_groups, None, 1)
         host, port = store_addr.rsplit(":", 1)
         store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
-        timeout = timedelta(seconds=self.cfg.timeouts.process_group_timeout)
+        t = self.cfg.timeouts
+        timeout = intra_group_timeout(t.process_group_timeout, t.manager_timeout)
         if self.cfg.parallel.group == "fsdp":
             init_group_world(store, self.rank, ranks, timeout)
             return Sharded(self.model, model_blocks(self.model), self._across_groups)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 
 import pytest
-from e2e_helpers import after_step, run_ok, tiny_cfg
+from e2e_helpers import after_step, kill_group, run_ok, tiny_cfg
 
+from faults import inworker
 from faults.fault import Target
+from runtime.journal import HEAL_START, HEALED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -92,3 +95,49 @@ def test_every_rank_of_a_replacement_heals_from_one_source_group(tmp_path):
         if r["event"] == "step.commit" and r["step"] == first and r["checksum"]
     }
     assert all(by_rank.get((1, k)) in (None, by_rank.get((0, k))) for k in (0, 1)), by_rank
+
+
+def test_a_heal_source_killed_mid_heal_is_replaced_by_another_group(tmp_path):
+    """The sources serve slowly (``faults.inworker.set_serve_delay``), so the replacement is still
+    healing when its source group is SIGKILLed: that heal fails, the step is not committed, and the
+    next quorum heals the replacement from the other healthy group; every shard ends equal."""
+    cfg = tiny_cfg(
+        "replicas=3", "ranks=2", "steps=40", "parallel.group=fsdp", "transport=dataplane"
+    )
+    seen: dict[str, object] = {}
+
+    def started(job):
+        def slow_sources_then_kill():
+            for g in (0, 2):
+                job.faults.run_in_worker(Target(replica=g), inworker.set_serve_delay, 3.0)
+            seen["killed"] = True
+            os.kill(job.faults.pids(Target(replica=1, rank=0))[0], signal.SIGKILL)
+
+        def on_record(r):  # the replacement's first heal: kill its source while it serves
+            ours = r["event"] == HEAL_START and (r["replica"], r["rank"]) == (1, 0)
+            if ours and seen.get("killed") and "source" not in seen:
+                seen["source"] = source = r["source"]
+                m = re.match(r"replica_(\d+)\.", source)
+                threading.Thread(target=kill_group, args=(job, int(m.group(1)))).start()
+
+        job.journal.add_sink(on_record)
+        after_step(job, 10, slow_sources_then_kill)
+
+    records = run_ok(cfg, tmp_path, on_started=started)  # checksums agree per (step, rank)
+
+    assert "source" in seen, "the replacement never began a heal"
+    first = int(re.match(r"replica_(\d+)\.", seen["source"]).group(1))
+    killed = [r for r in records if r["event"] == "failure" and r.get("signal") == "SIGKILL"]
+    assert {r["replica"] for r in killed} == {1, first}
+    t_source_killed = max(r["t"] for r in killed if r["replica"] == first)
+    healed = [r for r in records if r["event"] == HEALED and r["replica"] == 1]
+    # the heal that was under way did not land; a later one came from a live group: the other
+    # healthy one, or the killed one's replacement once it had healed (a new member id)
+    assert not [r for r in healed if r["source"] == seen["source"]], healed
+    later = [r for r in healed if r["t"] > t_source_killed]
+    assert {r["rank"] for r in later} == {0, 1}, healed
+    assert len({r["source"] for r in later}) == 1, later
+    # retried in place: the replacement was not restarted again
+    again = [r for r in records if r["event"] == "proc.start" and r.get("replica") == 1]
+    assert len(again) == 2 * 2, [(r["t"], r["rank"]) for r in again]
+    assert max(r["step"] for r in records if r["event"] == "step.commit") == 40
