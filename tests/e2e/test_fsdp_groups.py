@@ -141,3 +141,45 @@ def test_a_heal_source_killed_mid_heal_is_replaced_by_another_group(tmp_path):
     again = [r for r in records if r["event"] == "proc.start" and r.get("replica") == 1]
     assert len(again) == 2 * 2, [(r["t"], r["rank"]) for r in again]
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 40
+
+
+def test_a_replacement_killed_mid_heal_restarts_and_heals_while_its_source_trains_on(tmp_path):
+    """The other side of a heal under way: the replacement itself SIGKILLed between its
+    ``heal_start`` and ``healed`` (its sources serve slowly). No crash elsewhere: the source and
+    the third group keep their processes and commit on, the replacement's next incarnation heals,
+    and every shard ends equal (run_ok compares them per step and rank)."""
+    cfg = tiny_cfg(
+        "replicas=3", "ranks=2", "steps=40", "parallel.group=fsdp", "transport=dataplane"
+    )
+    seen: dict[str, object] = {}
+
+    def started(job):
+        def slow_sources_then_kill():
+            for g in (0, 2):
+                job.faults.run_in_worker(Target(replica=g), inworker.set_serve_delay, 3.0)
+            seen["killed"] = True
+            os.kill(job.faults.pids(Target(replica=1, rank=0))[0], signal.SIGKILL)
+
+        def on_record(r):  # the replacement's first heal: kill the replacement while it waits
+            ours = r["event"] == HEAL_START and (r["replica"], r["rank"]) == (1, 0)
+            if ours and seen.get("killed") and "heal" not in seen:
+                seen["heal"] = r["t"]
+                threading.Thread(target=kill_group, args=(job, 1)).start()
+
+        job.journal.add_sink(on_record)
+        after_step(job, 10, slow_sources_then_kill)
+
+    records = run_ok(cfg, tmp_path, on_started=started)
+
+    assert "heal" in seen, "the replacement never began a heal"
+    killed = [r for r in records if r["event"] == "failure" and r.get("signal") == "SIGKILL"]
+    assert [r["replica"] for r in killed] == [1, 1]
+    # only group 1 was ever restarted: three incarnations of its two ranks, the others' first
+    starts = [r for r in records if r["event"] == "proc.start" and r.get("replica") is not None]
+    assert sorted((r["replica"], r["rank"]) for r in starts if r["replica"] != 1) == [
+        (0, 0), (0, 1), (2, 0), (2, 1)
+    ]  # fmt: skip
+    assert len([r for r in starts if r["replica"] == 1]) == 3 * 2
+    healed = [r for r in records if r["event"] == HEALED and r["replica"] == 1]
+    assert {r["rank"] for r in healed if r["t"] > seen["heal"]} == {0, 1}, healed
+    assert max(r["step"] for r in records if r["event"] == "step.commit") == 40
