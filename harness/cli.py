@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument(
                 "--only",
                 metavar="TEXT",
-                help="run only the rows whose name contains TEXT (e.g. program_hsdp)",
+                help="run only the rows whose name contains TEXT, or one of several TEXTs "
+                "separated by commas (e.g. program_hsdp, or sharded,2ranks,in_place/tree)",
             )
     return parser
 

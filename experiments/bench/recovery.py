@@ -380,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         for model in models:
             result["rows"][model] = {}
             for name in configs + (programs if model == "tiny" else []):
-                if args.only and args.only not in name:
+                if args.only and not any(t in name for t in args.only.split(",") if t):
                     continue
                 log(f"{model} / {name}: starting")
                 n = program_reps(args) if name in PROGRAM_CONFIGS else reps
