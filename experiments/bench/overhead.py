@@ -1,8 +1,8 @@
 """``ftharness bench overhead``: what resilience costs when nothing fails, side by side.
 
 The same model, data, seed, optimizer, threads per worker and number of steps, fault-free, 3
-replica groups x 1 rank, in six configurations run interleaved (each repetition runs all six, in
-a rotated order) so every configuration sees the same machine:
+replica groups x 1 rank (3 x 2 for the sharded pair), in the configurations below, run interleaved
+(each repetition runs all of them, in a rotated order) so every configuration sees the same machine:
 
 * ``plain``               — the same loop (batch, forward/backward, one flat gradient allreduce,
   AdamW) over plain ``torch.distributed`` gloo across the groups; no fault tolerance (the floor);
@@ -21,7 +21,12 @@ a rotated order) so every configuration sees the same machine:
   the default corpus, ``harness.rank.token_data``), and its peer ``ftharness_vocab2048``: the
   synthetic stream at the same vocabulary (the tokenizer's 2048), so that
   ``ratio_to_synthetic`` (tokens over vocab2048, per repetition, median) is what reading the
-  token file costs, not the larger output layer.
+  token file costs, not the larger output layer;
+* ``ftharness_fsdp`` and ``plain_hsdp`` — sharded groups, 3 x 2 ranks: the job with
+  ``parallel.group = "fsdp"`` (FSDP2 in each group, torchft across), and the same FSDP2 layout
+  (``harness.rank.group_layout.Sharded``) in plain torch, each gradient shard averaged across the
+  groups over a plain gloo group per rank index, no quorum and no fault tolerance (its floor);
+  ``ratio_to_plain_hsdp`` compares them per repetition (median), as ``ratio_to_plain`` does.
 
 Figures per configuration (all over the steady-state window: steps ``warmup`` .. end):
 
