@@ -102,33 +102,50 @@ def test_every_rank_of_a_replacement_heals_from_one_source_group(tmp_path, trans
     assert all(by_rank.get((1, k)) in (None, by_rank.get((0, k))) for k in (0, 1)), by_rank
 
 
-def test_a_heal_source_killed_mid_heal_is_replaced_by_another_group(tmp_path):
-    """The sources serve slowly (``faults.inworker.set_serve_delay``), so the replacement is still
-    healing when its source group is SIGKILLed: that heal fails, the step is not committed, and the
-    next quorum heals the replacement from the other healthy group; every shard ends equal."""
-    cfg = tiny_cfg(
+def mid_heal_job():
+    """3 sharded groups x 2 ranks over the data plane, for the kills during a heal."""
+    return tiny_cfg(
         "replicas=3", "ranks=2", "steps=40", "parallel.group=fsdp", "transport=dataplane"
     )
-    seen: dict[str, object] = {}
+
+
+def mid_heal(action):
+    """An ``on_started`` that has groups 0 and 2 serve heals slowly (3 s:
+    ``faults.inworker.set_serve_delay``) after step 10, SIGKILLs group 1, and calls
+    ``action(job, record)`` on its own thread at the replacement's first ``trainer.heal_start``
+    (rank 0's): while that heal is under way."""
 
     def started(job):
+        armed: dict[str, bool] = {}
+
         def slow_sources_then_kill():
             for g in (0, 2):
                 job.faults.run_in_worker(Target(replica=g), inworker.set_serve_delay, 3.0)
-            seen["killed"] = True
-            os.kill(job.faults.pids(Target(replica=1, rank=0))[0], signal.SIGKILL)
+            armed["killed"] = True
+            kill_group(job, 1)
 
-        def on_record(r):  # the replacement's first heal: kill its source while it serves
+        def on_record(r):
             ours = r["event"] == HEAL_START and (r["replica"], r["rank"]) == (1, 0)
-            if ours and seen.get("killed") and "source" not in seen:
-                seen["source"] = source = r["source"]
-                m = re.match(r"replica_(\d+)\.", source)
-                threading.Thread(target=kill_group, args=(job, int(m.group(1)))).start()
+            if ours and armed.pop("killed", False):
+                threading.Thread(target=action, args=(job, r)).start()
 
         job.journal.add_sink(on_record)
         after_step(job, 10, slow_sources_then_kill)
 
-    records = run_ok(cfg, tmp_path, on_started=started)  # checksums agree per (step, rank)
+    return started
+
+
+def test_a_heal_source_killed_mid_heal_is_replaced_by_another_group(tmp_path):
+    """The sources serve slowly (``faults.inworker.set_serve_delay``), so the replacement is still
+    healing when its source group is SIGKILLed: that heal fails, the step is not committed, and the
+    next quorum heals the replacement from the other healthy group; every shard ends equal."""
+    seen: dict[str, object] = {}
+
+    def kill_source(job, r):
+        seen["source"] = source = r["source"]
+        kill_group(job, int(re.match(r"replica_(\d+)\.", source).group(1)))
+
+    records = run_ok(mid_heal_job(), tmp_path, on_started=mid_heal(kill_source))
 
     assert "source" in seen, "the replacement never began a heal"
     first = int(re.match(r"replica_(\d+)\.", seen["source"]).group(1))
@@ -153,28 +170,13 @@ def test_a_replacement_killed_mid_heal_restarts_and_heals_while_its_source_train
     ``heal_start`` and ``healed`` (its sources serve slowly). No crash elsewhere: the source and
     the third group keep their processes and commit on, the replacement's next incarnation heals,
     and every shard ends equal (run_ok compares them per step and rank)."""
-    cfg = tiny_cfg(
-        "replicas=3", "ranks=2", "steps=40", "parallel.group=fsdp", "transport=dataplane"
-    )
     seen: dict[str, object] = {}
 
-    def started(job):
-        def slow_sources_then_kill():
-            for g in (0, 2):
-                job.faults.run_in_worker(Target(replica=g), inworker.set_serve_delay, 3.0)
-            seen["killed"] = True
-            os.kill(job.faults.pids(Target(replica=1, rank=0))[0], signal.SIGKILL)
+    def kill_replacement(job, r):
+        seen["heal"] = r["t"]
+        kill_group(job, 1)
 
-        def on_record(r):  # the replacement's first heal: kill the replacement while it waits
-            ours = r["event"] == HEAL_START and (r["replica"], r["rank"]) == (1, 0)
-            if ours and seen.get("killed") and "heal" not in seen:
-                seen["heal"] = r["t"]
-                threading.Thread(target=kill_group, args=(job, 1)).start()
-
-        job.journal.add_sink(on_record)
-        after_step(job, 10, slow_sources_then_kill)
-
-    records = run_ok(cfg, tmp_path, on_started=started)
+    records = run_ok(mid_heal_job(), tmp_path, on_started=mid_heal(kill_replacement))
 
     assert "heal" in seen, "the replacement never began a heal"
     killed = [r for r in records if r["event"] == "failure" and r.get("signal") == "SIGKILL"]
