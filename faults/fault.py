@@ -157,6 +157,11 @@ class FaultContext(Protocol):
         """The host (SLURM node) the job's controller runs on now."""
         ...
 
+    def heals_under_way(self) -> dict[int, int]:
+        """The replica groups loading a peer's state now, each mapped to the group it heals
+        from (its source)."""
+        ...
+
     def in_phase(self, phase: str) -> bool:
         """Whether the job is in ``phase`` now (``faults.controller.PHASES``: a quorum forming,
         a group healing, a checkpoint being written)."""
@@ -186,7 +191,11 @@ class Fault(Protocol):
     def heal(self, ctx: FaultContext, target: Target) -> None: ...
 
     # Optional: a fault that waits for a moment has ``ready(ctx, rng) -> bool`` and ``wait_s``
-    # (faults.injector); ``inject_fields(rng) -> dict`` adds fields to its ``fault.inject``.
+    # (faults.injector), and may prepare that moment with ``arm(ctx, rng)``, called once when
+    # it falls due; ``aim(ctx, target) -> list[Target]`` names its targets when it fires, best
+    # first (known only then: the source of a heal under way; the injector takes the first that
+    # keep-alive allows, and skips the fault if none);
+    # ``inject_fields(rng) -> dict`` adds fields to its ``fault.inject``.
 
 
 class UnknownFault(KeyError):

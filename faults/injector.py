@@ -5,9 +5,12 @@ Order of events for each planned fault (the journal is the only record anyone re
 1. At its time (seconds since :meth:`Injector.start`) or once ``ctx.committed_step()`` reaches
    its step, a fault that waits for a moment (one with ``ready(ctx, rng)`` and ``wait_s``: a
    controller crash while another group heals) waits until ``ready`` or ``wait_s`` has passed,
-   asked every 2 ms; the faults after it do not wait for it (the moment may be theirs to make).
+   asked every 2 ms (its ``arm``, if it has one, is called once first, to prepare the
+   moment); the faults after it do not wait for it (the moment may be theirs to make).
    Then the target is re-checked against the keep-alive set with the *live* placement; a
-   protected target is skipped and logged (never fired).
+   protected target is skipped and logged (never fired). A fault that aims when it fires
+   (``aim``: the source of a heal under way) is ready only once a candidate it may hit is
+   there, gets the first such as its target, and is skipped if there is none by then.
 2. ``fault.inject`` is written (``fault_id``, ``kind``, ``target``, ``seed``, ``step``; for a
    fault that waited, ``waited_s`` and ``ready``, and what its ``inject_fields(rng)`` adds).
 3. ``fault.fire`` runs. If it raises, ``fault.heal`` is written at once with ``error``.
@@ -181,6 +184,7 @@ class Injector:
             for planned in due_faults(self.plan, self._next, now - self._t0, step):
                 self._next += 1
                 if hasattr(self._faults[planned.kind], "ready"):
+                    self._arm(planned)
                     self._waiting.append((planned, now))
                 else:
                     self._fire(planned)
@@ -220,10 +224,40 @@ class Injector:
 
     # -- one fault ------------------------------------------------------------------------------
 
-    def _live_target(self, planned: PlannedFault) -> Target:
+    def _arm(self, planned: PlannedFault) -> None:
+        """Let a fault that waits for its moment prepare it (``arm``), once, as it falls due."""
+        arm = getattr(self._faults[planned.kind], "arm", None)
+        if arm is None:
+            return
+        try:
+            arm(self.ctx, self._rng(planned))
+        except Exception as e:  # it still waits for its moment, which may come by itself
+            log.warning("fault %s (%s): arm() failed: %r", planned.fault_id, planned.kind, e)
+
+    def _protected(self, target: Target) -> str | None:
+        """Why ``target`` must not be hit now (keep-alive, the last healthy group), or None."""
+        return protected_reason(
+            target,
+            self.keep_alive,
+            replica_host=self.ctx.replica_host,
+            replicas=self.ctx.replicas,
+            healthy=self.healthy() if self.healthy is not None else None,
+        )
+
+    def _aimed(self, planned: PlannedFault) -> Target | None:
+        """For a fault that aims when it fires (``aim``: its candidates now, best first), the
+        first candidate not protected; None if there is none."""
+        aim = self._faults[planned.kind].aim  # type: ignore[attr-defined]
+        candidates = aim(self.ctx, planned.target)
+        return next((t for t in candidates if self._protected(t) is None), None)
+
+    def _live_target(self, planned: PlannedFault) -> Target | None:
         """The planned target with its group's *current* host (groups move after evictions),
-        or, for a fault on the controller's node, the node the controller runs on now."""
+        or, for a fault on the controller's node, the node the controller runs on now; for a
+        fault that aims when it fires (``aim``), its aim (None: nothing to hit now)."""
         t = planned.target
+        if hasattr(self._faults[planned.kind], "aim"):
+            return self._aimed(planned)
         if t.replica is not None:
             return replace(t, host=self.ctx.replica_host(t.replica))
         if t.controller and getattr(self._faults[planned.kind], "on_controller_node", False):
@@ -240,6 +274,8 @@ class Injector:
         fault = self._faults[planned.kind]
         try:
             ok = bool(fault.ready(self.ctx, self._rng(planned)))  # type: ignore[attr-defined]
+            if ok and hasattr(fault, "aim"):  # and something there it may hit
+                ok = self._aimed(planned) is not None
         except Exception as e:  # its fire fails the same way, and says so in the journal
             log.warning("fault %s (%s): ready() failed: %r", planned.fault_id, planned.kind, e)
             ok = True
@@ -257,14 +293,11 @@ class Injector:
 
     def _fire(self, planned: PlannedFault, waited: dict[str, Any] | None = None) -> None:
         target = self._live_target(planned)
-        healthy = self.healthy() if self.healthy is not None else None
-        reason = protected_reason(
-            target,
-            self.keep_alive,
-            replica_host=self.ctx.replica_host,
-            replicas=self.ctx.replicas,
-            healthy=healthy,
-        )
+        if target is None:
+            reason: str | None = "nothing it may hit was there to aim at when it fired"
+            target = planned.target
+        else:
+            reason = self._protected(target)
         if reason is not None:
             log.warning(
                 "skipping %s %s at %s: %s",

@@ -86,3 +86,58 @@ class Hang:
             except psutil.NoSuchProcess:
                 continue
         signal_pids(stopped, signal.SIGCONT)
+
+
+@register("heal_source_kill")
+@dataclass(frozen=True, kw_only=True)
+class HealSourceKill:
+    """SIGKILL of every rank of the group a heal under way loads its state from, while it
+    serves: the healing group must take the state from another group, or retry, without a
+    restart of its own. It waits (up to ``wait_s``) for a heal to begin (``trainer.heal_start``)
+    and aims at its source then (the planned target is not used). So that the kill lands while
+    the source still serves, every live group serves heals ``slow_serve_s`` late from the moment
+    the fault falls due until it heals (``faults.inworker.set_serve_delay``, built-in trainer
+    only; 0: as fast as they can, the kill may land after the heal). Heal: the serving delay
+    back to 0; the killed group is restarted by its supervisor."""
+
+    default_target: ClassVar[TargetKind] = "replica"
+    hold_s: float = 0.0
+    wait_s: float = 60.0
+    slow_serve_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.wait_s > 0:
+            raise ValueError(f"heal_source_kill: wait_s must be > 0, got {self.wait_s!r}")
+        if self.slow_serve_s < 0:
+            raise ValueError(
+                f"heal_source_kill: slow_serve_s must be >= 0, got {self.slow_serve_s!r}"
+            )
+
+    def _serve_delay(self, ctx: FaultContext, seconds: float) -> None:
+        for replica in range(ctx.replicas):
+            try:
+                ctx.run_in_worker(Target(replica=replica), inworker.set_serve_delay, seconds)
+            except Exception:  # a group being restarted: its next incarnation serves at once
+                continue
+
+    def arm(self, ctx: FaultContext, rng: random.Random) -> None:
+        if self.slow_serve_s > 0:
+            self._serve_delay(ctx, self.slow_serve_s)
+
+    def ready(self, ctx: FaultContext, rng: random.Random) -> bool:
+        return bool(ctx.heals_under_way())
+
+    def aim(self, ctx: FaultContext, planned: Target) -> list[Target]:
+        """The sources of the heals under way (the planned target is not used)."""
+        sources = sorted(set(ctx.heals_under_way().values()))
+        return [Target(replica=s, host=ctx.replica_host(s)) for s in sources]
+
+    def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
+        pids = ctx.pids(target)
+        if not pids:
+            raise RuntimeError(f"heal_source_kill: no worker process for {target.describe()}")
+        signal_pids(pids, signal.SIGKILL)
+
+    def heal(self, ctx: FaultContext, target: Target) -> None:
+        if self.slow_serve_s > 0:
+            self._serve_delay(ctx, 0.0)

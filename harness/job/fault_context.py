@@ -250,6 +250,10 @@ class JobFaultContext:
         threading.Thread(target=wedge, daemon=True, name="controller-wedge").start()
         ready.wait(5.0)
 
+    def heals_under_way(self) -> dict[int, int]:
+        """Healing group -> its source group, from the trainers' ``trainer.heal_start``."""
+        return self._job.tracker.heals_under_way()
+
     def in_phase(self, phase: str) -> bool:
         """Whether the job is in ``phase`` now (``faults.controller``)."""
         job = self._job

@@ -35,9 +35,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.quorum.rule import parse_member_id
 from runtime.failure import Failure
 from runtime.journal import (
     FAULT_INJECT,
+    HEAL_START,
     HEALED,
     OVERTAKEN,
     RECOVERY_PHASE,
@@ -106,6 +108,9 @@ class RecoveryTracker:
         # it took down, never a later one of the same group
         self._linked: set[tuple[str, int | None]] = set()
         self._fault_of: dict[int, str | None] = {}  # replica -> its latest recovery's fault
+        # Heals under way: healing group -> its source group (``trainer.heal_start`` of its rank
+        # 0, until its ``trainer.healed``, its next commit, or its or its source's failure)
+        self._heals: dict[int, int] = {}
         self.committed_step = 0
         # (time, step) when each of the last few new highest steps was first committed
         self._highs: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
@@ -135,6 +140,7 @@ class RecoveryTracker:
         if replica is not None:
             with self._lock:
                 self._stateless.add(replica)
+                self._heals = {h: s for h, s in self._heals.items() if replica not in (h, s)}
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
     def failed_by_controller(self, replica: int, cause: str, t: float) -> None:
@@ -204,7 +210,14 @@ class RecoveryTracker:
                 latest = self._faults[-1]["fault_id"] if self._faults else None
             if fault_id is not None and fault_id == latest:
                 self._begin(r.get("replica"), "step_abort", r["t"], r.get("host"))
+        elif event == HEAL_START and r.get("rank") == 0:
+            source = parse_member_id(str(r.get("source") or ""))
+            if source is not None:
+                with self._lock:
+                    self._heals[r["replica"]] = source.replica
         elif event == HEALED and r.get("rank") == 0:
+            with self._lock:
+                self._heals.pop(r.get("replica", -1), None)
             self._phase(r.get("replica"), "healed")
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -270,6 +283,7 @@ class RecoveryTracker:
             self.committed_step = step
             self._highs.append((float(t), step))
         with self._lock:
+            self._heals.pop(r.get("replica", -1), None)
             recs = list(self._open.values())
         for rec in recs:
             if t < rec.t_detected:
@@ -325,6 +339,12 @@ class RecoveryTracker:
         """Groups whose processes failed and that have not committed a step since."""
         with self._lock:
             return set(self._stateless)
+
+    def heals_under_way(self) -> dict[int, int]:
+        """The groups healing from a peer now, each with its source group (the ``source`` of its
+        rank 0's ``trainer.heal_start``)."""
+        with self._lock:
+            return dict(self._heals)
 
     def open_replicas(self) -> set[int | None]:
         """The groups recovering now (None: the quorum service)."""

@@ -64,6 +64,7 @@ class FakeContext:
         self.service = spawn()
         self.calls: list[tuple[Any, ...]] = []
         self.step = 0
+        self.heals: dict[int, int] = {}  # healing group -> its source
 
     def hosts(self) -> list[str]:
         return list(self._hosts)
@@ -120,6 +121,9 @@ class FakeContext:
 
     def committed_step(self) -> int:
         return self.step
+
+    def heals_under_way(self) -> dict[int, int]:
+        return dict(self.heals)
 
     def close(self) -> None:
         for p in [*self.workers.values(), self.service]:
@@ -345,6 +349,71 @@ def test_injector_never_hits_keep_alive_or_the_last_healthy_group(ctx):
     assert "last healthy" in inj.skipped[2][1]
     assert all(p.poll() is None for p in ctx.workers.values())
     assert not [e for e in events(ctx) if e["event"] == "fault.inject"]
+
+
+def test_a_heal_source_kill_waits_for_a_heal_and_kills_every_rank_of_its_source(tmp_path):
+    """Due, it slows every group's serving (``arm``); it fires only once a heal is under way,
+    at that heal's source (not its planned target), every rank of it; the ``fault.inject``
+    names the source, so the source's recovery is linked to it; its heal restores the serving.
+    One whose heal is over before it fires is skipped, not fired at its planned target."""
+    ctx = FakeContext(Journal(tmp_path / "journal.jsonl", job="test"), ranks=2)
+    try:
+        clock = Clock()
+        plan = [
+            PlannedFault(fault_id="f000", kind="heal_source_kill", target=Target(replica=1),
+                         at_s=1.0),
+        ]  # fmt: skip
+        options = {"heal_source_kill": {"slow_serve_s": 1.5, "wait_s": 10.0}}
+        keep = KeepAlive(replicas=frozenset({0}))
+        inj = Injector(plan, ctx, seed=0, clock=clock, options=options, keep_alive=keep)
+        inj.start()
+        clock.now = 1.0
+        inj.poll()
+        delays = [(c[1].replica, c[3]) for c in ctx.calls if c[0] == "run_in_worker"]
+        assert delays == [(0, (1.5,)), (1, (1.5,)), (2, (1.5,))]
+        assert all(c[2] is inworker.set_serve_delay for c in ctx.calls)
+        clock.now = 3.0
+        inj.poll()
+        assert inj.fired == [] and all(p.poll() is None for p in ctx.workers.values())
+        ctx.heals = {1: 0}  # group 1 heals from group 0, which is kept alive: not yet
+        inj.poll()
+        assert inj.fired == []
+        ctx.heals = {1: 0, 0: 2}  # group 0 heals from group 2 too (which it may hit)
+        inj.poll()
+        assert inj.fired == ["f000"]
+        assert ctx.workers[(2, 0)].wait(timeout=10) == -9
+        assert ctx.workers[(2, 1)].wait(timeout=10) == -9
+        assert all(ctx.workers[(r, k)].poll() is None for r in (0, 1) for k in (0, 1))
+        assert inj.skipped == []
+        (inject,) = [e for e in events(ctx) if e["event"] == "fault.inject"]
+        assert inject["target"] == {"replica": 2, "rank": None, "host": "host0"}
+        assert inject["ready"] is True
+        inj.poll()  # hold_s 0: healed at once
+        assert ctx.calls[-1][2:] == (inworker.set_serve_delay, (0.0,))
+        assert inj.done
+
+        late = Injector(
+            [PlannedFault(fault_id="f001", kind="heal_source_kill", target=Target(replica=0),
+                          at_s=0.0)],
+            ctx, seed=0, clock=clock, options={"heal_source_kill": {"wait_s": 1.0}},
+        )  # fmt: skip
+        ctx.heals = {}
+        late.start()
+        late.poll()
+        clock.now += 2.0  # its moment never came: no heal to aim at
+        late.poll()
+        assert late.fired == [] and [f for f, _ in late.skipped] == ["f001"]
+        assert ctx.workers[(0, 0)].poll() is None
+    finally:
+        ctx.close()
+        ctx.journal.close()
+
+
+def test_heal_source_kill_options_are_checked():
+    with pytest.raises(ValueError, match="wait_s"):
+        make_fault("heal_source_kill", wait_s=0)
+    with pytest.raises(ValueError, match="slow_serve_s"):
+        make_fault("heal_source_kill", slow_serve_s=-1)
 
 
 def test_a_fault_that_fails_to_fire_is_reported(ctx):

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from harness.job.recovery import HEALED, RecoveryTracker
 from runtime.failure import Cause, Failure
-from runtime.journal import FAULT_INJECT, RECOVERY_PHASE, STEP_ABORT, STEP_COMMIT, Journal
+from runtime.journal import (
+    FAULT_INJECT,
+    HEAL_START,
+    RECOVERY_PHASE,
+    STEP_ABORT,
+    STEP_COMMIT,
+    Journal,
+)
 
 
 def _tracker() -> tuple[Journal, RecoveryTracker, list[dict]]:
@@ -206,3 +213,27 @@ def test_a_survivor_restarted_for_asking_for_no_quorum_is_explained_by_the_death
     _kill_group_1(journal, tracker)
     tracker.failed_as_survivor(2, dead=1, t=102.1)
     assert [p["fault_id"] for p in phases if p["phase"] == "detected"] == [None, None]
+
+
+def test_a_heal_is_under_way_from_its_start_to_its_end_or_its_sources_death() -> None:
+    """``heals_under_way`` (what ``heal_source_kill`` aims by): a group's rank 0 began a heal
+    from a tagged source, and neither its ``trainer.healed``, its next commit, nor its own or its
+    source's failure came since."""
+    journal, tracker, _ = _tracker()
+    source = "replica_2.1.0123456789abcdef.2"
+    journal.emit(HEAL_START, replica=1, rank=1, source=source, step=5)  # not rank 0's
+    assert tracker.heals_under_way() == {}
+    journal.emit(HEAL_START, replica=1, rank=0, source=source, step=5)
+    journal.emit(HEAL_START, replica=0, rank=0, source="not-a-member-id", step=5)
+    assert tracker.heals_under_way() == {1: 2}
+    journal.emit(HEALED, replica=1, rank=0)
+    assert tracker.heals_under_way() == {}
+    journal.emit(HEAL_START, replica=1, rank=0, source=source, step=6)
+    _commit(journal, 1, 7, 101.0, 3)
+    assert tracker.heals_under_way() == {}
+    journal.emit(HEAL_START, replica=1, rank=0, source=source, step=8)
+    tracker.on_failure(
+        Failure(cause=Cause.SIGNAL, detail="SIGKILL", coords={"replica": 2, "rank": 0},
+                t_event=102.0, t_detected=102.0)
+    )  # fmt: skip
+    assert tracker.heals_under_way() == {}  # its source died: that heal cannot go on
