@@ -8,13 +8,16 @@ import os
 import re
 import signal
 import threading
+from pathlib import Path
 
 import pytest
-from e2e_helpers import after_step, kill_group, run_ok, tiny_cfg
+from e2e_helpers import after_step, kill_group, run_chaos, run_ok, tiny_cfg
 
 from faults import inworker
 from faults.fault import Target
-from runtime.journal import HEAL_START, HEALED
+from runtime.journal import HEAL_START, HEALED, read_journal
+
+REPO = Path(__file__).parents[2]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -190,3 +193,80 @@ def test_a_replacement_killed_mid_heal_restarts_and_heals_while_its_source_train
     healed = [r for r in records if r["event"] == HEALED and r["replica"] == 1]
     assert {r["rank"] for r in healed if r["t"] > seen["heal"]} == {0, 1}, healed
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 40
+
+
+HEAL_SOURCE_KILL = """
+name = "heal-source-kill"
+seed = 9                              # a plan of: the kill, then the heal_source_kill
+duration_s = 30
+policies = ["in_place"]
+
+[job]
+name = "heal-source-kill"
+replicas = 3
+ranks = 2
+steps = 1000000
+parallel = { group = "fsdp" }
+transport = "dataplane"
+checkpoint = { every_steps = 0 }
+
+[schedule]
+kind = "at_times"
+at_times = [5, 5]
+
+[faults]
+mix = { kill = 1, heal_source_kill = 1 }
+
+[faults.options.heal_source_kill]
+slow_serve_s = 2.0
+wait_s = 15
+
+[targets]
+kind = "rank"
+replicas = [1]                        # the kill's; the heal_source_kill aims when it fires
+
+[hypotheses]
+committed_steps_rise = true
+replicas_equal_after_heal = true
+every_fault_recovered = true
+journal_complete = true
+no_orphans = true
+no_shm_left = true
+"""
+
+
+def test_a_chaos_run_kills_the_source_of_a_heal_under_way_and_the_heal_goes_on(tmp_path):
+    """``heal_source_kill`` in ``ftharness chaos``: it waits for the killed group's heal, kills
+    every rank of the group that heal loads from (its ``fault.inject`` names it, and its
+    recovery is linked to the fault), and the healing group takes its shards from a live group
+    with no restart of its own; every hypothesis holds."""
+    (tmp_path / "exp.toml").write_text(HEAL_SOURCE_KILL)
+    run_chaos(tmp_path, REPO, timeout=200)  # exits 0, every hypothesis holds
+    records = read_journal(tmp_path / "run" / "in_place")
+    injects = {r["kind"]: r for r in records if r["event"] == "fault.inject"}
+    assert set(injects) == {"kill", "heal_source_kill"}, injects
+    shot = injects["heal_source_kill"]
+    starts = [
+        r for r in records
+        if r["event"] == HEAL_START and r["replica"] == 1 and r["rank"] == 0 and r["t"] <= shot["t"]
+    ]  # fmt: skip
+    assert starts, "no heal of the killed group was under way when the fault fired"
+    source = starts[-1]["source"]
+    target = int(re.match(r"replica_(\d+)\.", source).group(1))
+    assert shot["target"]["replica"] == target != 1 and shot["target"]["rank"] is None
+    killed = {
+        (r["replica"], r["rank"])
+        for r in records
+        if r["event"] == "failure" and r.get("signal") == "SIGKILL" and r["t"] >= shot["t"]
+    }
+    assert (target, 0) in killed or (target, 1) in killed, killed
+    # mid-heal: the heal from the killed source never landed; a later one did, with no restart
+    healed = [r for r in records if r["event"] == HEALED and r["replica"] == 1]
+    assert healed and all(r["source"] != source for r in healed), healed
+    assert {r["rank"] for r in healed if r["t"] > shot["t"]} == {0, 1}
+    again = [r for r in records if r["event"] == "proc.start" and r.get("replica") == 1]
+    assert len(again) == 2 * 2, [(r["t"], r["rank"]) for r in again]
+    linked = {
+        r["fault_id"] for r in records if r["event"] == "recovery.phase" and r["replica"] == target
+    }
+    assert shot["fault_id"] in linked
