@@ -4,6 +4,7 @@ Every ``ftharness bench NAME`` prints a JSON object as its last line. This tool 
 run per bench and renders ``docs/BENCHMARKS.md`` from the saved runs::
 
     python -m experiments.bench.publish record NAME -- ARGS...   # run, show, save, render
+    python -m experiments.bench.publish record NAME --as LABEL -- ARGS...  # a second saved run
     python -m experiments.bench.publish render [--check]         # docs/BENCHMARKS.md again
 
 ``record`` runs ``ftharness bench NAME ARGS...`` (as ``python -m harness``, with this
@@ -156,12 +157,16 @@ def record(
     docs: Path = DOCS,
     argv: Sequence[str] | None = None,
     out: Callable[[str], None] = sys.stdout.write,
+    save_as: str | None = None,
 ) -> Path:
-    """Run bench ``name`` with ``args``, save ``docs/benchmarks/NAME.json`` and return its path.
-    ``argv`` replaces the command actually run (tests run a stand-in bench); the saved
-    ``command`` is always the ``ftharness bench`` one. Raises :class:`RecordError`."""
-    if not name.replace("_", "").isalnum():
-        raise RecordError(f"bench name {name!r}: letters, digits and _ only")
+    """Run bench ``name`` with ``args``, save ``docs/benchmarks/NAME.json`` (``SAVE_AS.json``
+    when given: a second saved run of one bench, such as a subset of its rows at full size
+    beside its quick run) and return its path. ``argv`` replaces the command actually run (tests
+    run a stand-in bench); the saved ``command`` is always the ``ftharness bench`` one. Raises
+    :class:`RecordError`."""
+    for label in (name, save_as or name):
+        if not label.replace("_", "").isalnum():
+            raise RecordError(f"bench name {label!r}: letters, digits and _ only")
     command = ["ftharness", "bench", name, *args]
     run = list(argv) if argv is not None else [sys.executable, "-m", "harness", *command[1:]]
     load_before, started = _loadavg(), time.monotonic()
@@ -179,6 +184,7 @@ def record(
             f"{' '.join(command)}: its last line is not a JSON object: {last[:200]!r}"
         )
     saved = {
+        "bench": name,
         "command": " ".join(command),
         "machine": machine(),
         "date": date,
@@ -187,7 +193,7 @@ def record(
         "git": _git(),
         "result": result,
     }
-    path = docs / SAVED / f"{name}.json"
+    path = docs / SAVED / f"{save_as or name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
     return path
@@ -364,7 +370,8 @@ def _machine_line(m: dict[str, Any]) -> str:
 
 
 def render_bench(name: str, saved: dict[str, Any], summary: str | None) -> list[str]:
-    """One bench's section of the page."""
+    """One saved run's section of the page (``name``: the file's; the bench's is ``bench``)."""
+    bench = saved.get("bench", name)
     load = saved.get("loadavg") or {}
     git = saved.get("git") or {}
     commit = f"`{git['commit']}`" + (" with local changes" if git.get("dirty") else "")
@@ -372,7 +379,7 @@ def render_bench(name: str, saved: dict[str, Any], summary: str | None) -> list[
         f"## {name}",
         "",
         (summary or "A bench of this repository.")
-        + f" Every figure is defined in the docstring of `experiments/bench/{name}.py`.",
+        + f" Every figure is defined in the docstring of `experiments/bench/{bench}.py`.",
         "",
         f"- Command: `{saved.get('command')}`",
         f"- Machine: {_machine_line(saved.get('machine') or {})}",
@@ -390,7 +397,8 @@ def render(docs: Path = DOCS, bench_dir: Path = BENCH_DIR) -> str:
     summaries = bench_summaries(bench_dir)
     files = sorted((docs / SAVED).glob("*.json"))
     saved = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in files}
-    missing = [n for n in summaries if n not in saved]
+    benches = {data.get("bench", n) for n, data in saved.items()}
+    missing = [n for n in summaries if n not in benches]
     lines = [
         "# Benchmarks",
         "",
@@ -409,7 +417,7 @@ def render(docs: Path = DOCS, bench_dir: Path = BENCH_DIR) -> str:
     if missing:
         lines += ["Not recorded yet: " + ", ".join(f"`{n}`" for n in missing) + ".", ""]
     for name, data in saved.items():
-        lines += render_bench(name, data, summaries.get(name))
+        lines += render_bench(name, data, summaries.get(data.get("bench", name)))
     while lines and not lines[-1]:
         lines.pop()
     return "\n".join(lines) + "\n"
@@ -440,12 +448,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "record", help="run `ftharness bench NAME ARGS...` (ARGS after --), save it"
     )
     rec.add_argument("name", help="the bench, e.g. recovery")
+    rec.add_argument(
+        "--as",
+        dest="save_as",
+        metavar="LABEL",
+        help="save as docs/benchmarks/LABEL.json, beside the bench's own saved run (e.g. a "
+        "subset of its rows at full size: recovery_sharded)",
+    )
     ren = sub.add_parser("render", help="write BENCHMARKS.md from the saved runs")
     ren.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     args = parser.parse_args(argv)
     if args.command == "record":
         try:
-            path = record(args.name, bench_args, docs=args.docs)
+            path = record(args.name, bench_args, docs=args.docs, save_as=args.save_as)
         except RecordError as e:
             print(f"publish: {e}", file=sys.stderr)
             return 1

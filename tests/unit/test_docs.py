@@ -150,6 +150,20 @@ def test_publish_records_and_renders(tmp_path: Path) -> None:
     assert "| 1024 | 7.5 |" in page
     assert "What the telemetry sink costs a training step." in page
 
+    # a second saved run of the same bench (--as): its own section, the bench's summary
+    again = publish.record(
+        "telemetry", ["--only", "x"], docs=tmp_path, argv=_stand_in(result),
+        out=lambda _: None, save_as="telemetry_full",
+    )  # fmt: skip
+    assert again == tmp_path / "benchmarks" / "telemetry_full.json" and path.exists()
+    page = publish.render(tmp_path)
+    assert "## telemetry_full" in page and "## telemetry\n" in page
+    assert "`ftharness bench telemetry --only x`" in page
+    assert page.count("What the telemetry sink costs a training step.") == 2
+    assert page.count("docstring of `experiments/bench/telemetry.py`") == 2
+    with pytest.raises(publish.RecordError, match="letters, digits"):
+        publish.record("telemetry", [], docs=tmp_path, argv=_stand_in(result), save_as="../x")
+
 
 @pytest.mark.parametrize(
     ("argv", "why"),
