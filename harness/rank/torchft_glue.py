@@ -54,6 +54,7 @@ import hashlib
 import json
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -118,7 +119,42 @@ class ProcessGroupGloo(_TorchftProcessGroupGloo):
     def reconfigure(self, opts: Any) -> Any:
         opts.uuid = communicator_id(opts.uuid, list(opts.handles))
         self._nonce = secrets.token_hex(8)
+        gone = gone_members(list(opts.handles), own=self._handle_id())
+        if gone:
+            # torch's store client retries a refused connect until its timeout (x3 tries) and
+            # gloo waits as long for a peer that never writes its address: ~2 process-group
+            # timeouts for every group of a quorum that a member died just after (seen: 10 s
+            # of stall for every group after a heal source was killed mid-heal)
+            raise MemberGone(f"members of this quorum are gone (their stores refuse): {gone}")
         return super().reconfigure(opts)
+
+
+class MemberGone(RuntimeError):
+    """A member of the quorum being configured is dead: its rendezvous store refuses."""
+
+
+#: How long a probe of a member's rendezvous store may take (a dead process's port refuses at
+#: once; a probe that times out, a host gone quiet, is left to torch's own timeout).
+PROBE_TIMEOUT_S = 1.0
+
+
+def gone_members(handles: list[str], own: str | None = None) -> list[str]:
+    """The stores (``host:port``) named by ``handles`` whose connect is refused: their members'
+    processes are gone (each member serves its own, ``ProcessGroupGloo``). ``own``: this
+    member's handle id, not probed."""
+    out = []
+    for raw in handles:
+        handle = json.loads(raw)
+        if handle.get("id") == own:
+            continue
+        host, _, port = str(handle["store"]).rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
+        except ConnectionRefusedError:
+            out.append(str(handle["store"]))
+        except OSError:
+            continue  # unreachable or slow: torch's own timeout decides
+    return out
 
 
 def communicator_id(quorum_id: int, handles: list[str]) -> int:

@@ -9,18 +9,29 @@ the other, as members of a quorum arrive: the late one's stale address must not 
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 from torchft import ProcessGroupGloo as TorchftProcessGroupGloo
 from torchft.process_group import ReconfigureOptions
 
-from harness.rank.torchft_glue import ProcessGroupGloo, communicator_id
+from harness.rank.torchft_glue import (
+    MemberGone,
+    ProcessGroupGloo,
+    communicator_id,
+    gone_members,
+)
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _reconfigure(pg, quorum_id: int, handles: list[str], delay: float, out: dict, key: str):
@@ -93,3 +104,43 @@ def test_torchfts_own_process_group_reads_the_stale_keys() -> None:
         if any(isinstance(v, Exception) for v in seconds[-1].values()):
             return
     raise AssertionError(f"torchft's process group never read a stale key: {seconds}")
+
+
+def test_a_quorum_with_a_member_that_died_fails_to_configure_at_once() -> None:
+    """A member SIGKILLed just after its quorum formed: its rendezvous store (in its process)
+    refuses, so configuring fails at once with ``MemberGone`` naming it, not after torch's store
+    client and gloo have each waited out their timeouts for it (~2 process-group timeouts)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _MEMBER], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert child.stdout is not None
+        dead = child.stdout.readline().strip()
+        assert dead, "the member printed no handle"
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        pgs = [ProcessGroupGloo(timeout=timedelta(seconds=30)) for _ in range(2)]
+        for i, pg in enumerate(pgs):
+            pg.set_rank_info(f"replica_{i}", 0, 1)
+        handles = [dead, *(pg.get_reconfigure_handle() for pg in pgs)]
+        assert gone_members(handles) == [json.loads(dead)["store"]]
+        opts = ReconfigureOptions()
+        opts.uuid, opts.handles, opts.timeout = 3, handles, timedelta(seconds=30)
+        with pytest.raises(MemberGone, match=json.loads(dead)["store"]):
+            pgs[0].reconfigure(opts)
+        # the live members' stores answer
+        assert gone_members(handles[1:]) == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+_MEMBER = """
+import time
+from datetime import timedelta
+from harness.rank.torchft_glue import ProcessGroupGloo
+pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+pg.set_rank_info("replica_9", 0, 1)
+print(pg.get_reconfigure_handle(), flush=True)
+time.sleep(60)
+"""
