@@ -285,7 +285,7 @@ def make_manager(
     # server): its host's advertised address (the controller's bind address without an agent).
     address = host_address(cfg.bind_host)
     pg = ProcessGroupGloo(timeout=_s(t.process_group_timeout), address=address)
-    transport = factory(pg, _s(t.manager_timeout), state_dict)
+    transport = SlowServe(factory(pg, _s(t.manager_timeout), state_dict))
     host, port = store_addr.rsplit(":", 1)
     manager = Manager(
         pg=pg,
@@ -345,9 +345,7 @@ class OneHealSource:
 
     A group of one rank (``store`` None) keeps torchft's answers as they are. For every group:
     ``source``, the member id (``QuorumResult.replica_ids``) of the latest heal's source group;
-    ``on_heal(source, step)``, called as a heal begins (on torchft's quorum thread); and
-    ``serve_delay_s``, a fault hook: a source sleeps that long before it serves a heal, as one
-    behind a slow link would (``faults.inworker.set_serve_delay``).
+    and ``on_heal(source, step)``, called as a heal begins (on torchft's quorum thread).
     """
 
     def __init__(
@@ -361,7 +359,6 @@ class OneHealSource:
         self._last_key: str | None = None
         self.source: str | None = None
         self.on_heal: Callable[[str | None, int], None] | None = None
-        self.serve_delay_s = 0.0
 
     def __getattr__(self, name: str) -> Any:  # should_commit and the rest: torchft's own
         return getattr(self._client, name)
@@ -377,8 +374,6 @@ class OneHealSource:
             self.source = ids[src] if src is not None and src < len(ids) else None
             if self.on_heal is not None:
                 self.on_heal(self.source, quorum.max_step)
-        if quorum.recover_dst_replica_ranks and self.serve_delay_s > 0:
-            time.sleep(self.serve_delay_s)  # fault hook: a slow source
         return quorum
 
     def _agree(self, quorum: Any, key: str) -> None:
@@ -403,6 +398,47 @@ class OneHealSource:
             if quorum.heal:  # the whole group is behind, or none of it
                 quorum.recover_src_manager_address = lead["src"]
                 quorum.recover_src_replica_rank = lead["src_rank"]
+
+
+class SlowServe(CheckpointTransport[Any]):
+    """A checkpoint transport that waits ``delay_s`` before it serves a heal (``send_checkpoint``)
+    and is otherwise the one it wraps: a fault hook, a source behind a slow link
+    (``faults.inworker.set_serve_delay``). The wait comes after the quorum's process group is
+    configured, where a real transfer's time goes: a source killed during it dies with every
+    connection made (its peers fail at once), not in the middle of the rendezvous."""
+
+    def __init__(self, inner: CheckpointTransport[Any]) -> None:
+        self._inner = inner
+        self.delay_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:  # a transport's own extras (the data plane's)
+        return getattr(self._inner, name)
+
+    def metadata(self) -> str:
+        return self._inner.metadata()
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
+    ) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+        self._inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        return self._inner.recv_checkpoint(src_rank, metadata, step, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self._inner.disallow_checkpoint()
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._inner.shutdown(wait)
+
+
+def slow_serve(manager: Manager) -> SlowServe:
+    """The :class:`SlowServe` :func:`make_manager` wrapped ``manager``'s transport in."""
+    transport = manager._checkpoint_transport
+    assert isinstance(transport, SlowServe), "not a Manager from make_manager"
+    return transport
 
 
 def heal_client(manager: Manager) -> OneHealSource:

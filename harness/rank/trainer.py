@@ -83,9 +83,9 @@ from harness.rank.token_data import HeldOut, make_stream
 from harness.rank.torchft_glue import (
     close_communicator,
     forget_failed_quorum,
-    heal_client,
     host_store,
     make_manager,
+    slow_serve,
 )
 from runtime.journal import (
     CHECKPOINT_LOAD,
@@ -605,8 +605,8 @@ class Trainer:
 
     def set_serve_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` before serving each heal from now on (0 heals it): a source behind
-        a slow link (``harness.rank.torchft_glue.OneHealSource``). Thread-safe."""
-        heal_client(self.manager).serve_delay_s = max(0.0, float(seconds))
+        a slow link (``harness.rank.torchft_glue.SlowServe``). Thread-safe."""
+        slow_serve(self.manager).delay_s = max(0.0, float(seconds))
 
     def abort_collectives(self) -> None:
         """Abort this rank's cross-group communicator, as a NIC/NCCL failure would. The collective
