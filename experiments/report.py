@@ -110,6 +110,9 @@ def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
         elif r.get("event") == STEP_COMMIT and r.get("checksum") is not None:
             last[(incarnation, r.get("step"), r.get("rank"))][r.get("replica")] = r["checksum"]
     name = f"replicas_equal_after_heal[{policy}]"
+    apart = _ranks_apart(records)
+    if apart:
+        return _result(name, False, apart)
     compared = {k: v for k, v in last.items() if len(v) >= 2}
     if not compared:
         return _result(name, False, "no step was committed with a checksum by two replicas")
@@ -125,6 +128,36 @@ def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
             f"rank {rank}: {compared[bad[0]]}",
         )  # fmt: skip
     return _result(name, True, f"checksums equal across replicas at all {len(compared)} steps")
+
+
+def _ranks_apart(records: Sequence[Record]) -> str | None:
+    """Where the ranks of one group committed different steps together, or None. Each rank's
+    commits are cut where its process changes (its group restarted, ranks together); the k-th
+    process of each rank of a group ran together, and their i-th commits must name one step (a
+    rank killed before journaling its last commit only shortens its run)."""
+    runs: dict[tuple[Any, Any], list[tuple[Any, list[Any]]]] = defaultdict(list)
+    for r in records:
+        if r.get("event") != STEP_COMMIT:
+            continue
+        per = runs[(r.get("replica"), r.get("rank"))]
+        if not per or per[-1][0] != r.get("proc"):
+            per.append((r.get("proc"), []))
+        per[-1][1].append(r.get("step"))
+    groups: dict[Any, dict[Any, list[tuple[Any, list[Any]]]]] = defaultdict(dict)
+    for (replica, rank), per in runs.items():
+        groups[replica][rank] = per
+    for replica, unsorted in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        ranks = dict(sorted(unsorted.items(), key=lambda kv: str(kv[0])))
+        if len(ranks) < 2:
+            continue
+        for k, together in enumerate(zip(*ranks.values(), strict=False)):
+            for i, steps in enumerate(zip(*(steps for _, steps in together), strict=False)):
+                if len(set(steps)) > 1:
+                    return (
+                        f"the ranks of replica {replica} committed different steps together "
+                        f"(process {k + 1}, commit {i + 1}): {dict(zip(ranks, steps, strict=True))}"
+                    )
+    return None
 
 
 # -- the soak hypotheses: nothing lost, nothing left behind -------------------------------------

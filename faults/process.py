@@ -93,11 +93,13 @@ class Hang:
 class HealSourceKill:
     """SIGKILL of every rank of the group a heal under way loads its state from, while it
     serves: the healing group must take the state from another group, or retry, without a
-    restart of its own. It waits (up to ``wait_s``) for a heal to begin (``trainer.heal_start``)
-    and aims at its source then (the planned target is not used). So that the kill lands while
-    the source still serves, every live group serves heals ``slow_serve_s`` late from the moment
-    the fault falls due until it heals (``faults.inworker.set_serve_delay``, built-in trainer
-    only; 0: as fast as they can, the kill may land after the heal). Heal: the serving delay
+    restart of its own. It waits (up to ``wait_s``) for a heal whose source has begun to send
+    (``trainer.heal_start`` of the healer, ``trainer.serve_start`` of the source: the quorum's
+    process group configured) and aims at that source then (the planned target is not used). So
+    that the kill lands while the source still serves, every live group serves heals
+    ``slow_serve_s`` late from the moment the fault falls due until it heals
+    (``faults.inworker.set_serve_delay``, built-in trainer only; 0: as fast as they can, the kill
+    may land after the heal). Heal: the serving delay
     back to 0; the killed group is restarted by its supervisor."""
 
     default_target: ClassVar[TargetKind] = "replica"

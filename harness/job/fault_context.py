@@ -251,7 +251,7 @@ class JobFaultContext:
         ready.wait(5.0)
 
     def heals_under_way(self) -> dict[int, int]:
-        """Healing group -> its source group, from the trainers' ``trainer.heal_start``."""
+        """Healing group -> its source group, once the source sends (``RecoveryTracker``)."""
         return self._job.tracker.heals_under_way()
 
     def in_phase(self, phase: str) -> bool:

@@ -43,6 +43,7 @@ from runtime.journal import (
     HEALED,
     OVERTAKEN,
     RECOVERY_PHASE,
+    SERVE_START,
     STEP_ABORT,
     STEP_COMMIT,
     Journal,
@@ -109,8 +110,10 @@ class RecoveryTracker:
         self._linked: set[tuple[str, int | None]] = set()
         self._fault_of: dict[int, str | None] = {}  # replica -> its latest recovery's fault
         # Heals under way: healing group -> its source group (``trainer.heal_start`` of its rank
-        # 0, until its ``trainer.healed``, its next commit, or its or its source's failure)
+        # 0, until its ``trainer.healed``, its next commit, or its or its source's failure), and
+        # the groups serving one (``trainer.serve_start`` of rank 0, until its next commit)
         self._heals: dict[int, int] = {}
+        self._serving: set[int] = set()
         self.committed_step = 0
         # (time, step) when each of the last few new highest steps was first committed
         self._highs: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
@@ -141,6 +144,7 @@ class RecoveryTracker:
             with self._lock:
                 self._stateless.add(replica)
                 self._heals = {h: s for h, s in self._heals.items() if replica not in (h, s)}
+                self._serving.discard(replica)
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
     def failed_by_controller(self, replica: int, cause: str, t: float) -> None:
@@ -215,6 +219,9 @@ class RecoveryTracker:
             if source is not None:
                 with self._lock:
                     self._heals[r["replica"]] = source.replica
+        elif event == SERVE_START and r.get("rank") == 0:
+            with self._lock:
+                self._serving.add(r["replica"])
         elif event == HEALED and r.get("rank") == 0:
             with self._lock:
                 self._heals.pop(r.get("replica", -1), None)
@@ -284,6 +291,7 @@ class RecoveryTracker:
             self._highs.append((float(t), step))
         with self._lock:
             self._heals.pop(r.get("replica", -1), None)
+            self._serving.discard(r.get("replica", -1))
             recs = list(self._open.values())
         for rec in recs:
             if t < rec.t_detected:
@@ -342,9 +350,10 @@ class RecoveryTracker:
 
     def heals_under_way(self) -> dict[int, int]:
         """The groups healing from a peer now, each with its source group (the ``source`` of its
-        rank 0's ``trainer.heal_start``)."""
+        rank 0's ``trainer.heal_start``), once that source has begun to send (its rank 0's
+        ``trainer.serve_start``: the quorum's process group configured, the transfer begun)."""
         with self._lock:
-            return dict(self._heals)
+            return {h: s for h, s in self._heals.items() if s in self._serving}
 
     def open_replicas(self) -> set[int | None]:
         """The groups recovering now (None: the quorum service)."""

@@ -15,15 +15,16 @@ import torch
 
 import harness.rank.transport  # noqa: F401 - preloaded with the actors, so a fork need not import it
 from harness.config import config_from_dict
-from harness.rank.torchft_glue import heal_client
+from harness.rank.healing import heal_client, slow_serve
 from harness.rank.trainer import Trainer, threads_per_worker
 from runtime.actor import Actor, current_actors, endpoint
-from runtime.journal import HEAL_START, HEALED
+from runtime.journal import HEAL_START, HEALED, SERVE_START
 
 
 class _ReportingTrainer(Trainer):
     """A Trainer that journals each heal: its start (``trainer.heal_start``, when a quorum says
-    this group is behind, naming the source) and its end (``trainer.healed``: torchft calls
+    this group is behind, naming the source), the source's part (``trainer.serve_start``, as it
+    begins to send) and its end (``trainer.healed``: torchft calls
     ``load_state_dict``, the bound method handed to its Manager, once it has a healthy peer's
     state)."""
 
@@ -33,10 +34,16 @@ class _ReportingTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         heal_client(self.manager).on_heal = self._heal_started
+        slow_serve(self.manager).on_serve = self._serve_started
 
     def _heal_started(self, source: str | None, step: int) -> None:
         fields = {"replica": self.replica_id, "rank": self.rank, "source": source, "step": step}
         self._emit(HEAL_START, fields)
+
+    def _serve_started(self, step: int, dst_ranks: list[int]) -> None:
+        # after the quorum's process group is configured: the heal's transfer begins
+        fields = {"replica": self.replica_id, "rank": self.rank, "step": step, "to": dst_ranks}
+        self._emit(SERVE_START, fields)
 
     def between_steps(self, fn: Callable[..., Any]) -> None:
         """Run ``fn(tensors, step, emit)`` on the training thread before the next step: the
@@ -73,7 +80,7 @@ class _ReportingTrainer(Trainer):
                     "data_pos": self.data.position,
                     "transport": self.cfg.transport,  # the CheckpointTransport that carried it
                     # the group it healed from (recorded for groups of several ranks, which
-                    # all heal from one: harness.rank.torchft_glue.OneHealSource)
+                    # all heal from one: harness.rank.healing.OneHealSource)
                     "source": heal_client(self.manager).source,
                 },
             )
@@ -133,6 +140,9 @@ class TrainerActor(Actor):
     # Hooks for the fault injector (faults/inworker.py calls these on the trainer actor).
     def set_step_delay(self, seconds: float) -> None:
         self.trainer.set_step_delay(seconds)
+
+    def set_serve_delay(self, seconds: float) -> None:
+        self.trainer.set_serve_delay(seconds)
 
     def abort_collectives(self) -> None:
         self.trainer.abort_collectives()

@@ -78,6 +78,7 @@ from harness.rank.group_layout import (
     intra_group_pg,
     intra_group_timeout,
 )
+from harness.rank.healing import slow_serve
 from harness.rank.model import build_model, loss_fn, model_blocks
 from harness.rank.token_data import HeldOut, make_stream
 from harness.rank.torchft_glue import (
@@ -85,7 +86,6 @@ from harness.rank.torchft_glue import (
     forget_failed_quorum,
     host_store,
     make_manager,
-    slow_serve,
 )
 from runtime.journal import (
     CHECKPOINT_LOAD,
@@ -605,7 +605,7 @@ class Trainer:
 
     def set_serve_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` before serving each heal from now on (0 heals it): a source behind
-        a slow link (``harness.rank.torchft_glue.SlowServe``). Thread-safe."""
+        a slow link (``harness.rank.healing.SlowServe``). Thread-safe."""
         slow_serve(self.manager).delay_s = max(0.0, float(seconds))
 
     def abort_collectives(self) -> None:

@@ -71,7 +71,7 @@ def test_a_killed_rank_restarts_its_sharded_group_which_heals_shard_by_shard(tmp
 def test_every_rank_of_a_replacement_heals_from_one_source_group(tmp_path, transport):
     """With two up-to-date groups torchft would send the replacement's rank 0 to one and rank 1
     to the other (its source is picked per group rank); every rank takes rank 0's instead
-    (harness.rank.torchft_glue.OneHealSource), and every shard then equals that group's. With
+    (harness.rank.healing.OneHealSource), and every shard then equals that group's. With
     torchft's process-group transport too: a source sends to the healers its own quorum result
     names, so sources and healers are rewritten alike."""
     cfg = tiny_cfg(

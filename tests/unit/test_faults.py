@@ -482,3 +482,18 @@ def test_network_faults_need_hosts_with_their_own_network() -> None:
     networked = Topology.from_counts(2, 1, 2, networked=True)
     (f,) = plan(spec, {"network_partition": 1.0}, TargetSpec(), networked, seed=1)
     assert f.target.host in ("host0", "host1")
+
+
+def test_every_trainer_hook_the_in_worker_faults_call_is_on_the_trainer_actor():
+    """An in-worker fault finds its hook on the worker's actors by name (``inworker._trainer``);
+    one missing from ``TrainerActor`` fails inside the worker, where nobody waits for it (the
+    serve delay of heal_source_kill did, unseen, until this test)."""
+    import inspect
+    import re
+
+    from harness.rank.actors import TrainerActor
+
+    called = set(re.findall(r'_trainer\("(\w+)"\)', inspect.getsource(inworker)))
+    assert called >= {"set_serve_delay", "set_step_delay", "abort_collectives"}
+    missing = sorted(m for m in called if not callable(getattr(TrainerActor, m, None)))
+    assert not missing, f"TrainerActor lacks {missing}"

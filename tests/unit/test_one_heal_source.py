@@ -1,5 +1,5 @@
 """Every rank of a group of several ranks heals from the group its rank 0 was given
-(``harness.rank.torchft_glue.OneHealSource``): torchft's ManagerServer picks per group rank, as
+(``harness.rank.healing.OneHealSource``): torchft's ManagerServer picks per group rank, as
 the fake clients below do, and the wrapper makes rank 0's choice the group's, through a real
 TCPStore."""
 
@@ -12,7 +12,7 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 from torchft._torchft import QuorumResult
 
-from harness.rank.torchft_glue import OneHealSource
+from harness.rank.healing import OneHealSource
 
 IDS = ["replica_0.1.t.0", "replica_1.2.t.1", "replica_2.1.t.2"]
 
@@ -100,3 +100,38 @@ def test_a_rank_zero_that_never_answers_fails_the_quorum_in_time(store):
     rank1 = OneHealSource(FakeClient(result(src=2, dst=[])), store(), 1, timedelta(seconds=0.3))
     with pytest.raises(Exception, match=r"(?i)timeout|wait"):
         rank1._quorum(group_rank=1)
+
+
+class StepClient(FakeClient):
+    """Records the step each quorum request carried."""
+
+    def __init__(self, *answers: QuorumResult) -> None:
+        super().__init__(*answers)
+        self.steps: list[object] = []
+
+    def _quorum(self, **kwargs: object) -> QuorumResult:
+        self.steps.append(kwargs.get("step"))
+        return super()._quorum(**kwargs)
+
+
+def test_every_rank_asks_with_the_groups_lowest_step(store):
+    """A heal that failed on rank 0 (its source killed) and landed on rank 1 leaves them at
+    steps 51 and 61; torchft's ManagerServer would give the quorum the step of whichever asked
+    last. Both ask with 51, so the whole group heals again; the keys of a call go at the next."""
+    c0 = StepClient(result(src=None, dst=[]), result(src=None, dst=[]))
+    c1 = StepClient(result(src=None, dst=[]), result(src=None, dst=[]))
+    s0 = store()
+    rank0 = OneHealSource(c0, s0, 0, timedelta(seconds=5), world=2)
+    rank1 = OneHealSource(c1, store(), 1, timedelta(seconds=5), world=2)
+    out: dict[int, object] = {}
+    t = threading.Thread(target=lambda: out.__setitem__(1, rank1._quorum(group_rank=1, step=61)))
+    t.start()
+    rank0._quorum(group_rank=0, step=51)
+    t.join(10)
+    assert c0.steps == c1.steps == [51]
+    t = threading.Thread(target=lambda: out.__setitem__(1, rank1._quorum(group_rank=1, step=70)))
+    t.start()
+    rank0._quorum(group_rank=0, step=70)
+    t.join(10)
+    assert c0.steps == c1.steps == [51, 70]
+    assert not s0.check(["step/0/0"]) and not s0.check(["step/0/1"])

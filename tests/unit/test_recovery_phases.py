@@ -9,6 +9,7 @@ from runtime.journal import (
     FAULT_INJECT,
     HEAL_START,
     RECOVERY_PHASE,
+    SERVE_START,
     STEP_ABORT,
     STEP_COMMIT,
     Journal,
@@ -217,14 +218,18 @@ def test_a_survivor_restarted_for_asking_for_no_quorum_is_explained_by_the_death
 
 def test_a_heal_is_under_way_from_its_start_to_its_end_or_its_sources_death() -> None:
     """``heals_under_way`` (what ``heal_source_kill`` aims by): a group's rank 0 began a heal
-    from a tagged source, and neither its ``trainer.healed``, its next commit, nor its own or its
-    source's failure came since."""
+    from a tagged source whose rank 0 began to send, and neither its ``trainer.healed``, its next
+    commit, nor its own or its source's failure came since (nor the source's commit)."""
     journal, tracker, _ = _tracker()
     source = "replica_2.1.0123456789abcdef.2"
     journal.emit(HEAL_START, replica=1, rank=1, source=source, step=5)  # not rank 0's
     assert tracker.heals_under_way() == {}
     journal.emit(HEAL_START, replica=1, rank=0, source=source, step=5)
     journal.emit(HEAL_START, replica=0, rank=0, source="not-a-member-id", step=5)
+    assert tracker.heals_under_way() == {}  # its source has not begun to send
+    journal.emit(SERVE_START, replica=2, rank=1, step=5, to=[1])  # not rank 0's
+    assert tracker.heals_under_way() == {}
+    journal.emit(SERVE_START, replica=2, rank=0, step=5, to=[1])
     assert tracker.heals_under_way() == {1: 2}
     journal.emit(HEALED, replica=1, rank=0)
     assert tracker.heals_under_way() == {}
@@ -232,6 +237,10 @@ def test_a_heal_is_under_way_from_its_start_to_its_end_or_its_sources_death() ->
     _commit(journal, 1, 7, 101.0, 3)
     assert tracker.heals_under_way() == {}
     journal.emit(HEAL_START, replica=1, rank=0, source=source, step=8)
+    assert tracker.heals_under_way() == {1: 2}
+    _commit(journal, 2, 8, 101.5, 3)  # the source committed since: it serves no more
+    assert tracker.heals_under_way() == {}
+    journal.emit(SERVE_START, replica=2, rank=0, step=8, to=[1])
     tracker.on_failure(
         Failure(cause=Cause.SIGNAL, detail="SIGKILL", coords={"replica": 2, "rank": 0},
                 t_event=102.0, t_detected=102.0)

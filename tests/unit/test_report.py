@@ -98,6 +98,40 @@ def test_a_nan_loss_a_checksum_mismatch_and_no_progress_fail(tmp_path):
     assert "f000 (kill)" in res["committed_steps_rise[in_place]"]["detail"]
 
 
+def _sharded_commits(j: Journal, rank1_steps: list[int]) -> None:
+    """Group 0's two ranks (processes p1, p2, then p3, p4 after a restart) and group 1's; the
+    checksums agree, so only the steps can tell."""
+    for i, step in enumerate([5, 6, 7, 8]):
+        restart = i >= 2
+        for replica in (0, 1):
+            for rank in (0, 1):
+                own = rank1_steps[i] if (replica, rank) == (0, 1) else step
+                proc = f"h/p{2 * replica + rank + (4 if restart else 0)}"
+                j.emit("step.commit", t=float(i), replica=replica, rank=rank, step=own,
+                       loss=1.0, checksum=f"c{step}{rank}", proc=proc)  # fmt: skip
+    j.emit("step.commit", t=9.0, replica=0, rank=0, step=9, loss=1.0, checksum=None, proc="h/p4")
+
+
+def test_ranks_of_a_group_committing_different_steps_together_fail_replicas_equal(tmp_path):
+    """A heal that landed on one rank of a sharded group and failed on the other left them
+    at different steps, committing together (seen before the group asked with its lowest
+    step: harness.rank.healing.OneHealSource): replicas_equal_after_heal says so. A rank
+    whose process died before journaling its last commit is no such case."""
+    hyp = Hypotheses(replicas_equal_after_heal=True)
+    results = {}
+    for name, rank1 in [("apart", [5, 6, 17, 18]), ("together", [5, 6, 7, 8])]:
+        j = Journal(tmp_path / f"{name}.jsonl", job="t")
+        _sharded_commits(j, rank1)
+        j.close()
+        records = read_journal(tmp_path / f"{name}.jsonl")
+        results[name] = by_name(evaluate_hypotheses(hyp, summarize(records), records))
+    apart = results["apart"]["replicas_equal_after_heal[in_place]"]
+    assert not apart["passed"]
+    assert "replica 0 committed different steps together (process 2, commit 1)" in apart["detail"]
+    assert "{0: 7, 1: 17}" in apart["detail"]
+    assert results["together"]["replicas_equal_after_heal[in_place]"]["passed"]
+
+
 def test_write_report_files(run_dir):
     report = write_report(run_dir, read_journal(run_dir), Hypotheses(loss_finite=True))
     assert report["passed"]
