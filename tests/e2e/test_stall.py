@@ -54,7 +54,9 @@ def test_a_job_whose_groups_cannot_rendezvous_ends_with_a_diagnosis(tmp_path, ca
     assert out["status"] == "failed", out
     assert out["reason"].startswith("no step committed for"), out["reason"]
     assert f":{port}" in out["reason"], out["reason"]  # the failing endpoint, named
-    assert "Dist" in out["reason"], out["reason"]  # torch's error, quoted
+    # the error quoted: torch's, or MemberGone where the probe before a process group's
+    # configure found the advertised store refusing (harness.rank.torchft_glue)
+    assert "Dist" in out["reason"] or "MemberGone" in out["reason"], out["reason"]
     records = events(tmp_path)
     aborts = [r for r in records if r["event"] == "step.abort" and r["t"] > broken["t"]]
     assert aborts, "no step aborted"
