@@ -110,7 +110,7 @@ def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
         elif r.get("event") == STEP_COMMIT and r.get("checksum") is not None:
             last[(incarnation, r.get("step"), r.get("rank"))][r.get("replica")] = r["checksum"]
     name = f"replicas_equal_after_heal[{policy}]"
-    apart = _ranks_apart(records)
+    apart = ranks_apart(records)
     if apart:
         return _result(name, False, apart)
     compared = {k: v for k, v in last.items() if len(v) >= 2}
@@ -130,7 +130,7 @@ def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
     return _result(name, True, f"checksums equal across replicas at all {len(compared)} steps")
 
 
-def _ranks_apart(records: Sequence[Record]) -> str | None:
+def ranks_apart(records: Sequence[Record]) -> str | None:
     """Where the ranks of one group committed different steps together, or None. Each rank's
     commits are cut where its process changes (its group restarted, ranks together); the k-th
     process of each rank of a group ran together, and their i-th commits must name one step (a

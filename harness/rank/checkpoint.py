@@ -202,6 +202,19 @@ def _load_verified(manifest: Path) -> tuple[int, dict[str, Any]] | None:
     return meta["step"], state
 
 
+def steps(dir: str | os.PathLike[str]) -> list[int]:
+    """The steps ``dir`` has a manifest for, newest first (not verified: :func:`load` checks)."""
+    d = Path(dir)
+    return [step for step, _ in _manifests(d)] if d.is_dir() else []
+
+
+def load(dir: str | os.PathLike[str], step: int) -> dict[str, Any] | None:
+    """The state of the checkpoint for ``step`` in ``dir`` if its payload matches its manifest's
+    checksum (and loads as data), else None."""
+    loaded = _load_verified(Path(dir) / f"step_{step:08d}.json")
+    return loaded[1] if loaded is not None and loaded[0] == step else None
+
+
 def load_latest(dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]] | None:
     """The newest checkpoint whose payload matches its manifest's checksum, as ``(step, state)``;
     corrupt or partial ones are skipped. None if there is none (or ``dir`` does not exist)."""
@@ -213,3 +226,25 @@ def load_latest(dir: str | os.PathLike[str]) -> tuple[int, dict[str, Any]] | Non
         if loaded is not None:
             return loaded
     return None
+
+
+def common_step(newest_at_most: Callable[[int], int], group_min: Callable[[int], int]) -> int:
+    """The newest step every rank of a group has a valid checkpoint for, or -1 if there is none.
+
+    Each rank of a group writes and prunes its own checkpoints, so after a crash they can differ:
+    rank 0's step 60 durable, rank 1's still being written when the group died. A group whose
+    ranks resumed from their own newest ones would commit steps 60 and 50 together (silently
+    wrong: their shards, or their data positions, belong to different steps). So each rank says
+    the newest step it has at or below a bound (``newest_at_most(bound)``, -1: none), the group
+    takes the minimum (``group_min``: a collective every rank of the group calls, in the same
+    order), and they go round again with that as the bound until every rank has it: the first
+    round gives the oldest of the ranks' newest, each further round only skips a step some rank
+    lacks. Every rank returns the same step."""
+    bound = 2**62
+    while True:
+        agreed = group_min(newest_at_most(bound))
+        if agreed == bound or agreed < 0:
+            return agreed
+        # Each rank has a step >= agreed only if it has exactly agreed: ask once more with it
+        # as the bound; unchanged means every rank has it.
+        bound = agreed

@@ -75,6 +75,11 @@ class GroupLayout(Protocol):
         """Load what :meth:`state_dict` of the same rank of an identical group returned."""
         ...
 
+    def group_min(self, value: int) -> int:
+        """The smallest ``value`` over this group's ranks (a collective: every rank of the group
+        calls it, in the same order)."""
+        ...
+
 
 class Replicated:
     """The whole model in every rank; ranks of a group average through a plain gloo group."""
@@ -122,6 +127,15 @@ class Replicated:
     ) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
+
+    def group_min(self, value: int) -> int:
+        if self._intra is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = torch.distributed.AllreduceOptions()
+        opts.reduceOp = torch.distributed.ReduceOp(torch.distributed.ReduceOp.MIN)
+        self._intra.allreduce([t], opts).wait()  # type: ignore[attr-defined]
+        return int(t.item())
 
 
 def intra_group_timeout(process_group_timeout: float, manager_timeout: float) -> timedelta:
@@ -190,6 +204,13 @@ class Sharded:
         dist.all_reduce(flag)
         self._across(flag)
         return bool(flag.item() > 0)
+
+    def group_min(self, value: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor

@@ -562,18 +562,41 @@ class Trainer:
         self._writer.submit(write)
 
     def _resume(self) -> None:
-        """Load the newest valid checkpoint written by any group for this rank index (all groups
-        hold identical state at a given step)."""
+        """Load the newest valid checkpoint that every rank of this group has, written by any
+        group for this rank's index (all groups hold identical state at a given step). The
+        group's ranks agree on the step (``checkpoint.common_step``): each rank writes its own
+        files, and a crash can leave one rank a checkpoint newer than another's."""
         if self._ckpt_dir is None:
             return
-        best: tuple[int, dict[str, Any], Path] | None = None
-        for folder in sorted(self._ckpt_dir.glob(f"replica_*_rank_{self.rank}")):
-            found = checkpoint.load_latest(folder)
-            if found is not None and (best is None or found[0] > best[0]):
-                best = (found[0], found[1], folder)
-        if best is None:
+        folders = sorted(self._ckpt_dir.glob(f"replica_*_rank_{self.rank}"))
+        held = {folder: checkpoint.steps(folder) for folder in folders}
+        bad: set[tuple[Path, int]] = set()  # failed verification: skipped from then on
+        loaded: dict[str, Any] = {}  # the newest verified so far: {"step", "state", "folder"}
+
+        def newest_at_most(bound: int) -> int:
+            candidates = sorted(
+                {(step, folder) for folder, ss in held.items() for step in ss if step <= bound},
+                key=lambda c: (-c[0], str(c[1])),
+            )
+            for step, folder in candidates:
+                if loaded.get("step") == step:
+                    return step
+                if (folder, step) in bad:
+                    continue
+                state = checkpoint.load(folder, step)
+                if state is None:
+                    bad.add((folder, step))
+                    continue
+                loaded.update(step=step, state=state, folder=folder)  # one state held at a time
+                return step
+            return -1
+
+        step = checkpoint.common_step(newest_at_most, self.layout.group_min)
+        if step < 0:
             return
-        step, state, folder = best
+        if loaded.get("step") != step:  # agreed on an older step than this rank verified last
+            newest_at_most(step)
+        state, folder = loaded["state"], loaded["folder"]
         self.load_state_dict(state)
         self.manager.load_state_dict(state["manager"])
         self._emit(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from experiments.report import ranks_apart
 from harness.config import load_config
 from runtime.controller import Controller
 from runtime.journal import JOB_RESTART, STEP_COMMIT, read_journal
@@ -118,7 +119,8 @@ def run_ok(cfg: Any, run_dir, **kwargs: Any) -> list[dict]:
 def check_invariants(records: list[dict]) -> None:
     """The protocol's invariants, from the journal: per group, committed steps only go forward
     (within an incarnation of the job), losses are finite, no data position is trained twice,
-    and every step committed by several groups has one checksum. Records are taken in the order
+    every step committed by several groups has one checksum, and the ranks of a group commit the
+    same steps together (``experiments.report.ranks_apart``). Records are taken in the order
     they happened (``t``, stamped where they happened), not the order they reached the journal:
     a record can arrive late from a host behind a slow or cut link."""
     records = sorted(records, key=lambda r: r["t"])
@@ -142,6 +144,8 @@ def check_invariants(records: list[dict]) -> None:
         sums[(incarnation, r["step"], r["rank"])].add(r["checksum"])
     differing = {k: v for k, v in sums.items() if len(v) > 1}
     assert not differing, f"replicas disagree at {sorted(differing)[:3]}"
+    apart = ranks_apart(records)
+    assert apart is None, apart
 
 
 @contextlib.contextmanager

@@ -270,3 +270,43 @@ def test_a_chaos_run_kills_the_source_of_a_heal_under_way_and_the_heal_goes_on(t
         r["fault_id"] for r in records if r["event"] == "recovery.phase" and r["replica"] == target
     }
     assert shot["fault_id"] in linked
+
+
+@pytest.mark.parametrize("group", ["fsdp", "replicate"])
+def test_a_group_resumes_from_a_step_every_rank_has(tmp_path, group):
+    """Every group lost at once, and rank 1's newest checkpoint did not land (its write was
+    under way): the job resumes from checkpoints, and every rank of each group loads the newest
+    step that all its ranks have, older than rank 0's newest. Each rank loading its own newest
+    would leave a group's ranks a step apart, committing different steps together
+    (check_invariants: ranks_apart). Sharded or not: a replicated group's ranks too hold one
+    data position each."""
+    cfg = tiny_cfg(
+        "replicas=2", "ranks=2", "steps=70", f"parallel.group={group}",
+        "checkpoint.every_steps=10", "checkpoint.keep=3",
+    )  # fmt: skip
+    ckpts = tmp_path / "checkpoints"
+    dropped: list[int] = []
+
+    def kill_all_and_drop_rank1s_newest(job) -> None:
+        for replica, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            for pid in job.faults.pids(Target(replica=replica, rank=rank)):
+                os.kill(pid, signal.SIGKILL)
+        # At once: the restarted ranks look for checkpoints within tenths of a second. (No write
+        # is under way: the next checkpoint step is 5 steps off.)
+        manifests = sorted(ckpts.glob("replica_*_rank_1/step_*.json"))
+        newest = max(int(m.stem.split("_")[1]) for m in manifests)
+        for m in manifests:
+            if int(m.stem.split("_")[1]) == newest:
+                m.unlink()  # the manifest is renamed in last: without it the write never landed
+        dropped.append(newest)
+
+    records = run_ok(
+        cfg, tmp_path, timeout=180,
+        on_started=lambda job: after_step(job, 45, lambda: kill_all_and_drop_rank1s_newest(job)),
+    )  # fmt: skip
+    restarts = [r for r in records if r["event"] == "job.restart"]
+    assert len(restarts) == 1, restarts
+    loads = [r for r in records if r["event"] == "checkpoint.load"]
+    assert {(r["replica"], r["rank"]) for r in loads} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert {r["step"] for r in loads} == {dropped[0] - 10}, (dropped, loads)
+    assert max(r["step"] for r in records if r["event"] == "step.commit") == 70

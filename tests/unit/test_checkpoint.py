@@ -310,3 +310,66 @@ def test_a_failed_write_is_raised_once_by_the_next_submit_or_wait() -> None:
     with pytest.raises(OSError, match="No space left"):
         writer.wait()  # the end of training: surfaces there
     writer.close()  # nothing left to raise
+
+
+def test_steps_and_load_one_step(tmp_path: Path) -> None:
+    assert checkpoint.steps(tmp_path / "none") == []
+    for step in (10, 20, 30):
+        checkpoint.save(tmp_path, step, _state(step), keep=5)
+    assert checkpoint.steps(tmp_path) == [30, 20, 10]
+    assert torch.equal(checkpoint.load(tmp_path, 20)["x"], _state(20)["x"])
+    assert checkpoint.load(tmp_path, 25) is None
+    p = tmp_path / "step_00000020.pt"
+    p.write_bytes(p.read_bytes()[:-1])  # torn: listed, but does not load
+    assert 20 in checkpoint.steps(tmp_path) and checkpoint.load(tmp_path, 20) is None
+
+
+def _group_common_step(held: list[list[int]]) -> tuple[list[int], int]:
+    """Run common_step on one thread per rank, each holding the steps ``held[rank]``, with a
+    real barrier as the group's MIN; return every rank's answer and the rounds taken."""
+    ranks = len(held)
+    proposals = [0] * ranks
+    barrier = threading.Barrier(ranks)
+    rounds = [0]
+    answers = [0] * ranks
+
+    def run(rank: int) -> None:
+        def newest_at_most(bound: int) -> int:
+            return max((s for s in held[rank] if s <= bound), default=-1)
+
+        def group_min(value: int) -> int:
+            proposals[rank] = value
+            barrier.wait()
+            agreed = min(proposals)
+            if rank == 0:
+                rounds[0] += 1
+            barrier.wait()  # nobody overwrites a proposal before every rank has read them
+            return agreed
+
+        answers[rank] = checkpoint.common_step(newest_at_most, group_min)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return answers, rounds[0]
+
+
+@pytest.mark.parametrize(
+    ("held", "expected"),
+    [
+        ([[60, 50], [60, 50]], 60),  # the usual case
+        ([[60, 50], [50, 40]], 50),  # rank 1 died writing 60
+        ([[70, 60, 50], [60, 50], [70, 50]], 50),  # 70 and 60 each missing somewhere
+        ([[60, 50], []], -1),  # a rank with nothing: the group starts fresh
+        ([[], []], -1),
+        ([[30]], 30),  # one rank
+    ],
+)
+def test_a_group_agrees_on_the_newest_step_every_rank_has(
+    held: list[list[int]], expected: int
+) -> None:
+    answers, rounds = _group_common_step(held)
+    assert answers == [expected] * len(held)
+    assert rounds <= 1 + sum(len(h) for h in held)
