@@ -178,11 +178,22 @@ class TimeoutConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Durable checkpoints every ``every_steps`` committed steps (0 = never) into ``dir`` (None =
-    the run directory), keeping the newest ``keep``."""
+    the run directory), keeping the newest ``keep``. ``format``: ``"torch"``, one ``torch.save``
+    file per rank (``harness/rank/checkpoint.py``); ``"dcp"``, ``torch.distributed.checkpoint``
+    folders in torchtitan's layout, every rank writing its own shards in the background and
+    loadable onto another shard count (``harness/rank/dcp_checkpoint.py``); ``"auto"`` (the
+    default): ``"dcp"`` for sharded groups (``parallel.group = "fsdp"``), else ``"torch"``."""
 
     every_steps: int = 50
     dir: str | None = None
     keep: int = 2
+    format: Literal["auto", "torch", "dcp"] = "auto"
+
+    def resolved_format(self, group: str) -> Literal["torch", "dcp"]:
+        """The format a job whose groups are ``group`` (``parallel.group``) writes."""
+        if self.format != "auto":
+            return self.format
+        return "dcp" if group == "fsdp" else "torch"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,10 +90,11 @@ def app_state(
 
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Put a loaded :func:`app_state` into ``model`` and ``optimizer`` (the model's tensors were
-    loaded in place; the optimizer's state is rebuilt from its flat form)."""
-    reserved = {OPTIMIZER, DATALOADER, TRAIN_STATE}
-    set_model_state_dict(model, {k: v for k, v in state.items() if k not in reserved})
+    """Put a loaded :func:`app_state` (and any entries added to it) into ``model`` and
+    ``optimizer`` (the model's tensors were loaded in place; the optimizer's state is rebuilt
+    from its flat form)."""
+    # The model's entries are the top-level tensors; every other entry is a dict of its own.
+    set_model_state_dict(model, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
     set_optimizer_state_dict(model, optimizer, state[OPTIMIZER], options=_OPTIM_OPTIONS)
 
 
@@ -160,8 +161,9 @@ class Writer:
 
     ``pg``: the process group over the group's ranks that DCP's collectives run on (torchtitan
     gives its checkpointer a gloo group of its own, so the background write never shares a
-    communicator with the training's collectives). ``on_durable(step, path, seconds)`` runs on
-    rank 0 once a checkpoint is in place.
+    communicator with the training's collectives); None: this process writes alone.
+    ``on_durable(step, path)`` runs on rank 0, on the writing thread, once a checkpoint is in
+    place.
 
     An error in a background write is not lost: the next :meth:`save` or :meth:`wait` raises
     it."""
@@ -206,12 +208,16 @@ class Writer:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = _tmp_dir(self.root, step)
         if not self._async:
-            dcp.save(state, checkpoint_id=tmp, process_group=self._pg)
+            dcp.save(state, checkpoint_id=tmp, process_group=self._pg, no_dist=self._pg is None)
             if self._rank == 0:
                 self._done(step)
             return
         response = dcp.async_save(
-            state, checkpoint_id=tmp, process_group=self._pg, async_stager=self._stager
+            state,
+            checkpoint_id=tmp,
+            process_group=self._pg,
+            async_stager=self._stager,
+            no_dist=self._pg is None,
         )
         # A Future with staging on this thread; an AsyncSaveResponse when staging is async.
         upload = response if isinstance(response, Future) else response.upload_completion
@@ -340,15 +346,21 @@ def _as_bytes(value: Any) -> io.BytesIO:
 
 def load(root: str | os.PathLike[str], step: int, state: dict[str, Any], pg: Any = None) -> None:
     """Load checkpoint ``step`` under ``root`` into ``state`` in place (:func:`app_state` of the
-    model to load into: any shard count, or none; every rank of ``pg`` calls it), then
-    :func:`apply` it. A checkpoint that needs code to load raises :class:`CheckpointRefused`."""
+    model to load into: any shard count, or none; every rank of ``pg`` calls it; None: this
+    process alone). Then :func:`apply` it. A checkpoint that needs code to load raises
+    :class:`CheckpointRefused`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = step_dir(root, step)
     reader, planner = TrustedReader(path), DataOnlyLoadPlanner()
     try:
         dcp.load(
-            state, checkpoint_id=path, storage_reader=reader, planner=planner, process_group=pg
+            state,
+            checkpoint_id=path,
+            storage_reader=reader,
+            planner=planner,
+            process_group=pg,
+            no_dist=pg is None,
         )
     except CheckpointException as e:
         refused = reader.refused or planner.refused

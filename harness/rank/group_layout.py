@@ -80,6 +80,12 @@ class GroupLayout(Protocol):
         calls it, in the same order)."""
         ...
 
+    def checkpoint_group(self) -> Any:
+        """The process group a DCP checkpoint of this group is written and loaded on (a
+        collective to create, on every rank), or None: one rank writes the whole state alone,
+        and each rank loads it alone (``harness.rank.dcp_checkpoint``)."""
+        ...
+
 
 class Replicated:
     """The whole model in every rank; ranks of a group average through a plain gloo group."""
@@ -128,6 +134,9 @@ class Replicated:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
 
+    def checkpoint_group(self) -> Any:
+        return None  # every rank holds the whole state: rank 0 writes it alone
+
     def group_min(self, value: int) -> int:
         if self._intra is None:
             return value
@@ -169,7 +178,13 @@ class Sharded:
     overlap_quorum = False
     eval_on_every_rank = True
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], across: CrossGroup) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        across: CrossGroup,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -179,6 +194,7 @@ class Sharded:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self._across = across
+        self._timeout = timeout
 
         def average_shard(shard: torch.Tensor) -> None:
             # A non-finite gradient (a corrupted replica) must not reach the other groups: the
@@ -204,6 +220,13 @@ class Sharded:
         dist.all_reduce(flag)
         self._across(flag)
         return bool(flag.item() > 0)
+
+    def checkpoint_group(self) -> Any:
+        """A gloo group of its own over the group's ranks, as torchtitan's checkpointer has: a
+        write in the background never shares a communicator with the training's collectives."""
+        import torch.distributed as dist
+
+        return dist.new_group(backend="gloo", timeout=self._timeout)
 
     def group_min(self, value: int) -> int:
         import torch.distributed as dist

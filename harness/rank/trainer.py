@@ -223,6 +223,9 @@ class Trainer:
         self._heldout = HeldOut(cfg.data) if cfg.data.eval_every else None
         self._initial_eval_due = self._heldout is not None
         self._ckpt_dir = self._checkpoint_root(run_dir)
+        self._dcp: Any = None  # DCP checkpoints: a dcp_checkpoint.Writer and its process group
+        if self._ckpt_dir is not None and self._ckpt_format() == "dcp":
+            self._dcp_init()
         self._resume()
 
     # --- the loop --------------------------------------------------------------------------
@@ -243,11 +246,16 @@ class Trainer:
                 aborts += not committed
         except BaseException as exc:
             try:
-                self._writer.wait()  # the pending checkpoint still lands, if it can
+                # The pending checkpoint still lands, if it can. (Not a DCP write: it needs the
+                # group's other ranks, and a rank failing here is often why they are gone; left
+                # unfinished, it is never loaded.)
+                self._writer.wait()
             except Exception as write_error:
                 exc.add_note(f"and a checkpoint write failed: {write_error!r}")
             raise
         self._writer.wait()
+        if self._dcp is not None and self._dcp["writer"] is not None:
+            self._dcp["writer"].wait()
         return {
             "replica": self.replica_id,
             "rank": self.rank,
@@ -527,6 +535,9 @@ class Trainer:
         flight: a previous one still running is waited for first (bounded memory, in-order
         files), and one that failed raises here. The ``checkpoint.save`` record is emitted by
         the writer once the manifest is written, i.e. when the checkpoint is durable."""
+        if self._dcp is not None:
+            self._maybe_checkpoint_dcp(step)
+            return
         # One writer per rank index per step: the group with replica rank 0 in this quorum.
         # Each group writes its own folder, so two writers never share (or prune) one.
         asked = self._checkpoint_asked.is_set()
@@ -568,6 +579,9 @@ class Trainer:
         files, and a crash can leave one rank a checkpoint newer than another's."""
         if self._ckpt_dir is None:
             return
+        if self._dcp is not None:
+            self._resume_dcp()
+            return
         folders = sorted(self._ckpt_dir.glob(f"replica_*_rank_{self.rank}"))
         held = {folder: checkpoint.steps(folder) for folder in folders}
         bad: set[tuple[Path, int]] = set()  # failed verification: skipped from then on
@@ -602,6 +616,108 @@ class Trainer:
         self._emit(
             CHECKPOINT_LOAD,
             {"replica": self.replica_id, "rank": self.rank, "step": step, "path": str(folder)},
+        )
+
+    # --- DCP checkpoints (checkpoint.format = "dcp") -----------------------------------------
+
+    def _ckpt_format(self) -> str:
+        return self.cfg.checkpoint.resolved_format(self.cfg.parallel.group)
+
+    def _dcp_init(self) -> None:
+        """The writer of this rank (every rank of a sharded group writes its shards; rank 0 of a
+        replicated group writes the whole state alone) and the group's checkpoint process
+        group (a collective: every rank of the group builds it here)."""
+        from harness.rank import dcp_checkpoint
+
+        assert self._ckpt_dir is not None
+        pg = self.layout.checkpoint_group()
+        writer = None
+        if pg is not None or self.rank == 0:
+            writer = dcp_checkpoint.Writer(
+                self._ckpt_dir, pg, rank=self.rank, keep=self.cfg.checkpoint.keep,
+                on_durable=self._dcp_durable,
+            )  # fmt: skip
+        self._dcp = {"writer": writer, "pg": pg, "started": {}}
+
+    def _dcp_state(self, step: int) -> dict[str, Any]:
+        """The checkpoint's state in torchtitan's layout, plus torchft's Manager state
+        (``ft_manager``: its step and committed batches)."""
+        from harness.rank import dcp_checkpoint
+
+        d = self.cfg.data
+        tokens = self.data.consumed * self.cfg.ranks * d.batch_size * d.seq_len
+        state = dcp_checkpoint.app_state(
+            self.model, self.optimizer, dataloader=self.data.state_dict(),
+            train_state={"step": step, "ntokens_seen": tokens},
+        )  # fmt: skip
+        state["ft_manager"] = dict(self.manager.state_dict())
+        return state
+
+    def _maybe_checkpoint_dcp(self, step: int) -> None:
+        """As :meth:`_maybe_checkpoint`, in DCP folders: the group with replica rank 0 in this
+        quorum writes, every one of its ranks its own shards, together (DCP's collectives), so
+        its ranks first agree whether one was asked for; the step waits for the staging copy
+        only, the write goes on in the background."""
+        if self.manager.participating_rank() != 0:
+            return
+        writer = self._dcp["writer"]
+        asked = self._checkpoint_asked.is_set()
+        if self._dcp["pg"] is not None:  # a rank asked is enough (asks reach ranks apart)
+            asked = self.layout.group_min(0 if asked else 1) == 0
+        if writer is None or (step % self.cfg.checkpoint.every_steps and not asked):
+            return
+        self._checkpoint_asked.clear()
+        t0 = time.perf_counter()
+        self._dcp["started"][step] = t0
+        writer.save(step, self._dcp_state(step))  # waits for the previous write, then stages
+        self._dcp["blocked"] = time.perf_counter() - t0
+
+    def _dcp_durable(self, step: int, path: Path) -> None:
+        """On the writer's thread of the writing group's rank 0, once checkpoint ``step`` is in
+        place (every rank's shards written, the folder renamed)."""
+        t0 = self._dcp["started"].pop(step, None)
+        self._emit(
+            CHECKPOINT_SAVE,
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "step": step,
+                "path": str(path),
+                "format": "dcp",
+                "seconds": time.perf_counter() - t0 if t0 is not None else None,
+                "blocked_s": self._dcp.get("blocked"),
+            },
+        )
+
+    def _resume_dcp(self) -> None:
+        """Load the newest complete DCP checkpoint, whatever shard count wrote it (DCP reshards
+        on load); the group's ranks agree on the step (a folder may be renamed into place
+        between two ranks' looks)."""
+        from harness.rank import dcp_checkpoint
+
+        assert self._ckpt_dir is not None
+        held = dcp_checkpoint.steps(self._ckpt_dir)
+        step = checkpoint.common_step(
+            lambda bound: max((s for s in held if s <= bound), default=-1), self.layout.group_min
+        )
+        if step < 0:
+            return
+        state = self._dcp_state(0)
+        dcp_checkpoint.load(self._ckpt_dir, step, state, self._dcp["pg"])
+        with self._state_lock:
+            dcp_checkpoint.apply(self.model, self.optimizer, state)
+            self.data.load_state_dict(state["dataloader"])
+            self._state_changed = True
+        self.manager.load_state_dict(state["ft_manager"])
+        self._emit(
+            CHECKPOINT_LOAD,
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "step": step,
+                "path": str(dcp_checkpoint.step_dir(self._ckpt_dir, step)),
+                "format": "dcp",
+            },
         )
 
     # --- hooks for the runtime and the fault injector ---------------------------------------
@@ -644,6 +760,8 @@ class Trainer:
         then shut down the Manager (and the group store if this rank hosts it)."""
         try:
             self._writer.close()
+            if self._dcp is not None and self._dcp["writer"] is not None:
+                self._dcp["writer"].close()
         finally:
             self._quorum_thread.shutdown(wait=False)
             self.manager.shutdown(wait=False)
@@ -662,7 +780,7 @@ class Trainer:
         timeout = intra_group_timeout(t.process_group_timeout, t.manager_timeout)
         if self.cfg.parallel.group == "fsdp":
             init_group_world(store, self.rank, ranks, timeout)
-            return Sharded(self.model, model_blocks(self.model), self._across_groups)
+            return Sharded(self.model, model_blocks(self.model), self._across_groups, timeout)
         intra = intra_group_pg(store, self.rank, ranks, timeout)
         return Replicated(self._across_groups, intra, ranks)
 

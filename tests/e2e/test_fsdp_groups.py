@@ -282,7 +282,7 @@ def test_a_group_resumes_from_a_step_every_rank_has(tmp_path, group):
     data position each."""
     cfg = tiny_cfg(
         "replicas=2", "ranks=2", "steps=70", f"parallel.group={group}",
-        "checkpoint.every_steps=10", "checkpoint.keep=3",
+        "checkpoint.every_steps=10", "checkpoint.keep=3", "checkpoint.format=torch",
     )  # fmt: skip
     ckpts = tmp_path / "checkpoints"
     dropped: list[int] = []
@@ -310,3 +310,54 @@ def test_a_group_resumes_from_a_step_every_rank_has(tmp_path, group):
     assert {(r["replica"], r["rank"]) for r in loads} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert {r["step"] for r in loads} == {dropped[0] - 10}, (dropped, loads)
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 70
+
+
+def test_a_sharded_job_resumes_from_its_dcp_checkpoints_then_a_job_of_another_shape_does(tmp_path):
+    """Sharded groups write DCP checkpoints (the default for them): step-N folders, every rank's
+    shards, written in the background by one group. Every group lost at once: the job resumes
+    from the newest one. Then a new job of another shape (unsharded, one rank per group) starts
+    from the same folder: DCP reshards on load, and it goes on from the step the first ended."""
+    first = tmp_path / "first"
+    first.mkdir()
+    cfg = tiny_cfg(
+        "replicas=2", "ranks=2", "steps=60", "parallel.group=fsdp", "checkpoint.every_steps=10"
+    )
+
+    def kill_all(job) -> None:
+        for replica, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            for pid in job.faults.pids(Target(replica=replica, rank=rank)):
+                os.kill(pid, signal.SIGKILL)
+
+    records = run_ok(
+        cfg, first, timeout=180, on_started=lambda job: after_step(job, 35, lambda: kill_all(job))
+    )
+    saves = [r for r in records if r["event"] == "checkpoint.save"]
+    assert saves and all(r["format"] == "dcp" and r["rank"] == 0 for r in saves)
+    assert all(r["blocked_s"] is not None and r["seconds"] >= r["blocked_s"] for r in saves)
+    ckpts = first / "checkpoints"
+    newest = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*"))
+    assert newest == 60
+    assert sorted(p.name for p in (ckpts / "step-60").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp",
+    ]  # fmt: skip
+    assert not list(ckpts.glob(".step-*"))
+    restart = [r for r in records if r["event"] == "job.restart"]
+    assert len(restart) == 1
+    loads = [r for r in records if r["event"] == "checkpoint.load"]
+    assert {(r["replica"], r["rank"]) for r in loads} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert len({r["step"] for r in loads}) == 1 and loads[0]["step"] >= 30
+    assert all(r["format"] == "dcp" for r in loads)
+
+    second = tmp_path / "second"
+    second.mkdir()
+    cfg = tiny_cfg(
+        "replicas=2", "ranks=1", "steps=70", "checkpoint.every_steps=10",
+        "checkpoint.format=dcp", f"checkpoint.dir={ckpts}",
+    )  # fmt: skip
+    records = run_ok(cfg, second, timeout=120)
+    loads = [r for r in records if r["event"] == "checkpoint.load"]
+    assert [(r["replica"], r["step"]) for r in sorted(loads, key=lambda r: r["replica"])] == [
+        (0, 60), (1, 60),
+    ]  # fmt: skip
+    commits = sorted(r["step"] for r in records if r["event"] == "step.commit")
+    assert commits[0] == 61 and commits[-1] == 70
