@@ -43,6 +43,8 @@ _BENCH_HELP = {
     "and eject against a control",
     "takeover": "the controller SIGKILLed mid-run again and again: time without a commit, a "
     "new controller serving, workers restarted, steps lost",
+    "checkpoint": "what a checkpoint costs a sharded group's step: torch.save files vs DCP, "
+    "synchronous and in the background, interleaved in one run",
 }
 
 
