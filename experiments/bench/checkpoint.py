@@ -85,6 +85,10 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
     torch_writer = checkpoint.BackgroundWriter("bench-ckpt")
     pg = layout.checkpoint_group()
     durable: dict[str, float] = {}
+
+    def when_durable(way: str) -> Any:
+        return lambda _step, _path: durable.__setitem__(way, time.perf_counter())
+
     writers = {
         way: dcp_checkpoint.Writer(
             Path(root, way),
@@ -92,7 +96,7 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
             rank=rank,
             keep=1,
             asynchronous=way == "dcp_async",
-            on_durable=lambda _s, _p, way=way: durable.__setitem__(way, time.perf_counter()),
+            on_durable=when_durable(way),
         )
         for way in ("dcp_sync", "dcp_async")
     }

@@ -52,9 +52,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -82,7 +80,10 @@ def app_state(
     as DTensors, when sharded) at the top level, then ``optimizer`` flattened by FQN,
     ``dataloader`` and ``train_state``. The tensors are the live ones (no copy): a save stages
     them, a load writes into them (then :func:`apply`)."""
-    state: dict[str, Any] = dict(get_model_state_dict(model))
+    # The module's own state_dict, as torchtitan's ModelWrapper takes it: its hooks name the
+    # entries (torchtitan's fused QKV saves as wq/wk/wv, which DCP's get_model_state_dict cannot
+    # map back to attributes).
+    state: dict[str, Any] = dict(model.state_dict())
     state[OPTIMIZER] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
     state[DATALOADER] = dict(dataloader)
     state[TRAIN_STATE] = dict(train_state)
@@ -94,7 +95,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, A
     ``optimizer`` (the model's tensors were loaded in place; the optimizer's state is rebuilt
     from its flat form)."""
     # The model's entries are the top-level tensors; every other entry is a dict of its own.
-    set_model_state_dict(model, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    model.load_state_dict({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
     set_optimizer_state_dict(model, optimizer, state[OPTIMIZER], options=_OPTIM_OPTIONS)
 
 

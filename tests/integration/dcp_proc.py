@@ -1,5 +1,6 @@
 """One rank of a group that writes or loads a DCP checkpoint, for ``test_dcp_sharded.py``:
-``python dcp_proc.py save|load WORLD RANK PORT ROOT OUT``.
+``python dcp_proc.py save|load WORLD RANK PORT ROOT OUT [MODEL]`` (MODEL: tiny, the default, or
+llama3_debug, torchtitan's, whose fused QKV saves as wq/wk/wv through state-dict hooks).
 
 ``save``: WORLD ranks shard the tiny model with FSDP2 (``harness.rank.group_layout.Sharded``,
 on a world rendezvoused at PORT), train two steps, and write checkpoint step 2 under ROOT in the
@@ -19,7 +20,6 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
 )
 
@@ -29,16 +29,30 @@ from harness.rank.group_layout import Sharded, init_group_world
 from harness.rank.model import build_model, loss_fn, model_blocks
 
 VOCAB = 64
-MODEL = ModelConfig(kind="tiny", dim=16, layers=2, heads=2)
+MODELS = {
+    "tiny": ModelConfig(kind="tiny", dim=16, layers=2, heads=2),
+    "llama3_debug": ModelConfig(kind="llama3_debug"),
+}
 TIMEOUT = timedelta(seconds=60)
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
+def _full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer whole (gathered: a collective), by its attribute name."""
+    from torch.distributed.tensor import DTensor
+
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in named
+    }
 
 
 def main() -> None:
     mode, world, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     root, out = sys.argv[5], sys.argv[6]
+    config = MODELS[sys.argv[7] if len(sys.argv) > 7 else "tiny"]
     torch.set_num_threads(1)
-    model = build_model(MODEL, vocab_size=VOCAB, seed=0 if mode == "save" else 7)
+    model = build_model(config, vocab_size=VOCAB, seed=0 if mode == "save" else 7)
     pg = None
     if world:
         store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
@@ -70,7 +84,7 @@ def main() -> None:
         dcp_checkpoint.apply(model, optim, state)
         extra = {"dataloader": state["dataloader"], "train_state": state["train_state"]}
     full = {
-        "model": get_model_state_dict(model, options=FULL),
+        "model": _full_tensors(model),
         "optimizer": get_optimizer_state_dict(model, optim, options=FULL),
         **extra,
     }
