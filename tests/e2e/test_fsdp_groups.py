@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,54 @@ def test_a_sharded_job_resumes_from_its_dcp_checkpoints_then_a_job_of_another_sh
     ]  # fmt: skip
     commits = sorted(r["step"] for r in records if r["event"] == "step.commit")
     assert commits[0] == 61 and commits[-1] == 70
+
+
+def test_every_group_killed_mid_dcp_write_resumes_from_the_checkpoint_before(tmp_path):
+    """A background DCP write under way (its .step-N.tmp folder on disk, not yet renamed) when
+    every group is SIGKILLed: the job resumes from the newest complete step-M, M < N, and
+    nothing of step N is loaded. The writers are frozen (SIGSTOP) the moment the folder
+    appears, so the test knows the kill came mid-write; if the rename won the race, they go on
+    and the next checkpoint is tried."""
+    cfg = tiny_cfg(
+        "replicas=2", "ranks=2", "steps=80", "parallel.group=fsdp", "checkpoint.every_steps=10",
+        "checkpoint.keep=3",
+    )  # fmt: skip
+    ckpts = tmp_path / "checkpoints"
+    killed_mid: list[int] = []
+    targets = [Target(replica=g, rank=r) for g in range(2) for r in range(2)]
+
+    def kill_mid_write(job) -> None:
+        deadline = time.monotonic() + 120
+        while not killed_mid and time.monotonic() < deadline:
+            tmp = list(ckpts.glob(".step-*.tmp")) if ckpts.is_dir() else []
+            if not tmp or job.faults.committed_step() < 25:
+                time.sleep(0.002)
+                continue
+            pids = [pid for t in targets for pid in job.faults.pids(t)]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            step = int(tmp[0].name.split("-")[1].split(".")[0])
+            if tmp[0].exists() and not (ckpts / f"step-{step}").exists():
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                killed_mid.append(step)
+                return
+            for pid in pids:  # the write finished meanwhile: go on, try the next one
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.5)
+
+    def started(job) -> None:
+        threading.Thread(target=kill_mid_write, args=(job,), daemon=True).start()
+
+    records = run_ok(cfg, tmp_path, timeout=180, on_started=started)
+    assert killed_mid, "no DCP write was caught under way"
+    (n,) = killed_mid
+    restarts = [r for r in records if r["event"] == "job.restart"]
+    assert len(restarts) == 1, restarts
+    t_restart = restarts[0]["t"]
+    loads = [r for r in records if r["event"] == "checkpoint.load" and r["t"] > t_restart]
+    assert {(r["replica"], r["rank"]) for r in loads} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert {r["step"] for r in loads} == {n - 10}, (n, loads)
+    assert max(r["step"] for r in records if r["event"] == "step.commit") == 80
+    assert (ckpts / "step-80" / ".metadata").is_file()
+    assert not list(ckpts.glob(".step-*"))  # the half-written one was written again, in place
