@@ -17,7 +17,7 @@ from typing import Any
 
 from harness.config import ConfigError, JobConfig, load_config
 from harness.corpus.job import resolve_data
-from harness.job import takeover
+from harness.job import checkpoint_dir, takeover
 from harness.job.preflight import PreflightFailed
 from harness.job.progress import say
 from harness.job.protocol import Job
@@ -68,11 +68,13 @@ def run_job(
     )
     job: Job | None = None
     before_stop = None
+    ckpt_hold: checkpoint_dir.Hold | None = None
     t0 = time.time()
     try:
         # The config as it will run: resolved here, once, before anything starts
         # (harness.job.site); a launcher that cannot start (no allocation) fails the run.
         try:
+            ckpt_hold = _hold_checkpoints(cfg, run_dir, takeover=plan is not None)
             site = prepare_site(cfg, run_dir, say=None if quiet else say)
             job = Job(site, run_dir, journal, quiet=quiet, survivable=survivable, plan=plan)
             job.start()
@@ -94,6 +96,8 @@ def run_job(
             before_stop()
         if job is not None:
             job.stop()
+        if ckpt_hold is not None:
+            ckpt_hold.release()
         outcome_ = locals().get("outcome") or {"status": "failed", "reason": "interrupted"}
         journal.emit(
             JOB_END,
@@ -107,6 +111,25 @@ def run_job(
     outcome["recoveries"] = job.tracker.completed if job is not None else 0
     outcome["run_dir"] = str(run_dir)
     return outcome
+
+
+def _hold_checkpoints(
+    cfg: JobConfig, run_dir: Path, *, takeover: bool
+) -> checkpoint_dir.Hold | None:
+    """Hold the job's checkpoint folder for its life, once it is checked
+    (``harness.job.checkpoint_dir``); CannotStart if it cannot be this job's. A takeover checks
+    and holds nothing: the folder was its job's already, and the controller it replaces may
+    still be alive behind a partition, holding it."""
+    root = checkpoint_dir.checkpoint_root(cfg, run_dir)
+    if root is None or takeover:
+        return None
+    problem = checkpoint_dir.problem(cfg, run_dir)
+    if problem is not None:
+        raise CannotStart(problem)
+    try:
+        return checkpoint_dir.hold(root, run_dir)
+    except checkpoint_dir.CheckpointDirHeld as e:  # taken since the check
+        raise CannotStart(str(e)) from None
 
 
 def take_over(
@@ -158,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from harness.job.slurm import check_allocation
 
-    problem = check_allocation(cfg)
+    problem = check_allocation(cfg) or checkpoint_dir.problem(cfg, None)
     if problem is not None:
         print(f"ftharness run: {problem}", file=sys.stderr)
         return 2

@@ -522,10 +522,9 @@ class Trainer:
     # --- checkpoints -----------------------------------------------------------------------
 
     def _checkpoint_root(self, run_dir: str | None) -> Path | None:
-        if self.cfg.checkpoint.every_steps <= 0:
-            return None
-        root = self.cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
-        return Path(root) if root else None
+        from harness.job.checkpoint_dir import checkpoint_root
+
+        return checkpoint_root(self.cfg, run_dir)
 
     def _maybe_checkpoint(self, step: int) -> None:
         """At a checkpoint step, snapshot the state here and have the background writer make it
