@@ -10,7 +10,10 @@ Layout under ``root`` (torchtitan's ``CheckpointManager``: ``{folder}/step-{N}``
 
 The state is torchtitan's: the model's entries flattened to the top level (FQN keys), then
 ``optimizer`` (flat, FQN-keyed: ``state.{fqn}.{name}``, ``param_groups.{fqn}.{key}``),
-``dataloader`` and ``train_state`` (``{"step", "ntokens_seen"}``); :func:`app_state` builds it.
+``lr_scheduler`` (``{"last_epoch"}``), ``dataloader`` and ``train_state`` (``{"step",
+"ntokens_seen"}``); :func:`app_state` builds it. torchtitan's own ``CheckpointManager`` loads one
+(``tests/integration/test_torchtitan_loads_dcp.py``), all but ``dataloader``: its dataloader's
+state is its iterator's, ours a data position.
 
 Atomicity: every rank writes into ``.step-N.tmp``; once DCP's coordinator (rank 0 of the writing
 group) has every rank's write results and has written ``.metadata``, it renames the folder to
@@ -58,7 +61,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 _STEP = re.compile(r"^step-(\d+)$")
 #: torchtitan's keys for the entries that are not the model's.
-OPTIMIZER, DATALOADER, TRAIN_STATE = "optimizer", "dataloader", "train_state"
+OPTIMIZER, LR_SCHEDULER = "optimizer", "lr_scheduler"
+DATALOADER, TRAIN_STATE = "dataloader", "train_state"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -75,16 +79,27 @@ def app_state(
     *,
     dataloader: dict[str, Any],
     train_state: dict[str, Any],
+    lr_scheduler: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state a checkpoint holds, in torchtitan's layout: the model's entries (its own shards,
     as DTensors, when sharded) at the top level, then ``optimizer`` flattened by FQN,
-    ``dataloader`` and ``train_state``. The tensors are the live ones (no copy): a save stages
-    them, a load writes into them (then :func:`apply`)."""
+    ``lr_scheduler`` (torchtitan's keeps ``{"last_epoch"}`` only: a constant learning rate has
+    nothing else; default: ``train_state``'s step), ``dataloader`` and ``train_state``. The
+    tensors are the live ones (no copy): a save stages them, a load writes into them (then
+    :func:`apply`)."""
     # The module's own state_dict, as torchtitan's ModelWrapper takes it: its hooks name the
     # entries (torchtitan's fused QKV saves as wq/wk/wv, which DCP's get_model_state_dict cannot
     # map back to attributes).
     state: dict[str, Any] = dict(model.state_dict())
-    state[OPTIMIZER] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    optim = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    for key in [k for k in optim if k.startswith("param_groups.") and k.endswith(".lr")]:
+        # torchtitan's scheduler (LambdaLR) puts initial_lr in every param group, and its
+        # loader asks for it; with no scheduler, the learning rate is the initial one.
+        optim.setdefault(key[: -len(".lr")] + ".initial_lr", optim[key])
+    state[OPTIMIZER] = optim
+    if lr_scheduler is None:
+        lr_scheduler = {"last_epoch": int(train_state.get("step", 0))}
+    state[LR_SCHEDULER] = dict(lr_scheduler)
     state[DATALOADER] = dict(dataloader)
     state[TRAIN_STATE] = dict(train_state)
     return state
