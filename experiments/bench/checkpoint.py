@@ -12,8 +12,9 @@ the write to be in place. The ways, through the same code the trainer uses:
   "torch"``);
 * ``dcp_sync``: ``harness.rank.dcp_checkpoint.Writer(asynchronous=False)``: DCP's ``save``,
   every rank writing its shards, all on the training thread;
-* ``dcp_async``: the same writer asynchronous (``checkpoint.format = "dcp"``): the step waits
-  for the staging copy, DCP's ``async_save`` writes on a thread over a gloo group of its own.
+* ``dcp_async``: the same writer asynchronous (``checkpoint.format = "dcp"``): the staging copy
+  is taken on a thread while the next forward and backward passes run (the optimizer's step
+  waits for it), then DCP's ``async_save`` writes on a thread over a gloo group of its own.
 
 Figures (medians over reps, rank 0's clock; every step ends with the ranks in step, FSDP2's
 collectives being a barrier):
@@ -79,6 +80,8 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
     def step() -> None:
         tokens = torch.randint(0, vocab, (4, seq + 1), generator=gen)
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        for w in writers.values():  # as the trainer: the staging copy in before the state moves
+            w.wait_staged()
         optim.step()
         optim.zero_grad()
 

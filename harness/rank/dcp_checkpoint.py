@@ -26,11 +26,12 @@ Trust: a planted checkpoint must not run code. DCP itself unpickles ``.metadata`
 ``torch.Size``, dtypes and paths) and :class:`DataOnlyLoadPlanner` (``weights_only=True``), and a
 checkpoint that needs anything else fails to load with :class:`CheckpointRefused`.
 
-Async writes (:class:`Writer`): ``dcp.async_save`` with a stager that copies the state on the
-training thread (the consistent copy: the only part a step waits for) and writes on a background
-thread over the group's own gloo process group. On CPU the stager must not ask for pinned or
-shared memory or non-blocking copies (``DefaultStager`` raises or warns without an
-accelerator: ``../shared/HSDP.md`` section 3).
+Async writes (:class:`Writer`): ``dcp.async_save`` with a stager that copies the state on a
+thread of its own while training goes on (the caller waits for the copy,
+:meth:`Writer.wait_staged`, before it changes the state: before the optimizer's next step, before
+a heal loads), then writes on a background thread over the group's own gloo process group. On CPU
+the stager must not ask for pinned or shared memory or non-blocking copies (``DefaultStager``
+raises or warns without an accelerator: ``../shared/HSDP.md`` section 3).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -209,16 +211,19 @@ class Writer:
         if asynchronous:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # Staging on the caller's thread (use_async_staging=False): the copy is what a step
-            # must wait for anyway before it changes the state; no pinned or shared memory and
-            # no non-blocking copy, which need an accelerator.
-            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+            # Staging on a thread of its own (use_async_staging), as torchtitan's async modes
+            # do: the copy overlaps the next forward and backward passes, which read the state
+            # and do not change it; the caller waits for it (wait_staged) before it does. No
+            # pinned or shared memory and no non-blocking copy: they need an accelerator.
+            self._stager = DefaultStager(StagingOptions(False, False, True, False))
+        self._staged: Future[Any] | None = None
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Checkpoint ``state`` (:func:`app_state`) as ``step``. Returns once the state is
-        staged (a copy taken: the caller may change it); the write goes on in the background
-        (synchronous writers return once it is in place). Waits for the previous write first
-        and raises its error."""
+        """Checkpoint ``state`` (:func:`app_state`) as ``step``. An asynchronous writer returns
+        at once: the staging copy and then the write go on in the background, and the caller
+        must not change the state before :meth:`wait_staged` returns. A synchronous one returns
+        once the checkpoint is in place. Waits for the previous write first and raises its
+        error."""
         self.wait()
         if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -235,8 +240,11 @@ class Writer:
             async_stager=self._stager,
             no_dist=self._pg is None,
         )
-        # A Future with staging on this thread; an AsyncSaveResponse when staging is async.
-        upload = response if isinstance(response, Future) else response.upload_completion
+        # An AsyncSaveResponse with a stager that stages asynchronously (ours), else a Future.
+        if isinstance(response, Future):
+            upload = response
+        else:
+            upload, self._staged = response.upload_completion, response.staging_completion
         settled = threading.Event()  # the write is in place (or failed): after the commit
         self._pending = settled
 
@@ -258,12 +266,21 @@ class Writer:
         if self._on_durable is not None:
             self._on_durable(step, path)
 
+    def wait_staged(self) -> None:
+        """Block until the last checkpoint's staging copy is taken (the state may change from
+        then on). Quick when nothing is being staged. A staging error is raised by
+        :meth:`wait`, with the write's."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            futures_wait([staged])  # an error here fails the upload too: wait() raises it
+
     def busy(self) -> bool:
         """A write is handed over and not in place yet."""
         return self._pending is not None and not self._pending.is_set()
 
     def wait(self) -> None:
         """Block until no write is in flight; raise the error of one that failed (once)."""
+        self.wait_staged()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()

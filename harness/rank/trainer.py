@@ -302,6 +302,7 @@ class Trainer:
             )
             return False, loss.item()
 
+        self._wait_staged()  # a DCP checkpoint's copy of the state is taken before it changes
         self.optimizer.step()
         participants = self.manager.num_participants()
         seqs = self.data.trained_ranges(slot, participants)
@@ -497,6 +498,7 @@ class Trainer:
         return {**state, "data": self.data.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._wait_staged()
         with self._state_lock:  # never in the middle of a (speculative) forward/backward
             self.layout.load_state_dict(self.model, self.optimizer, state)
             self.data.load_state_dict(state["data"])
@@ -637,6 +639,12 @@ class Trainer:
                 on_durable=self._dcp_durable,
             )  # fmt: skip
         self._dcp = {"writer": writer, "pg": pg, "started": {}}
+
+    def _wait_staged(self) -> None:
+        """Wait for a background DCP checkpoint's staging copy, if one is being taken: the
+        state must not change under it (the optimizer's step, a heal's load)."""
+        if self._dcp is not None and self._dcp["writer"] is not None:
+            self._dcp["writer"].wait_staged()
 
     def _dcp_state(self, step: int) -> dict[str, Any]:
         """The checkpoint's state in torchtitan's layout, plus torchft's Manager state

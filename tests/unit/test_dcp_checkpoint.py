@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,7 @@ w = dcp_checkpoint.Writer(sys.argv[1], None, rank=0)
 w.save(1, {"x": torch.full((1000,), 1.0), "train_state": {"step": 1}})
 w.wait()
 w.save(2, {"x": torch.full((64_000_000,), 2.0), "train_state": {"step": 2}})
+w.wait_staged()
 print("staged", flush=True)
 w.wait()
 print("written", flush=True)
@@ -105,6 +107,9 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint_newest(tmp_pat
     )  # fmt: skip
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "staged"
+    deadline = time.monotonic() + 30
+    while not (tmp_path / ".step-2.tmp").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the write's folder: planned, being written
     os.kill(proc.pid, signal.SIGKILL)  # 256 MB being written and fsynced
     proc.wait(timeout=30)
     assert dcp_checkpoint.steps(tmp_path) == [1]
