@@ -45,7 +45,8 @@ _NAME = re.compile(r"^step_(\d{8,})\.json$")
 _TMP_SUFFIX = ".tmp"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder ``path`` (a rename into it, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -65,7 +66,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a failed write (ENOSPC, EIO) leaves no temp file behind
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def snapshot(state: dict[str, Any]) -> bytes:

@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from harness.rank.checkpoint import fsync_dir
+
 _STEP = re.compile(r"^step-(\d+)$")
 #: torchtitan's keys for the entries that are not the model's.
 OPTIMIZER, LR_SCHEDULER = "optimizer", "lr_scheduler"
@@ -141,14 +143,6 @@ def steps(root: str | os.PathLike[str]) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(root: Path, step: int, keep: int) -> Path:
     """Rename a finished ``.step-N.tmp`` into place (replacing an older ``step-N``: a step
     written again after the job went back to an older checkpoint), make the rename durable,
@@ -159,11 +153,11 @@ def _commit(root: Path, step: int, keep: int) -> Path:
         if f.is_file():
             os.chmod(f, 0o600)
     os.chmod(tmp, 0o700)  # the weights are the run's, not every local user's
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in steps(root)[keep:]:
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
     return final
