@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from harness.rank.checkpoint import fsync_dir
 
 _STEP = re.compile(r"^step-(\d+)$")
+_TMP = re.compile(r"^\.step-(\d+)\.tmp$")
 #: torchtitan's keys for the entries that are not the model's.
 OPTIMIZER, LR_SCHEDULER = "optimizer", "lr_scheduler"
 DATALOADER, TRAIN_STATE = "dataloader", "train_state"
@@ -158,8 +159,17 @@ def _commit(root: Path, step: int, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
-    for old in steps(root)[keep:]:
+    kept = steps(root)
+    for old in kept[keep:]:
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
+    # A write that died with its group leaves its .step-M.tmp behind; one older than every
+    # checkpoint kept is past finishing (its writer is gone, or would have finished long
+    # since): removed. Younger ones may be another group's write still under way.
+    oldest = min(kept[:keep], default=step)
+    for p in root.glob(".step-*.tmp"):
+        m = _TMP.match(p.name)
+        if m and int(m.group(1)) < oldest:
+            shutil.rmtree(p, ignore_errors=True)
     return final
 
 

@@ -165,3 +165,20 @@ def test_a_planted_value_that_would_run_code_is_refused(tmp_path: Path) -> None:
     with pytest.raises(dcp_checkpoint.CheckpointRefused, match="extra"):
         dcp_checkpoint.load(tmp_path, 4, {"x": torch.zeros(4), "extra": None})
     assert not marker.exists()
+
+
+def test_a_write_left_behind_is_removed_once_older_than_every_checkpoint_kept(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / ".step-5.tmp").mkdir(parents=True)  # a writer that died with its group
+    (tmp_path / ".step-25.tmp").mkdir()  # maybe another group's write, still under way
+    writer = dcp_checkpoint.Writer(tmp_path, None, rank=0, keep=2)
+    for step in (10, 20):
+        writer.save(step, {"x": torch.full((4,), float(step))})
+        writer.wait()
+    assert not (tmp_path / ".step-5.tmp").exists()
+    assert (tmp_path / ".step-25.tmp").exists()
+    writer.save(30, {"x": torch.ones(4)})
+    writer.close()
+    assert dcp_checkpoint.steps(tmp_path) == [30, 20]
+    assert (tmp_path / ".step-25.tmp").exists()  # younger than step 20: left alone
