@@ -162,6 +162,10 @@ class FaultContext(Protocol):
         from (its source)."""
         ...
 
+    def checkpoints_under_way(self) -> dict[int, int]:
+        """The replica groups writing a checkpoint now, each mapped to its step."""
+        ...
+
     def in_phase(self, phase: str) -> bool:
         """Whether the job is in ``phase`` now (``faults.controller.PHASES``: a quorum forming,
         a group healing, a checkpoint being written)."""

@@ -74,6 +74,12 @@ def set_serve_delay(seconds: float) -> None:
     _trainer("set_serve_delay").set_serve_delay(float(seconds))
 
 
+def set_checkpoint_delay(seconds: float) -> None:
+    """Make each checkpoint the trainer writes wait ``seconds`` before it is in place, as on a
+    slow disk (0 restores it). The built-in trainer's only."""
+    _trainer("set_checkpoint_delay").set_checkpoint_delay(float(seconds))
+
+
 def set_step_delay(seconds: float) -> None:
     """Make the trainer sleep ``seconds`` inside each step (0 restores normal speed)."""
     _trainer("set_step_delay").set_step_delay(float(seconds))

@@ -143,3 +143,61 @@ class HealSourceKill:
     def heal(self, ctx: FaultContext, target: Target) -> None:
         if self.slow_serve_s > 0:
             self._serve_delay(ctx, 0.0)
+
+
+@register("checkpoint_kill")
+@dataclass(frozen=True, kw_only=True)
+class CheckpointKill:
+    """SIGKILL of every rank of a group while it writes a checkpoint, before the checkpoint is in
+    place: what was written must never be loaded, and the job goes on from the checkpoint
+    before (``full_restart``, or every group lost) or from a peer (in place). It waits (up to
+    ``wait_s``) for a write under way (``checkpoint.start`` of the writing group, not yet its
+    ``checkpoint.save``) and aims at the writer then (the planned target is not used). So that
+    the kill lands mid-write, every group's checkpoints wait ``slow_write_s`` before they are in
+    place from the moment the fault falls due until it heals (DCP: every shard and the metadata
+    written, the folder not yet renamed; ``faults.inworker.set_checkpoint_delay``, built-in
+    trainer only). Heal: the delay back to 0; the killed group is restarted by its
+    supervisor."""
+
+    default_target: ClassVar[TargetKind] = "replica"
+    hold_s: float = 0.0
+    wait_s: float = 60.0
+    slow_write_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.wait_s > 0:
+            raise ValueError(f"checkpoint_kill: wait_s must be > 0, got {self.wait_s!r}")
+        if self.slow_write_s < 0:
+            raise ValueError(
+                f"checkpoint_kill: slow_write_s must be >= 0, got {self.slow_write_s!r}"
+            )
+
+    def _write_delay(self, ctx: FaultContext, seconds: float) -> None:
+        for replica in range(ctx.replicas):
+            try:
+                ctx.run_in_worker(Target(replica=replica), inworker.set_checkpoint_delay, seconds)
+            except Exception:  # a group being restarted: its next incarnation writes at once
+                continue
+
+    def arm(self, ctx: FaultContext, rng: random.Random) -> None:
+        if self.slow_write_s > 0:
+            self._write_delay(ctx, self.slow_write_s)
+
+    def ready(self, ctx: FaultContext, rng: random.Random) -> bool:
+        return bool(ctx.checkpoints_under_way())
+
+    def aim(self, ctx: FaultContext, planned: Target) -> list[Target]:
+        """The groups writing a checkpoint now (the planned target is not used)."""
+        return [
+            Target(replica=w, host=ctx.replica_host(w)) for w in sorted(ctx.checkpoints_under_way())
+        ]
+
+    def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
+        pids = ctx.pids(target)
+        if not pids:
+            raise RuntimeError(f"checkpoint_kill: no worker process for {target.describe()}")
+        signal_pids(pids, signal.SIGKILL)
+
+    def heal(self, ctx: FaultContext, target: Target) -> None:
+        if self.slow_write_s > 0:
+            self._write_delay(ctx, 0.0)

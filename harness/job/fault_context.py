@@ -254,6 +254,10 @@ class JobFaultContext:
         """Healing group -> its source group, once the source sends (``RecoveryTracker``)."""
         return self._job.tracker.heals_under_way()
 
+    def checkpoints_under_way(self) -> dict[int, int]:
+        """Writing group -> its checkpoint's step, until it is in place (``RecoveryTracker``)."""
+        return self._job.tracker.checkpoints_under_way()
+
     def in_phase(self, phase: str) -> bool:
         """Whether the job is in ``phase`` now (``faults.controller``)."""
         job = self._job

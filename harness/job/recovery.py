@@ -38,6 +38,8 @@ from typing import Any
 from harness.quorum.rule import parse_member_id
 from runtime.failure import Failure
 from runtime.journal import (
+    CHECKPOINT_SAVE,
+    CHECKPOINT_START,
     FAULT_INJECT,
     HEAL_START,
     HEALED,
@@ -114,6 +116,9 @@ class RecoveryTracker:
         # the groups serving one (``trainer.serve_start`` of rank 0, until its next commit)
         self._heals: dict[int, int] = {}
         self._serving: set[int] = set()
+        # Checkpoint writes under way: writing group -> step (``checkpoint.start`` of its rank
+        # 0, until its ``checkpoint.save`` or the group's failure)
+        self._writes: dict[int, int] = {}
         self.committed_step = 0
         # (time, step) when each of the last few new highest steps was first committed
         self._highs: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
@@ -145,6 +150,7 @@ class RecoveryTracker:
                 self._stateless.add(replica)
                 self._heals = {h: s for h, s in self._heals.items() if replica not in (h, s)}
                 self._serving.discard(replica)
+                self._writes.pop(replica, None)
         self._begin(replica, failure.cause.value, failure.t_detected, failure.host)
 
     def failed_by_controller(self, replica: int, cause: str, t: float) -> None:
@@ -226,6 +232,12 @@ class RecoveryTracker:
             with self._lock:
                 self._heals.pop(r.get("replica", -1), None)
             self._phase(r.get("replica"), "healed")
+        elif event == CHECKPOINT_START and r.get("rank") == 0:
+            with self._lock:
+                self._writes[r["replica"]] = int(r.get("step", 0))
+        elif event == CHECKPOINT_SAVE and r.get("rank") == 0:
+            with self._lock:
+                self._writes.pop(r.get("replica", -1), None)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _link(self, replica: int | None, host: str | None, t: float, cause: str) -> str | None:
@@ -354,6 +366,12 @@ class RecoveryTracker:
         ``trainer.serve_start``: the quorum's process group configured, the transfer begun)."""
         with self._lock:
             return {h: s for h, s in self._heals.items() if s in self._serving}
+
+    def checkpoints_under_way(self) -> dict[int, int]:
+        """The groups writing a checkpoint now, each with its step (its rank 0's
+        ``checkpoint.start``, until its ``checkpoint.save``: the checkpoint in place)."""
+        with self._lock:
+            return dict(self._writes)
 
     def open_replicas(self) -> set[int | None]:
         """The groups recovering now (None: the quorum service)."""

@@ -144,6 +144,9 @@ class TrainerActor(Actor):
     def set_serve_delay(self, seconds: float) -> None:
         self.trainer.set_serve_delay(seconds)
 
+    def set_checkpoint_delay(self, seconds: float) -> None:
+        self.trainer.set_checkpoint_delay(seconds)
+
     def abort_collectives(self) -> None:
         self.trainer.abort_collectives()
 

@@ -42,6 +42,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -208,6 +209,8 @@ class Writer:
         self._keep = keep
         self._async = asynchronous
         self._on_durable = on_durable
+        #: Seconds rank 0 waits, every shard and the metadata written, before the rename.
+        self.commit_delay_s = 0.0
         self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -266,6 +269,8 @@ class Writer:
         upload.add_done_callback(finished)
 
     def _done(self, step: int) -> None:
+        if self.commit_delay_s > 0:  # a slow disk (fault injection): written, not yet in place
+            time.sleep(self.commit_delay_s)
         path = _commit(self.root, step, self._keep)
         if self._on_durable is not None:
             self._on_durable(step, path)

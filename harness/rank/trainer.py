@@ -90,6 +90,7 @@ from harness.rank.torchft_glue import (
 from runtime.journal import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
+    CHECKPOINT_START,
     EVAL,
     PROC_START,
     STEP_ABORT,
@@ -166,6 +167,7 @@ class Trainer:
         self._stop_after: float = float("inf")
         self._checkpoint_asked = threading.Event()  # checkpoint_next_step (a time limit)
         self._step_delay = 0.0
+        self._checkpoint_delay = 0.0  # a slow disk under a checkpoint write (fault injection)
         self._compute_s = 0.0  # this step's own forward/backward time (stragglers: compute_s)
         self._quorum_failures = 0
         # Overlapping the quorum with the pass (``_quorum_overlapped``): a heal takes the lock.
@@ -556,7 +558,12 @@ class Trainer:
         folder = self._ckpt_dir / f"replica_{self.replica_id}_rank_{self.rank}"
         keep = self.cfg.checkpoint.keep
 
+        delay = self._checkpoint_delay
+        if self.rank == 0:
+            self._emit(CHECKPOINT_START, {"replica": self.replica_id, "rank": 0, "step": step})
+
         def write() -> None:  # on the writer thread
+            time.sleep(delay)  # a slow disk (faults.inworker.set_checkpoint_delay)
             t_write = time.perf_counter()
             path = checkpoint.write(folder, step, payload, keep=keep)
             self._emit(
@@ -676,6 +683,9 @@ class Trainer:
         self._checkpoint_asked.clear()
         t0 = time.perf_counter()
         self._dcp["started"][step] = t0
+        writer.commit_delay_s = self._checkpoint_delay
+        if self.rank == 0:
+            self._emit(CHECKPOINT_START, {"replica": self.replica_id, "rank": 0, "step": step})
         writer.save(step, self._dcp_state(step))  # waits for the previous write, then stages
         self._dcp["blocked"] = time.perf_counter() - t0
 
@@ -748,6 +758,13 @@ class Trainer:
     def set_step_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` inside every step from now on (0 heals it). Thread-safe."""
         self._step_delay = max(0.0, float(seconds))
+
+    def set_checkpoint_delay(self, seconds: float) -> None:
+        """Hold each checkpoint this rank writes ``seconds`` before it is in place, from the
+        next one on (0 heals it): a slow disk. DCP: the writing group's rank 0 waits with every
+        shard and the metadata written, before the rename; ``torch``: each rank before its
+        file. Thread-safe."""
+        self._checkpoint_delay = max(0.0, float(seconds))
 
     def set_serve_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` before serving each heal from now on (0 heals it): a source behind

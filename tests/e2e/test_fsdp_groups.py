@@ -413,3 +413,61 @@ def test_every_group_killed_mid_dcp_write_resumes_from_the_checkpoint_before(tmp
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 80
     assert (ckpts / "step-80" / ".metadata").is_file()
     assert not list(ckpts.glob(".step-*"))  # the half-written one was written again, in place
+
+
+CHECKPOINT_KILL = """
+name = "checkpoint-kill"
+seed = 3
+duration_s = 30
+policies = ["full_restart"]
+
+[job]
+name = "checkpoint-kill"
+replicas = 2
+ranks = 2
+steps = 1000000
+parallel = { group = "fsdp" }         # DCP checkpoints
+checkpoint = { every_steps = 20 }
+
+[schedule]
+kind = "at_times"
+at_times = [6]
+
+[faults]
+mix = { checkpoint_kill = 1 }
+
+[faults.options.checkpoint_kill]
+slow_write_s = 3.0
+wait_s = 15
+
+[hypotheses]
+committed_steps_rise = true
+replicas_equal_after_heal = true
+every_fault_recovered = true
+journal_complete = true
+no_orphans = true
+"""
+
+
+def test_a_chaos_run_kills_a_group_mid_checkpoint_and_the_job_resumes_from_the_one_before(
+    tmp_path,
+):
+    """``checkpoint_kill`` in ``ftharness chaos``, under ``full_restart``: it waits for a DCP
+    write under way (slowed: every shard and the metadata written, the folder not yet renamed),
+    kills every rank of the writing group; the job restarts whole and every rank loads the
+    checkpoint before, never the one being written; every hypothesis holds."""
+    (tmp_path / "exp.toml").write_text(CHECKPOINT_KILL)
+    run_chaos(tmp_path, REPO, timeout=200)
+    records = read_journal(tmp_path / "run" / "full_restart")
+    (shot,) = [r for r in records if r["event"] == "fault.inject"]
+    assert shot["kind"] == "checkpoint_kill" and shot["ready"] is True
+    starts = [
+        r for r in records
+        if r["event"] == "checkpoint.start" and r["t"] <= shot["t"]
+        and r["replica"] == shot["target"]["replica"]
+    ]  # fmt: skip
+    killed_step = starts[-1]["step"]
+    saved = {r["step"] for r in records if r["event"] == "checkpoint.save" and r["t"] <= shot["t"]}
+    assert killed_step not in saved  # the write was under way: not in place
+    loads = [r for r in records if r["event"] == "checkpoint.load" and r["t"] > shot["t"]]
+    assert loads and {r["step"] for r in loads} == {killed_step - 20}, (killed_step, loads)

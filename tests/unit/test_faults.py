@@ -65,6 +65,7 @@ class FakeContext:
         self.calls: list[tuple[Any, ...]] = []
         self.step = 0
         self.heals: dict[int, int] = {}  # healing group -> its source
+        self.writes: dict[int, int] = {}  # group writing a checkpoint -> its step
 
     def hosts(self) -> list[str]:
         return list(self._hosts)
@@ -124,6 +125,9 @@ class FakeContext:
 
     def heals_under_way(self) -> dict[int, int]:
         return dict(self.heals)
+
+    def checkpoints_under_way(self) -> dict[int, int]:
+        return dict(self.writes)
 
     def close(self) -> None:
         for p in [*self.workers.values(), self.service]:
@@ -407,6 +411,51 @@ def test_a_heal_source_kill_waits_for_a_heal_and_kills_every_rank_of_its_source(
     finally:
         ctx.close()
         ctx.journal.close()
+
+
+def test_a_checkpoint_kill_waits_for_a_write_and_kills_every_rank_of_its_writer(tmp_path):
+    """Due, it slows every group's checkpoint writes (``arm``); it fires only once a write is
+    under way, at the writing group (not its planned target), every rank of it; its heal
+    restores the writes' speed."""
+    ctx = FakeContext(Journal(tmp_path / "journal.jsonl", job="test"), ranks=2)
+    try:
+        clock = Clock()
+        plan = [
+            PlannedFault(fault_id="f000", kind="checkpoint_kill", target=Target(replica=0),
+                         at_s=1.0),
+        ]  # fmt: skip
+        options = {"checkpoint_kill": {"slow_write_s": 3.0, "wait_s": 10.0}}
+        inj = Injector(plan, ctx, seed=0, clock=clock, options=options)
+        inj.start()
+        clock.now = 1.0
+        inj.poll()
+        delays = [(c[1].replica, c[3]) for c in ctx.calls if c[0] == "run_in_worker"]
+        assert delays == [(0, (3.0,)), (1, (3.0,)), (2, (3.0,))]
+        assert all(c[2] is inworker.set_checkpoint_delay for c in ctx.calls)
+        clock.now = 3.0
+        inj.poll()
+        assert inj.fired == []  # no write under way yet
+        ctx.writes = {2: 50}
+        inj.poll()
+        assert inj.fired == ["f000"]
+        assert ctx.workers[(2, 0)].wait(timeout=10) == -9
+        assert ctx.workers[(2, 1)].wait(timeout=10) == -9
+        assert all(ctx.workers[(r, k)].poll() is None for r in (0, 1) for k in (0, 1))
+        (inject,) = [e for e in events(ctx) if e["event"] == "fault.inject"]
+        assert inject["target"] == {"replica": 2, "rank": None, "host": "host0"}
+        inj.poll()
+        assert ctx.calls[-1][2:] == (inworker.set_checkpoint_delay, (0.0,))
+        assert inj.done
+    finally:
+        ctx.close()
+        ctx.journal.close()
+
+
+def test_checkpoint_kill_options_are_checked():
+    with pytest.raises(ValueError, match="wait_s"):
+        make_fault("checkpoint_kill", wait_s=0)
+    with pytest.raises(ValueError, match="slow_write_s"):
+        make_fault("checkpoint_kill", slow_write_s=-1)
 
 
 def test_heal_source_kill_options_are_checked():

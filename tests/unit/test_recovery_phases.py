@@ -6,6 +6,8 @@ from __future__ import annotations
 from harness.job.recovery import HEALED, RecoveryTracker
 from runtime.failure import Cause, Failure
 from runtime.journal import (
+    CHECKPOINT_SAVE,
+    CHECKPOINT_START,
     FAULT_INJECT,
     HEAL_START,
     RECOVERY_PHASE,
@@ -246,3 +248,24 @@ def test_a_heal_is_under_way_from_its_start_to_its_end_or_its_sources_death() ->
                 t_event=102.0, t_detected=102.0)
     )  # fmt: skip
     assert tracker.heals_under_way() == {}  # its source died: that heal cannot go on
+
+
+def test_a_checkpoint_write_is_under_way_from_its_start_to_its_save_or_its_groups_death() -> None:
+    """``checkpoints_under_way`` (what ``checkpoint_kill`` aims by): the writing group's rank 0
+    journaled ``checkpoint.start`` and neither its ``checkpoint.save`` nor its failure came
+    since."""
+    journal, tracker, _ = _tracker()
+    journal.emit(CHECKPOINT_START, replica=1, rank=1, step=50)  # not rank 0's
+    assert tracker.checkpoints_under_way() == {}
+    journal.emit(CHECKPOINT_START, replica=1, rank=0, step=50)
+    assert tracker.checkpoints_under_way() == {1: 50}
+    journal.emit(CHECKPOINT_SAVE, replica=1, rank=1, step=50, path="p")  # rank 1's file only
+    assert tracker.checkpoints_under_way() == {1: 50}
+    journal.emit(CHECKPOINT_SAVE, replica=1, rank=0, step=50, path="p")
+    assert tracker.checkpoints_under_way() == {}
+    journal.emit(CHECKPOINT_START, replica=0, rank=0, step=100)
+    tracker.on_failure(
+        Failure(cause=Cause.SIGNAL, detail="SIGKILL", coords={"replica": 0, "rank": 1},
+                t_event=102.0, t_detected=102.0)
+    )  # fmt: skip
+    assert tracker.checkpoints_under_way() == {}  # its writer died: the write never lands
