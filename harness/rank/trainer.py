@@ -61,8 +61,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -97,6 +98,11 @@ from runtime.journal import (
     STEP_COMMIT,
 )
 from runtime.worker import controller_survivable
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from harness.rank.dcp_checkpoint import Writer as DcpWriter
 
 #: Consecutive failed quorum requests a rank rides out (about a minute of backoff) before it
 #: gives up and lets its supervisor restart the group.
@@ -134,6 +140,19 @@ OVERLAP_QUORUM = True
 #: ``emit(event, fields)``: report a journal event (names and fields in ``runtime/journal.py``);
 #: what it returns (``Journal.emit`` returns the record) is ignored.
 Emit = Callable[[str, dict[str, Any]], object]
+
+
+@dataclass
+class _DcpCheckpoints:
+    """A rank's DCP checkpointing (``checkpoint.format = "dcp"``): its background writer (None
+    on a rank that writes nothing: ranks > 0 of a replicated group), the group's checkpoint
+    process group (None: one rank writes alone), when each checkpoint under way was started
+    (``perf_counter``, by step) and how long the last one held the training thread."""
+
+    writer: DcpWriter | None
+    pg: dist.ProcessGroup | None
+    started: dict[int, float] = field(default_factory=dict)
+    blocked_s: float | None = None
 
 
 class Trainer:
@@ -225,7 +244,7 @@ class Trainer:
         self._heldout = HeldOut(cfg.data) if cfg.data.eval_every else None
         self._initial_eval_due = self._heldout is not None
         self._ckpt_dir = self._checkpoint_root(run_dir)
-        self._dcp: Any = None  # DCP checkpoints: a dcp_checkpoint.Writer and its process group
+        self._dcp: _DcpCheckpoints | None = None  # checkpoint.format = "dcp"
         if self._ckpt_dir is not None and self._ckpt_format() == "dcp":
             self._dcp_init()
         self._resume()
@@ -256,8 +275,8 @@ class Trainer:
                 exc.add_note(f"and a checkpoint write failed: {write_error!r}")
             raise
         self._writer.wait()
-        if self._dcp is not None and self._dcp["writer"] is not None:
-            self._dcp["writer"].wait()
+        if self._dcp is not None and self._dcp.writer is not None:
+            self._dcp.writer.wait()
         return {
             "replica": self.replica_id,
             "rank": self.rank,
@@ -566,17 +585,8 @@ class Trainer:
             time.sleep(delay)  # a slow disk (faults.inworker.set_checkpoint_delay)
             t_write = time.perf_counter()
             path = checkpoint.write(folder, step, payload, keep=keep)
-            self._emit(
-                CHECKPOINT_SAVE,
-                {
-                    "replica": self.replica_id,
-                    "rank": self.rank,
-                    "step": step,
-                    "path": str(path),
-                    "seconds": snap_s + time.perf_counter() - t_write,
-                    "blocked_s": blocked_s,
-                },
-            )
+            seconds = snap_s + time.perf_counter() - t_write
+            self._emit_checkpoint_saved(step, path, seconds=seconds, blocked_s=blocked_s)
 
         self._writer.submit(write)
 
@@ -616,8 +626,8 @@ class Trainer:
         step = checkpoint.common_step(newest_at_most, self.layout.group_min)
         if step < 0:
             return
-        if loaded.get("step") != step:  # agreed on an older step than this rank verified last
-            newest_at_most(step)
+        # common_step's last round asked every rank for the agreed step: loaded holds it.
+        assert loaded["step"] == step, (loaded.get("step"), step)
         state, folder = loaded["state"], loaded["folder"]
         self.load_state_dict(state)
         self.manager.load_state_dict(state["manager"])
@@ -645,13 +655,13 @@ class Trainer:
                 self._ckpt_dir, pg, rank=self.rank, keep=self.cfg.checkpoint.keep,
                 on_durable=self._dcp_durable,
             )  # fmt: skip
-        self._dcp = {"writer": writer, "pg": pg, "started": {}}
+        self._dcp = _DcpCheckpoints(writer, pg)
 
     def _wait_staged(self) -> None:
         """Wait for a background DCP checkpoint's staging copy, if one is being taken: the
         state must not change under it (the optimizer's step, a heal's load)."""
-        if self._dcp is not None and self._dcp["writer"] is not None:
-            self._dcp["writer"].wait_staged()
+        if self._dcp is not None and self._dcp.writer is not None:
+            self._dcp.writer.wait_staged()
 
     def _dcp_state(self, step: int) -> dict[str, Any]:
         """The checkpoint's state in torchtitan's layout, plus torchft's Manager state
@@ -672,39 +682,48 @@ class Trainer:
         quorum writes, every one of its ranks its own shards, together (DCP's collectives), so
         its ranks first agree whether one was asked for; the step waits for the staging copy
         only, the write goes on in the background."""
+        assert self._dcp is not None
         if self.manager.participating_rank() != 0:
             return
-        writer = self._dcp["writer"]
+        writer = self._dcp.writer
         asked = self._checkpoint_asked.is_set()
-        if self._dcp["pg"] is not None:  # a rank asked is enough (asks reach ranks apart)
+        if self._dcp.pg is not None:  # a rank asked is enough (asks reach ranks apart)
             asked = self.layout.group_min(0 if asked else 1) == 0
         if writer is None or (step % self.cfg.checkpoint.every_steps and not asked):
             return
         self._checkpoint_asked.clear()
         t0 = time.perf_counter()
-        self._dcp["started"][step] = t0
+        self._dcp.started[step] = t0
         writer.commit_delay_s = self._checkpoint_delay
         if self.rank == 0:
             self._emit(CHECKPOINT_START, {"replica": self.replica_id, "rank": 0, "step": step})
         writer.save(step, self._dcp_state(step))  # waits for the previous write, then stages
-        self._dcp["blocked"] = time.perf_counter() - t0
+        self._dcp.blocked_s = time.perf_counter() - t0
 
     def _dcp_durable(self, step: int, path: Path) -> None:
         """On the writer's thread of the writing group's rank 0, once checkpoint ``step`` is in
         place (every rank's shards written, the folder renamed)."""
-        t0 = self._dcp["started"].pop(step, None)
-        self._emit(
-            CHECKPOINT_SAVE,
-            {
-                "replica": self.replica_id,
-                "rank": self.rank,
-                "step": step,
-                "path": str(path),
-                "format": "dcp",
-                "seconds": time.perf_counter() - t0 if t0 is not None else None,
-                "blocked_s": self._dcp.get("blocked"),
-            },
-        )
+        assert self._dcp is not None
+        t0 = self._dcp.started.pop(step, None)
+        self._emit_checkpoint_saved(
+            step, path, format="dcp",
+            seconds=time.perf_counter() - t0 if t0 is not None else None,
+            blocked_s=self._dcp.blocked_s,
+        )  # fmt: skip
+
+    def _emit_checkpoint_saved(
+        self, step: int, path: Path, *, seconds: float | None, blocked_s: float | None,
+        format: str | None = None,
+    ) -> None:  # fmt: skip
+        """The ``checkpoint.save`` record: checkpoint ``step`` is durable at ``path``, having
+        taken ``seconds`` from the snapshot on, ``blocked_s`` of them on the training thread."""
+        record: dict[str, Any] = {
+            "replica": self.replica_id, "rank": self.rank, "step": step, "path": str(path),
+        }  # fmt: skip
+        if format is not None:
+            record["format"] = format
+        record.update(seconds=seconds, blocked_s=blocked_s)
+        self._emit(CHECKPOINT_SAVE, record)
 
     def _resume_dcp(self) -> None:
         """Load the newest complete DCP checkpoint, whatever shard count wrote it (DCP reshards
@@ -720,7 +739,8 @@ class Trainer:
         if step < 0:
             return
         state = self._dcp_state(0)
-        dcp_checkpoint.load(self._ckpt_dir, step, state, self._dcp["pg"])
+        assert self._dcp is not None
+        dcp_checkpoint.load(self._ckpt_dir, step, state, self._dcp.pg)
         with self._state_lock:
             dcp_checkpoint.apply(self.model, self.optimizer, state)
             self.data.load_state_dict(state["dataloader"])
@@ -784,8 +804,8 @@ class Trainer:
         then shut down the Manager (and the group store if this rank hosts it)."""
         try:
             self._writer.close()
-            if self._dcp is not None and self._dcp["writer"] is not None:
-                self._dcp["writer"].close()
+            if self._dcp is not None and self._dcp.writer is not None:
+                self._dcp.writer.close()
         finally:
             self._quorum_thread.shutdown(wait=False)
             self.manager.shutdown(wait=False)
