@@ -24,6 +24,10 @@ collectives being a barrier):
   ``blocked_ratio`` = ``blocked_s / step_s`` (#48's goal for ``dcp_async``: <= 0.10);
 * ``after_s``: the extra time of the ``after`` steps that followed (a background write competes
   with training for the cores: on 2 cores it is not free, on a GPU host it is mostly I/O);
+* ``staging_wait_s``: how much of ``after_s`` the steps spent waiting for the staging copy
+  (``dcp_async``: the optimizer's step waits for it; the copy overlaps the passes before it);
+  ``stall_s`` = ``blocked_s + staging_wait_s``: all the checkpoint held training for, and
+  ``stall_ratio`` = ``stall_s / step_s``;
 * ``durable_s``: from the checkpoint call to the checkpoint in place;
 * ``bytes``: the checkpoint's size on disk.
 
@@ -80,11 +84,14 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
     def step() -> None:
         tokens = torch.randint(0, vocab, (4, seq + 1), generator=gen)
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        t_wait = time.perf_counter()
         for w in writers.values():  # as the trainer: the staging copy in before the state moves
             w.wait_staged()
+        staging_wait[0] += time.perf_counter() - t_wait
         optim.step()
         optim.zero_grad()
 
+    staging_wait = [0.0]  # seconds step() waited for a staging copy, this window
     torch_writer = checkpoint.BackgroundWriter("bench-ckpt")
     pg = layout.checkpoint_group()
     durable: dict[str, float] = {}
@@ -133,6 +140,8 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
         for way in WAYS:
             times = []
             for i in range(warmup + 1 + after):
+                if i == warmup + 1:
+                    staging_wait[0] = 0.0
                 t0 = time.perf_counter()
                 step()
                 if i == warmup:
@@ -148,6 +157,7 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
                     "step_s": step_s,
                     "blocked_s": times[warmup] - step_s,
                     "after_s": sum(t - step_s for t in times[warmup + 1 :]),
+                    "staging_wait_s": staging_wait[0],
                     "durable_s": durable.pop(way, float("nan")) - t_save,  # rank 0 knows
                 }
             )
@@ -198,11 +208,17 @@ def main(args: Any) -> int:
     for way, rows in raw["rows"].items():
         fig = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         fig["blocked_ratio"] = statistics.median(r["blocked_s"] / r["step_s"] for r in rows)
+        stalls = [r["blocked_s"] + r["staging_wait_s"] for r in rows]
+        fig["stall_s"] = statistics.median(stalls)
+        ratios_ = (st / r["step_s"] for st, r in zip(stalls, rows, strict=True))
+        fig["stall_ratio"] = statistics.median(ratios_)
         fig["bytes"] = raw["bytes"][way]
         ways[way] = {k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()}
         log(
             f"{way:>9}: step {fig['step_s'] * 1e3:.1f} ms, blocked {fig['blocked_s'] * 1e3:.1f} ms"
-            f" ({fig['blocked_ratio']:.1%} of a step), after {fig['after_s'] * 1e3:.1f} ms, "
+            f" ({fig['blocked_ratio']:.1%} of a step), with the staging wait "
+            f"{fig['stall_s'] * 1e3:.1f} ms ({fig['stall_ratio']:.1%}), after "
+            f"{fig['after_s'] * 1e3:.1f} ms, "
             f"durable in {fig['durable_s']:.2f} s, {fig['bytes'] / 2**20:.1f} MiB"
         )
     ratios = {

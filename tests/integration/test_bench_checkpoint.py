@@ -37,7 +37,13 @@ def test_quick_checkpoint_bench_prints_the_contract_json_last():
     for way, fig in result["ways"].items():
         assert fig["step_s"] > 0 and fig["durable_s"] > 0, way
         assert fig["bytes"] > 0, way
-        assert set(fig) == {"step_s", "blocked_s", "after_s", "durable_s", "blocked_ratio", "bytes"}
+        assert set(fig) == {
+            "step_s", "blocked_s", "after_s", "staging_wait_s", "durable_s", "blocked_ratio",
+            "stall_s", "stall_ratio", "bytes",
+        }  # fmt: skip
+        assert fig["stall_s"] >= fig["blocked_s"] and fig["staging_wait_s"] >= 0, way
+        if way != "dcp_async":  # nothing staged in the background: no staging wait
+            assert fig["staging_wait_s"] == 0, way
     # the same state either way DCP writes it (one metadata file apart in size at most)
     dcp_sync, dcp_async = result["ways"]["dcp_sync"]["bytes"], result["ways"]["dcp_async"]["bytes"]
     assert abs(dcp_sync - dcp_async) < 0.01 * dcp_sync

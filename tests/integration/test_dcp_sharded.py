@@ -77,3 +77,9 @@ def test_torchtitans_llama3_checkpoints_and_loads_unsharded_bitwise(tmp_path: Pa
     keys = FileSystemReader(str(root / "step-2")).read_metadata().state_dict_metadata
     assert any(k.endswith(".wq.weight") for k in keys), sorted(keys)[:8]
     assert not any("wqkv" in k for k in keys if not k.startswith("optimizer"))
+    # Split shard by shard (dcp_checkpoint.model_state), not gathered whole first: each of the
+    # two ranks wrote its half of every wq/wk/wv.
+    split = [k for k in keys if k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))]
+    assert split and all(len(keys[k].chunks) == 2 for k in split), {
+        k: len(keys[k].chunks) for k in split
+    }
