@@ -47,7 +47,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -121,7 +121,7 @@ def model_state(model: nn.Module) -> dict[str, Any]:
     tensors, keys and layout; DCP records them as shards, not replicated). Any other placement is
     left to torchtitan's hook."""
     handles = [
-        m.wqkv.register_state_dict_post_hook(_split_fused_qkv_locally(m))
+        cast(nn.Module, m.wqkv).register_state_dict_post_hook(_split_fused_qkv_locally(m))
         for m in model.modules()
         if hasattr(m, "wqkv") and hasattr(m, "_split_qkv_on_save")
     ]
@@ -139,7 +139,8 @@ def _split_fused_qkv_locally(attn: nn.Module) -> Callable[..., None]:
     locally are left as they are."""
     from torch.distributed.tensor import DTensor, Shard
 
-    hd, hpk, r = attn.head_dim, attn.heads_per_kv, attn.r_dim
+    # torchtitan's attention keeps these as plain ints (nn.Module's typing says Tensor | Module)
+    hd, hpk, r = (cast(int, getattr(attn, a)) for a in ("head_dim", "heads_per_kv", "r_dim"))
 
     def hook(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
         parent = prefix[: -len("wqkv.")]
