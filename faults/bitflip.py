@@ -43,6 +43,13 @@ class BitFlip:
     where: Literal["weights", "optimizer", "any"] = "any"
     bit: int = -1
 
+    def __post_init__(self) -> None:
+        if not -1 <= self.bit <= 63:
+            raise ValueError(
+                f"bitflip: bit must be -1 (drawn from the seed) or 0-63 (an element is at "
+                f"most 64 bits), got {self.bit!r}"
+            )
+
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
         seed = rng.getrandbits(62)
         ctx.run_in_worker(target, flip_between_steps, seed, self.where, self.bit)

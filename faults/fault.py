@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import random
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -266,9 +267,31 @@ def make_fault(kind: str, **options: Any) -> Fault:
     allowed ones."""
     cls = fault_class(kind)
     allowed = fault_options(kind)
-    for key in options:
+    hints = typing.get_type_hints(cls)
+    for key, value in options.items():
         if key not in allowed:
             raise ValueError(
                 f"fault {kind!r} has no option {key!r}; allowed: {', '.join(sorted(allowed))}"
             )
+        wrong = _wrong_type(hints.get(key), value)
+        if wrong:
+            raise ValueError(f"fault {kind!r} option {key!r} must be {wrong}, got {value!r}")
     return cls(**options)
+
+
+def _wrong_type(hint: Any, value: Any) -> str | None:
+    """What ``value`` should have been, if it does not fit an option's annotation (a number, a
+    string or one of a Literal's values; bools are not numbers here); None if it fits or the
+    annotation is one this does not check. Range checks stay with each fault's own
+    ``__post_init__``."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return None if value in choices else "one of " + ", ".join(map(repr, choices))
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if ok else "a number"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint in (str, bool):
+        return None if isinstance(value, hint) else f"a {hint.__name__}"
+    return None

@@ -29,10 +29,11 @@ The timeout ordering, and why each rule exists (all values in seconds):
   incarnation may still run, but cannot commit: the tree quorum admits only the newest one.
 
 Numbers are also checked against what could ever run (one walk over every field, see
-:func:`_check_numbers`): every float is finite (a NaN timeout never fires, an infinite duration
-never ends), every duration is at most :data:`MAX_SECONDS`, and sizes are bounded by what one
-job could launch and hold in memory (:data:`MAX_WORKERS`, :data:`MAX_HOSTS`,
-:data:`MAX_LOGITS_BYTES`, :data:`MAX_MODEL_BYTES`). ``name`` names the run directory, so it must
+:func:`_check_values`): every float is finite (a NaN timeout never fires, an infinite duration
+never ends), no string holds a NUL, every duration is at most :data:`MAX_SECONDS`, and sizes are
+bounded by what one job could launch and hold in memory (:data:`MAX_WORKERS`, :data:`MAX_HOSTS`,
+:data:`MAX_LOGITS_BYTES`, :data:`MAX_MODEL_BYTES`, :data:`MAX_EVAL_BATCHES`,
+:data:`MAX_STRAGGLER_WINDOW`). ``name`` names the run directory, so it must
 be a plain file name (:data:`NAME_PATTERN`). Files and override values are read through
 ``harness.tomlfile``: whatever a file or an override holds, the answer is a ConfigError.
 
@@ -86,6 +87,13 @@ MAX_LOGITS_BYTES = 16 << 30
 #: parameter): past 32 GiB for those (2 billion parameters), one worker cannot fit a sane machine.
 #: The built-in models are ~12 x dim^2 parameters per layer plus the embeddings and the head.
 MAX_MODEL_BYTES = 32 << 30
+#: Held-out batches per evaluation: each is a forward pass on every rank at every evaluation, and
+#: the held-out split is read whole into memory; 4096 batches already make an evaluation of
+#: thousands of steps' compute.
+MAX_EVAL_BATCHES = 4096
+#: Committed steps per group in a straggler estimate: the controller keeps that many step times
+#: per group, and a slow group is flagged only once the window is full.
+MAX_STRAGGLER_WINDOW = 100_000
 #: torch.Generator.manual_seed takes at most a 64-bit value; the data stream derives from it.
 MAX_SEED = 2**63 - 1
 #: The default sparse quorum period (``recovery.quorum_every_steps = 0``). A replacement does
@@ -383,19 +391,31 @@ def _is_seconds(key: str) -> bool:
     return key.startswith("timeouts.") or key.endswith("_s")
 
 
-def _check_numbers(spec: Any, prefix: str = "") -> None:
+def _check_values(spec: Any, prefix: str = "") -> None:
     """One walk over every field of ``spec`` (recursively): floats (and floats in tuples) must be
-    finite, and durations (``timeouts.*``, ``*_s``) at most :data:`MAX_SECONDS`."""
+    finite, durations (``timeouts.*``, ``*_s``) at most :data:`MAX_SECONDS`, and no string (in a
+    field, a tuple or a table, keys too) may hold a NUL: the OS cuts a path, an argument or an
+    interface name there (or refuses it), so a worker would run with something other than what
+    the config says, or fail where nobody reads it."""
     for f in dataclasses.fields(spec):
         key, value = prefix + f.name, getattr(spec, f.name)
         if dataclasses.is_dataclass(value):
-            _check_numbers(value, key + ".")
+            _check_values(value, key + ".")
             continue
-        items = enumerate(value) if isinstance(value, tuple) else [(None, value)]
-        for i, v in items:
+        items: list[tuple[str, Any]]
+        if isinstance(value, dict):
+            items = [(f".{k}", v) for k, v in value.items()]
+            items += [(f" (a key {k!r})", k) for k in value]
+        elif isinstance(value, tuple):
+            items = [(f"[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [("", value)]
+        for at, v in items:
+            where = key + at
+            if isinstance(v, str) and "\0" in v:
+                raise ConfigError(f"{where} = {v!r}: holds a NUL character")
             if not isinstance(v, float):
                 continue
-            where = key if i is None else f"{key}[{i}]"
             if not math.isfinite(v):
                 raise ConfigError(f"{where} = {v!r}: must be a finite number")
             if _is_seconds(key) and v > MAX_SECONDS:
@@ -550,6 +570,11 @@ def _check_stragglers(s: StragglerConfig) -> None:
             "or less flags a group as slow for being as fast as the others"
         )
     _positive("recovery.stragglers.window", s.window, 3)
+    if s.window > MAX_STRAGGLER_WINDOW:
+        raise ConfigError(
+            f"recovery.stragglers.window = {s.window}: must be <= {MAX_STRAGGLER_WINDOW} "
+            "committed steps (a slow group is flagged only once its window is full)"
+        )
     if not 0.0 < s.hysteresis <= 1.0:
         raise ConfigError(
             f"recovery.stragglers.hysteresis = {s.hysteresis} must be in (0, 1]: "
@@ -560,7 +585,7 @@ def _check_stragglers(s: StragglerConfig) -> None:
 def validate(cfg: JobConfig) -> None:
     """Raise :class:`ConfigError` for the first rule ``cfg`` breaks (numbers, sizes, then
     timeouts)."""
-    _check_numbers(cfg)
+    _check_values(cfg)
     _positive("replicas", cfg.replicas)
     _positive("ranks", cfg.ranks)
     _positive("hosts", cfg.hosts)
@@ -573,6 +598,21 @@ def validate(cfg: JobConfig) -> None:
         )
     for key in ("seq_len", "batch_size", "vocab_size", "eval_batches"):
         _positive(f"data.{key}", getattr(cfg.data, key))
+    if cfg.data.eval_batches > MAX_EVAL_BATCHES:
+        raise ConfigError(
+            f"data.eval_batches = {cfg.data.eval_batches}: must be <= {MAX_EVAL_BATCHES} (each "
+            "is a forward pass on every rank at every evaluation)"
+        )
+    if cfg.data.corpus is not None and not cfg.data.corpus.strip():
+        raise ConfigError(
+            f"data.corpus = {cfg.data.corpus!r}: must be the folder `ftharness data prepare` "
+            "wrote; leave the key out for the default corpus"
+        )
+    if not cfg.bind_host.strip():
+        raise ConfigError(
+            f"bind_host = {cfg.bind_host!r}: must be an address or host name to listen on (an "
+            "empty one listens on every interface); the default is 127.0.0.1"
+        )
     _positive("data.eval_every", cfg.data.eval_every, 0)
     if cfg.data.kind != "tokens" and (cfg.data.eval_every or cfg.data.corpus is not None):
         raise ConfigError('data.eval_every and data.corpus need data.kind = "tokens" (real text)')

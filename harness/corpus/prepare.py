@@ -115,6 +115,8 @@ def prepare(
     root = Path(out).expanduser()
     if root.exists() and not root.is_dir():
         raise CorpusError(f"--out {root}: exists and is not a directory")
+    if root.is_dir():
+        _check_out(root, fp)  # refused before the lock file is made: nothing left behind
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root):
         found = _reusable(root, fp)
@@ -124,9 +126,9 @@ def prepare(
         return _prepare(src, root, fp, opts, say, t0, cpu0)
 
 
-def _reusable(root: Path, fp: str) -> dict[str, Any] | None:
-    """The manifest of ``root`` if it holds this very corpus (checked against its checksums),
-    None if it holds nothing of ours; CorpusError if it holds something else."""
+def _check_out(root: Path, fp: str) -> dict[str, Any] | None:
+    """CorpusError if ``root`` holds something other than this corpus (a different one, or
+    files that are no corpus's); else its manifest, None if it has none yet (unverified)."""
     if (root / MANIFEST).exists():
         manifest = read_manifest(root)
         if manifest.get("fingerprint") != fp:
@@ -135,7 +137,6 @@ def _reusable(root: Path, fp: str) -> dict[str, Any] | None:
                 f"vocabulary {manifest.get('vocab_size')}): choose another --out, or remove it "
                 "to prepare this one there"
             )
-        verify_files(root, manifest)
         return manifest
     others = sorted(p.name for p in root.iterdir() if p.name not in FILES and p.name[0] != ".")
     if others:
@@ -144,6 +145,15 @@ def _reusable(root: Path, fp: str) -> dict[str, Any] | None:
             "empty or new directory"
         )
     return None  # new, or a preparation interrupted before its manifest: ours to write
+
+
+def _reusable(root: Path, fp: str) -> dict[str, Any] | None:
+    """The manifest of ``root`` if it holds this very corpus (checked against its checksums),
+    None if it holds nothing of ours; CorpusError if it holds something else."""
+    manifest = _check_out(root, fp)
+    if manifest is not None:
+        verify_files(root, manifest)
+    return manifest
 
 
 @contextlib.contextmanager

@@ -108,6 +108,8 @@ def _jsonl(f: Path, rel: str, key: str) -> Iterator[tuple[str, str]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise CorpusError(f"{f}:{n}: not a JSON object: {exc}") from None
+            except RecursionError:
+                raise CorpusError(f"{f}:{n}: nested too deeply to read") from None
             text = obj.get(key) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise CorpusError(f"{f}:{n}: no string field {key!r} (--text-key names it)")

@@ -112,6 +112,18 @@ def _fault(target: object) -> dict:
     return {"t": 2.5, "event": "fault.inject", "fault_id": "f1", "kind": "kill", "target": target}
 
 
+def _fault_option(tmp: Path, kind: str, line: str) -> list[str]:
+    """An experiment whose ``[faults.options.KIND]`` table holds ``line``."""
+    text = _experiment("[job]\nreplicas = 2\nsteps = 5") + f"[faults.options.{kind}]\n{line}\n"
+    return _chaos(_file(tmp, "e.toml", text))
+
+
+def _prepare(tmp: Path, name: str, content: str) -> list[str]:
+    """``data prepare`` of a source folder holding one file ``name``."""
+    _file(tmp, f"src/{name}", content)
+    return ["data", "prepare", str(tmp / "src"), "--out", str(tmp / "out"), "--quiet"]
+
+
 def _copy(tmp: Path, content: str | bytes) -> list[str]:
     """A run whose saved experiment copy (RUN/experiment.toml) holds ``content``."""
     _file(tmp, "run/experiment.toml", content)
@@ -269,6 +281,73 @@ CASES: dict[str, Case] = {
     "agent: a port past 65535": Case(
         lambda t: _agent(t, controller="127.0.0.1:99999"),
         r"^ftharness agent: --controller '127\.0\.0\.1:99999': expected HOST:PORT \(PORT 1",
+    ),
+    # -- round three (issue #49): options and keys once accepted, failing later or never -------
+    "chaos: bitflip where = 'x'": Case(
+        lambda t: _fault_option(t, "bitflip", 'where = "x"'),
+        r"^ftharness chaos: .*faults\.options\.bitflip: .*'where' must be one of 'weights', "
+        r"'optimizer', 'any', got 'x'",
+        rc=2,
+    ),
+    "chaos: bitflip bit = 64": Case(
+        lambda t: _fault_option(t, "bitflip", "bit = 64"),
+        r"^ftharness chaos: .*faults\.options\.bitflip: bitflip: bit must be -1 .* or 0-63",
+        rc=2,
+    ),
+    "chaos: bitflip bit = 10**20": Case(
+        lambda t: _fault_option(t, "bitflip", f"bit = {10**20}"),
+        r"^ftharness chaos: .*faults\.options\.bitflip: .*(bit must be -1|integer)",
+        rc=2,
+    ),
+    "chaos: bitflip bit = 'x'": Case(
+        lambda t: _fault_option(t, "bitflip", 'bit = "x"'),
+        r"^ftharness chaos: .*faults\.options\.bitflip: .*'bit' must be an integer, got 'x'",
+        rc=2,
+    ),
+    "chaos: bitflip bit = true": Case(
+        lambda t: _fault_option(t, "bitflip", "bit = true"),
+        r"^ftharness chaos: .*faults\.options\.bitflip: .*'bit' must be an integer, got True",
+        rc=2,
+    ),
+    "chaos: controller_crash wait_s = 'x'": Case(
+        lambda t: _fault_option(t, "controller_crash", 'wait_s = "x"'),
+        r"^ftharness chaos: .*controller_crash: .*'wait_s' must be a number, got 'x'",
+        rc=2,
+    ),
+    "run: a NUL in network.interface": Case(
+        lambda t: _run(str(TINY), "--set", 'network.interface="lo\\u0000x"'),
+        r"^ftharness run: network\.interface = 'lo\\x00x': holds a NUL character",
+        rc=2,
+    ),
+    "run: a NUL in program.command": Case(
+        lambda t: _run(str(TINY), "--set", 'program.command=["python", "a\\u0000.py"]'),
+        r"^ftharness run: program\.command\[1\] = 'a\\x00\.py': holds a NUL character",
+        rc=2,
+    ),
+    "run: bind_host = ''": Case(
+        lambda t: _run(str(TINY), "--set", 'bind_host=""'),
+        r"^ftharness run: bind_host = '': must be an address or host name",
+        rc=2,
+    ),
+    "run: recovery.stragglers.window = 10**12": Case(
+        lambda t: _run(str(TINY), "--set", f"recovery.stragglers.window={10**12}"),
+        r"^ftharness run: recovery\.stragglers\.window = 1000000000000: must be <= 100000",
+        rc=2,
+    ),
+    "run: data.eval_batches = 10**12": Case(
+        lambda t: _run(str(TINY), "--set", f"data.eval_batches={10**12}"),
+        r"^ftharness run: data\.eval_batches = 1000000000000: must be <= 4096",
+        rc=2,
+    ),
+    "run: data.corpus = ''": Case(
+        lambda t: _run(str(TINY), "--set", 'data.kind="tokens"', "--set", 'data.corpus=""'),
+        r"^ftharness run: data\.corpus = '': must be the folder",
+        rc=2,
+    ),
+    "data prepare: a .jsonl line nested deeply": Case(
+        lambda t: _prepare(t, "a.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
+        r"^ftharness data prepare: .*a\.jsonl:1: nested too deeply to read",
+        rc=2,
     ),
 }
 

@@ -155,6 +155,7 @@ def _with(d: Path, name: str, text: str) -> Path:
         (lambda d: _with(d, "a.txt", ""), "no text"),
         (lambda d: _with(d, "a.jsonl", "{not json\n"), "a.jsonl:1: not a JSON"),
         (lambda d: _with(d, "a.jsonl", '{"body": "x"}\n'), "no string field 'text'"),
+        (lambda d: _with(d, "a.jsonl", "[" * 100_000 + "]" * 100_000), "a.jsonl:1: nested too"),
         (lambda d: str(d / "*.md"), "the glob matches no file"),
     ],
 )
@@ -174,7 +175,8 @@ def test_an_out_dir_holding_other_files_is_refused(tmp_path):
     (tmp_path / "out" / "notes.txt").write_text("mine")
     with pytest.raises(CorpusError, match="holds other files"):
         prepare(str(src), tmp_path / "out", OPTS, say=_quiet)
-    assert [p.name for p in (tmp_path / "out").iterdir() if p.name != ".lock"] == ["notes.txt"]
+    # refused before its lock file is made: the folder is as the user left it
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
 
 
 def test_the_cli_prepares_and_says_what_is_wrong(tmp_path, capsys):
