@@ -1,7 +1,15 @@
 """The keeper's beats to a standby on another node (``harness.job.standby_node`` says why and
 what the standby does with them): a TCP port named in ``keeper.json``, a byte every
 ``BEAT_INTERVAL_S`` to each standby connected, ``E`` when the keeper ends on purpose; and the
-standby's job step, which the keeper starts."""
+standby's job step, which the keeper starts.
+
+Only a standby of the job's own counts: a connection first proves it holds the keeper's beat key
+(``runtime.channel``'s handshake, within :data:`HANDSHAKE_S`), a random key of each keeper's
+that ``keeper.json`` holds (mode 0600 in the 0700 run directory: the job's user alone reads it).
+The job secret cannot serve here: the first controller writes it, after the keeper has started
+the standby. A stranger's connection is closed unread and does not make the keeper "watched";
+a standby that stops reading is dropped after :data:`SEND_S`, so it cannot stall the beats to
+the others."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime import channel
 from runtime.proctree import reap_within
 
 if TYPE_CHECKING:
@@ -21,6 +30,12 @@ if TYPE_CHECKING:
 
 #: What a beat is, and what a keeper that ends on purpose sends last.
 BEAT, END = b"b", b"E"
+#: A connection proves it holds the beat key within this long, or is closed.
+HANDSHAKE_S = 5.0
+#: A standby whose socket takes no beat within this long (it stopped reading) is dropped.
+SEND_S = 2.0
+#: Connections that may be proving themselves at once; more are closed at once.
+MAX_PENDING = 32
 
 
 class Remote:
@@ -32,6 +47,8 @@ class Remote:
         self.interval_s = interval_s
         self._server = socket.create_server((bind_host, 0))
         self.address = f"{bind_host}:{self._server.getsockname()[1]}"
+        self.key = channel.new_secret()  # a standby proves it (keeper.json's "beat_key")
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
         self._clients: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -68,12 +85,32 @@ class Remote:
                 conn, _ = self._server.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._clients.append(conn)
-                watched, self.on_watched = self.on_watched, None
-            if watched is not None:
-                watched()
+            if not self._pending.acquire(blocking=False):
+                conn.close()  # a flood of connections: the real standby's comes again
+                continue
+            threading.Thread(
+                target=self._admit, args=(conn,), daemon=True, name="keeper-beats-admit"
+            ).start()
+
+    def _admit(self, conn: socket.socket) -> None:
+        """A connection that proves the beat key becomes a standby that gets beats."""
+        try:
+            channel.server_handshake(conn, self.key, HANDSHAKE_S)
+        except channel.ChannelError:  # AuthError among them: not ours, or too slow
+            conn.close()
+            return
+        finally:
+            self._pending.release()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(SEND_S)  # bounds every sendall to it
+        with self._lock:
+            if self._closed.is_set():
+                conn.close()
+                return
+            self._clients.append(conn)
+            watched, self.on_watched = self.on_watched, None
+        if watched is not None:
+            watched()
 
     def _send(self, data: bytes) -> None:
         with self._lock:
@@ -81,7 +118,7 @@ class Remote:
         for conn in clients:
             try:
                 conn.sendall(data)
-            except OSError:
+            except OSError:  # gone, or took nothing for SEND_S (TimeoutError)
                 with self._lock:
                     if conn in self._clients:
                         self._clients.remove(conn)

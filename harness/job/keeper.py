@@ -403,6 +403,7 @@ class Keeper:
                 "pid": os.getpid(),
                 "host": this_host(),
                 "beat": self.remote.address if self.remote is not None else None,
+                "beat_key": self.remote.key.hex() if self.remote is not None else None,
                 "watched": self._watched,
                 "uid": os.getuid(),
                 "started": self._started_at,

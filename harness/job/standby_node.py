@@ -86,17 +86,24 @@ def _controller_answers(run_dir: Path) -> bool:
         return False
 
 
-def watch(run_dir: Path, beat: tuple[str, int], silence_s: float, say: Any) -> str:
-    """Follow the keeper's beats: ``"ended"`` (the keeper ended on purpose, or the run did) or
-    ``"lost"`` (keeper and controller gone: take over)."""
+def watch(run_dir: Path, beat: tuple[str, int], key: bytes, silence_s: float, say: Any) -> str:
+    """Follow the keeper's beats (proving ``key``, the keeper's beat key, first): ``"ended"``
+    (the keeper ended on purpose, or the run did) or ``"lost"`` (keeper and controller gone:
+    take over)."""
+    from runtime.channel import ChannelError, client_handshake
+
     journal = run_dir / "journal.jsonl"
+    conn: socket.socket | None = None
     try:
         conn = socket.create_connection(beat, timeout=silence_s)
-    except OSError as exc:
+        client_handshake(conn, key, silence_s)
+    except (OSError, ChannelError) as exc:
+        if conn is not None:
+            conn.close()
+            conn = None
         if find_job_end(journal) is not None:
             return "ended"
         say(f"cannot reach the keeper's beats at {beat[0]}:{beat[1]} ({exc})")
-        conn = None
     while conn is not None:
         conn.settimeout(silence_s)
         try:
@@ -135,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(job_env())
     info = read_json(run_dir / KEEPER_FILE) or {}
     host, _, port = str(info.get("beat") or "").rpartition(":")
-    if not host or not port.isdigit():
-        _say(f"{run_dir / KEEPER_FILE} names no beat address: no standby here")
+    try:
+        key = bytes.fromhex(str(info.get("beat_key") or ""))
+    except ValueError:
+        key = b""
+    if not host or not port.isdigit() or not key:
+        _say(f"{run_dir / KEEPER_FILE} names no beat address and key: no standby here")
         return 2
     _say(f"standby on {this_host()} for the keeper on {info.get('host', '?')}")
-    if watch(run_dir, (host, int(port)), cfg.timeouts.controller_silence, _say) == "ended":
+    if watch(run_dir, (host, int(port)), key, cfg.timeouts.controller_silence, _say) == "ended":
         return 0
     _say(f"the keeper and its controller are gone: taking the run over on {this_host()}")
     lost = str(info.get("host") or "")
