@@ -199,6 +199,11 @@ class Agent:
             self.sel.unregister(self.conn.sock)
         self.conn.close()
         self.conn = None
+        if self.relay is not None:
+            # Forward nowhere until a new controller says where its quorum serves: the dead
+            # one's port is free now, and whoever binds it next must not get the Managers'
+            # requests (issue #49). Meanwhile they fail and are asked again.
+            self.relay.set_upstream("")
         self.survival.lose(time.monotonic(), self.out.take_unsent())
 
     def _reattach(self) -> None:

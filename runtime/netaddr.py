@@ -26,9 +26,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import psutil
 
@@ -149,26 +146,3 @@ def hostname_reaches(address: str) -> bool:
     except OSError:
         return False
     return any(info[4][0] == address for info in infos)
-
-
-T = TypeVar("T")
-
-
-def bind_again(
-    make: Callable[[int], T],
-    port: int,
-    patience_s: float,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> T:
-    """``make(port)`` (a server listening on ``port``), retried every 0.1 s while the port is
-    taken (OSError) for ``patience_s``: a dead process's socket on it may linger a moment after
-    its death. Port 0 (any free one) is not retried."""
-    deadline = clock() + patience_s
-    while True:
-        try:
-            return make(port)
-        except OSError:
-            if not port or clock() >= deadline:
-                raise
-            sleep(0.1)

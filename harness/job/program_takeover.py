@@ -6,10 +6,10 @@ A program is the user's own, unmodified: it was given its quorum service's addre
 (``TORCHFT_LIGHTHOUSE``: the controller's quorum tap, ``harness.quorum.tap``) and its group's
 store (``MASTER_ADDR``/``MASTER_PORT``) once, in its environment, and keeps them for life. So:
 
-* **The tap comes back where it was.** Its port is kept in ``RUN/program.json`` (written whole
-  and durably, :func:`save`, before any program is started), and a new controller binds the
-  same port again (``runtime.netaddr.bind_again``, for :data:`BIND_PATIENCE_S`: the old socket
-  may linger).
+* **The tap comes back behind the same address.** Programs were given their host agent's quorum
+  relay (``runtime.relay``), whose address never changes: a new controller serves its tap on a
+  fresh port and points every relay at it (never its predecessor's port, which anyone on the
+  machine may have taken meanwhile: issue #49).
 * **A quorum request waits.** The programs of a job that can be taken over get
   ``TORCHFT_QUORUM_RETRIES`` (``harness.job.program_env.program_quorum_retries``): a request
   in flight when the controller died, or made while none serves, fails and is asked again
@@ -40,12 +40,9 @@ from typing import Any
 
 from harness.job.takeover import GroupPlan, TakeoverRefused, not_adopted
 from runtime.journal import CONTROLLER_TAKEOVER, GROUP_START, HEALED, STEP_COMMIT
-from runtime.netaddr import bind_again
 
 #: The file in the run directory (mode 0600, like every control file of a run).
 STATE_FILE = "program.json"
-#: How long a new controller tries to bind its predecessor's tap port.
-BIND_PATIENCE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -110,22 +107,15 @@ def load(run_dir: Path) -> ProgramState:
 
 
 def open_tap(
-    make: Callable[[int], Any], run_dir: Path, *, takeover: bool, survivable: bool, relayed: bool
+    make: Callable[[int], Any], run_dir: Path, *, takeover: bool, survivable: bool
 ) -> tuple[Any, ProgramState | None]:
-    """The job's quorum tap (``make(port)``) and its durable state. After a takeover, on its
-    predecessor's port (:data:`BIND_PATIENCE_S`; where programs reach it through their agents'
-    relays, ``relayed``, any port will do if that one is taken: a new node's). A ``survivable``
-    job's state is saved before any program is given the tap's address."""
+    """The job's quorum tap (``make(port)``) and its durable state (its predecessor's after a
+    takeover). Always on a fresh port: programs reach the tap through their agents' relays,
+    which the job points at it, so a takeover never binds its predecessor's port again (anyone
+    on the machine may have taken it meanwhile). A ``survivable`` job's state is saved before
+    any program is given the tap's address."""
     durable = load(run_dir) if takeover else None
-    if durable is None:
-        tap = make(0)
-    else:
-        try:
-            tap = bind_again(make, durable.tap_port, BIND_PATIENCE_S)
-        except OSError:
-            if not relayed:
-                raise
-            tap = make(0)
+    tap = make(0)
     if survivable:
         durable = durable or ProgramState(tap.port, {})
         durable.tap_port = tap.port

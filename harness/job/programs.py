@@ -104,9 +104,8 @@ class ProgramGroups:
 
         takeover = getattr(self.job, "plan", None) is not None
         self.tap, self.durable = program_takeover.open_tap(
-            tap, self.job.run_dir, takeover=takeover, survivable=self.survivable,
-            relayed=self.relayed,
-        )  # fmt: skip
+            tap, self.job.run_dir, takeover=takeover, survivable=self.survivable
+        )
         c = self.job.controller
         self._deaths_watch = DeathWatch.attach(self.job, self._groups.get, self._check_all_done)
         for listener in (self._after_the_others, RemoteUnblock(c, self._inc), self._survivors_due):

@@ -316,6 +316,7 @@ class Job:
         self.groups_kind.quorum_ids_reset()  # a program's tap continues the ids it handed out
 
     def quorum_restarted(self) -> None:
+        self.relay_quorum()  # it serves on a fresh port
         self.tracker.replacement_started(None)  # the quorum service's recovery
 
     def ask_for_quorum(self) -> None:

@@ -15,8 +15,9 @@ derived, and why:
 * ``data.kind = "tokens"``: the corpus, prepared on first use if it is the default one, its
   absolute path and its tokenizer's vocabulary (``harness.corpus.job.resolve_data``).
 * ``launcher = "slurm"``: the hosts are the allocation's nodes less ``slurm.spare_nodes``, and the
-  controller binds an address the nodes reach (``harness.job.slurm``). With the tree quorum, each
-  host's agent relays the trainers' quorum traffic (:func:`wants_quorum_relay`).
+  controller binds an address the nodes reach (``harness.job.slurm``).
+* ``recovery.quorum = "tree"``: each host's agent relays its trainers' (and programs') quorum
+  traffic (:func:`wants_quorum_relay`).
 """
 
 from __future__ import annotations
@@ -111,10 +112,15 @@ def prepare_site(
 
 def wants_quorum_relay(cfg: JobConfig) -> bool:
     """Whether the trainers reach the quorum service through a relay on their host
-    (``runtime.relay``): where a new controller, after a takeover, may run on another node (its
-    node died), so that its quorum service comes back at another address. The tree quorum only:
-    torchft's Lighthouse cannot resume after a takeover anyway."""
-    return cfg.launcher == "slurm" and cfg.recovery.quorum == "tree"
+    (``runtime.relay``): with the tree quorum, on every launcher. A Manager keeps the address it
+    was given for life, and a relay's never changes, while the service behind it may: a new
+    controller's (after a takeover, on a fresh port, or on another node under SLURM) or a
+    restarted one's. So no port the job once used has to be bound again, where anyone on the
+    machine could have bound it first and answered the Managers (issue #49), and only processes
+    of the job's own tree reach the service (the relay's admission). torchft's Lighthouse
+    (``recovery.quorum = "torchft"``) is reached directly: it cannot resume after a takeover
+    anyway."""
+    return cfg.recovery.quorum == "tree"
 
 
 def controller_spec(cfg: JobConfig) -> ControllerSpec:

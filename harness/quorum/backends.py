@@ -30,7 +30,14 @@ def make_quorum_service(
     raises ``harness.quorum.durable.QuorumStateError`` here). torchft's Lighthouse keeps none:
     it cannot resume."""
     if cfg.recovery.quorum == "tree":
-        return TreeQuorumService(cfg, events, state_path, resume=resume)
+        from harness.job.quorum_callers import QuorumCallers
+
+        service: TreeQuorumService
+        callers = QuorumCallers(lambda: list(controller.hosts.values()), lambda: service.address)
+        service = TreeQuorumService(
+            cfg, events, state_path, resume=resume, caller_refusal=callers.refusal
+        )
+        return service
     if resume:
         raise ValueError('recovery.quorum = "torchft": only the tree quorum can resume')
     return LighthouseService(cfg, events, place=place, controller=controller, log_dir=log_dir)

@@ -9,8 +9,9 @@ place that reads it):
   starts (:meth:`QuorumService.admit` hands out each one's member id), fences a failed group the
   moment the supervision tree reports it (:meth:`QuorumService.fence`), and a crash of it is a
   restart in place that keeps its state (the quorum ids go on). Given a state file it also
-  survives its controller: a new controller resumes it from the file, on the same port, and
-  the running Managers go on (:class:`TreeQuorumService`, ``harness.quorum.durable``).
+  survives its controller: a new controller resumes it from the file, on a fresh port that the
+  hosts' relays are pointed at, and the running Managers go on (:class:`TreeQuorumService`,
+  ``harness.quorum.durable``).
 * ``"torchft"`` (:class:`LighthouseService`): torchft's own Lighthouse in a supervised worker
   process (``harness.quorum.lighthouse``), restarted on its port by its supervisor. It admits any
   id that reaches its port, fences by heartbeat timeout only, and numbers quorums from 1 again
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.config import JobConfig
 from harness.quorum import durable
-from runtime.netaddr import bind_again
 
 if TYPE_CHECKING:
     from harness.quorum.tree import TreeQuorum
@@ -46,7 +46,8 @@ class QuorumEvents(Protocol):
         (a quorum tap in front of it must continue the ids it handed out)."""
 
     def quorum_restarted(self) -> None:
-        """A service that crashed serves again (the recovery of the quorum service ends)."""
+        """A service that crashed serves again, at :attr:`QuorumService.address` (the recovery
+        of the quorum service ends; the hosts' relays must forward there from now on)."""
 
     def ask_for_quorum(self) -> None:
         """A new member waits in a round: every group that skips quorums (sparse quorum) must
@@ -98,15 +99,11 @@ class QuorumService(Protocol):
         (False where the service cannot tell). ``controller_crash`` can wait for it."""
 
 
-class QuorumPortTaken(OSError):
-    """A resumed tree quorum cannot serve on its saved port: something else holds it."""
-
-
 class TreeQuorumService:
     """``harness.quorum.tree.TreeQuorum`` in this process, as a :class:`QuorumService`.
 
     With ``state_path`` (a run's ``quorum.json``) it keeps there, durably, what a new controller
-    needs to serve the same members on the same port (``harness.quorum.durable`` says what, and
+    needs to serve the same members again (``harness.quorum.durable`` says what, and
     why that is enough): an admission is durable before :meth:`admit` returns, the quorum-id
     lease before an id that reaches it is issued (one fsync per block of ids), the rest (the
     last quorum, the members' steps) follows from a background thread within
@@ -115,11 +112,11 @@ class TreeQuorumService:
     With ``resume=True`` (or :meth:`resume`) it serves what that file saved instead of starting
     anew. The file is read and checked at construction: a torn, truncated or hand-edited one
     raises :class:`~harness.quorum.durable.QuorumStateError` (naming the file and the problem)
-    and nothing of it is adopted. :meth:`start` then binds the saved host and port, retrying
-    for :attr:`REBIND_S` while the dead service's port is released (:class:`QuorumPortTaken`
-    after that: a live old service, a stopped controller say, still holds it), and keeps the
-    secret, the admitted incarnations and the fenced ids: the running Managers' next requests
-    reach it and are let in, a stale incarnation is still refused. Its quorum ids continue
+    and nothing of it is adopted. :meth:`start` then binds a fresh port (never the saved one:
+    anyone on the machine may have taken it since; the Managers reach the service through
+    their hosts' relays, which the job points at the new address) and keeps the secret, the
+    admitted incarnations and the fenced ids: the running Managers' next requests reach it
+    and are let in, a stale incarnation is still refused. Its quorum ids continue
     from the saved lease, above every id issued before. And no step goes back: a Manager may
     have committed steps past the last one it reported (between quorums, after the last save),
     so the saved steps are lower bounds only, and the resumed service issues no quorum until
@@ -128,9 +125,6 @@ class TreeQuorumService:
     the one torchft heals everyone to, is never below a step any live member has committed.
     """
 
-    #: How long a resume retries binding its saved port.
-    REBIND_S = 3.0
-
     def __init__(
         self,
         cfg: JobConfig,
@@ -138,6 +132,7 @@ class TreeQuorumService:
         state_path: Path | None = None,
         *,
         resume: bool = False,
+        caller_refusal: Callable[[str], str | None] | None = None,
     ) -> None:
         if resume and state_path is None:
             raise ValueError("resuming a tree quorum needs its state_path")
@@ -148,6 +143,8 @@ class TreeQuorumService:
         self.state_path = None if state_path is None else Path(state_path)
         self._saved = durable.load(state_path) if resume and state_path is not None else None
         self._writer: durable.StateWriter | None = None
+        # who may call at all (``harness.job.quorum_callers``); None: any connection
+        self._caller_refusal = caller_refusal
 
     @classmethod
     def resume(cls, cfg: JobConfig, events: QuorumEvents, state_path: Path) -> TreeQuorumService:
@@ -166,7 +163,7 @@ class TreeQuorumService:
     def address(self) -> str:
         return self._tree.address if self._tree is not None else ""
 
-    def start(self, port: int = 0) -> None:
+    def start(self) -> None:
         old = self._tree  # a restart keeps the job's secret: the running members stay admitted
         fresh_writer = self.state_path is not None and self._writer is None
         if self.state_path is not None and self._writer is None:
@@ -182,27 +179,15 @@ class TreeQuorumService:
                 quorum_id_lease=old.quorum_id_lease,
             )
         elif self._saved is not None:
+            # Managers reach the service through their host agent's relay (runtime.relay,
+            # harness.job.site.wants_quorum_relay), which each agent points at this service's
+            # address once it serves: any free port will do. Not the saved one: between two
+            # controllers anyone on the machine may have bound it, and would have been the
+            # job's quorum (issue #49). The saved host if it is one of this machine's (a
+            # netns job's gateway), else bind_host (SLURM: the last controller's node is lost).
             saved = self._saved
-            if saved.host != host and not _can_bind(saved.host):
-                # The last controller ran on another node (SLURM, its node lost): serve here, on
-                # the same port if it is free. Managers reach the service through their host
-                # agent's relay (runtime.relay), which each agent points at this address.
-                log.warning(
-                    "tree quorum: saved at %s:%d, another machine's: resuming on %s",
-                    saved.host,
-                    saved.port,
-                    host,
-                )
-                port = saved.port if _can_bind(host, saved.port) else 0
-            else:
-                if saved.host != host:
-                    log.warning(
-                        "tree quorum: resuming on %s:%d as saved (bind_host is %s)",
-                        saved.host,
-                        saved.port,
-                        host,
-                    )
-                host, port = saved.host, saved.port
+            if saved.host != host and _can_bind(saved.host):
+                host = saved.host
             state = dict(
                 secret=saved.secret,
                 incarnations=saved.incarnations,
@@ -215,7 +200,7 @@ class TreeQuorumService:
                 resumed=True,
             )
         try:
-            self._tree = self._bind(host, port, state)
+            self._tree = self._bind(host, state)
         except BaseException:
             if fresh_writer and self._writer is not None:
                 self._writer.close(flush=False)  # nothing served: the file stays as it was
@@ -224,46 +209,32 @@ class TreeQuorumService:
         if self._writer is not None:
             self._writer.flush()  # the file names this service before anyone learns its address
 
-    def _bind(self, host: str, port: int, state: dict[str, Any]) -> TreeQuorum:
-        """A TreeQuorum on ``host:port``; a given port is retried for :attr:`REBIND_S` (the one a
-        dead service held may not be free yet)."""
+    def _bind(self, host: str, state: dict[str, Any]) -> TreeQuorum:
+        """A TreeQuorum on a free port of ``host``."""
         from harness.quorum.tree import TreeQuorum
 
         cfg, t, writer = self.cfg, self.cfg.timeouts, self._writer
-
-        def make(port: int) -> TreeQuorum:
-            return TreeQuorum(
-                bind_host=host,
-                port=port,
-                min_replicas=cfg.min_replica_size,
-                join_timeout_s=t.lighthouse_join_timeout,
-                heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
-                max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
-                # each waiting quorum request holds a server thread: room for every group's
-                # request and heartbeat, with margin (the service's docstring)
-                max_requests=max(64, 4 * cfg.replicas + 16),
-                on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
-                # every group in the first step (rule.QuorumOpts), bounded well inside a
-                # trainer's own quorum timeout so that no request times out waiting for a group
-                # that is late
-                first_quorum_replicas=cfg.replicas,
-                first_quorum_timeout_s=t.quorum_timeout / 2,
-                on_lease=writer.save if writer is not None else None,
-                on_change=writer.changed if writer is not None else None,
-                **state,
-            )
-
-        try:
-            return bind_again(make, port, self.REBIND_S)
-        except OSError as e:
-            if not port:
-                raise
-            where = f" (saved in {self.state_path})" if self._saved is not None else ""
-            raise QuorumPortTaken(
-                f"tree quorum: port {port} on {host}{where} is still taken after "
-                f"{self.REBIND_S:g} s: is the previous controller (or its quorum "
-                f"service) still running, perhaps stopped? ({e})"
-            ) from e
+        return TreeQuorum(
+            bind_host=host,
+            port=0,
+            min_replicas=cfg.min_replica_size,
+            join_timeout_s=t.lighthouse_join_timeout,
+            heartbeat_timeout_s=t.lighthouse_heartbeat_timeout,
+            max_step=cfg.steps // cfg.program.steps_per_quorum,  # Manager steps (syncs)
+            # each waiting quorum request holds a server thread: room for every group's
+            # request and heartbeat, with margin (the service's docstring)
+            max_requests=max(64, 4 * cfg.replicas + 16),
+            on_newcomer=self._newcomer if cfg.quorum_every() > 1 else None,
+            # every group in the first step (rule.QuorumOpts), bounded well inside a
+            # trainer's own quorum timeout so that no request times out waiting for a group
+            # that is late
+            first_quorum_replicas=cfg.replicas,
+            first_quorum_timeout_s=t.quorum_timeout / 2,
+            on_lease=writer.save if writer is not None else None,
+            on_change=writer.changed if writer is not None else None,
+            caller_refusal=self._caller_refusal,
+            **state,
+        )
 
     def _snapshot(self) -> durable.QuorumSnapshot | None:
         tree = self._tree
@@ -296,13 +267,14 @@ class TreeQuorumService:
         return None
 
     def crash(self) -> None:
-        """Lose every piece of state a crash loses and come back on the same port, as a
-        restarted Lighthouse would; the job's secret, the admitted incarnations and the quorum
-        ids go on (the controller holds them), so committed steps never go back."""
+        """Lose every piece of state a crash loses and come back, as a restarted Lighthouse
+        would; the job's secret, the admitted incarnations and the quorum ids go on (the
+        controller holds them), so committed steps never go back. On a fresh port: the job
+        points the hosts' relays at it (``QuorumEvents.quorum_restarted``), and the old port,
+        free for a moment, is nobody's to take over."""
         with self._lock:
-            port = int(self.tree.address.rsplit(":", 1)[1])
             self.tree.shutdown()
-            self.start(port)
+            self.start()
         self._events.quorum_restarted()
 
     def shutdown(self) -> None:

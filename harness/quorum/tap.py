@@ -196,8 +196,7 @@ def rewritten(reply: bytes, new_id: int | None, ids: Mapping[str, str]) -> bytes
 class QuorumTap:
     """Serves the Lighthouse protocol on ``bind_host`` (on ``port``; 0: one the OS chooses) and
     forwards to ``upstream()`` (``http://host:port``, asked per call: a restarted service may
-    move). A taken ``port`` raises OSError (a new controller serving its predecessor's tap
-    retries: ``runtime.netaddr.bind_again``).
+    move). A taken ``port`` raises OSError.
     ``address`` is what programs get as ``TORCHFT_LIGHTHOUSE``; ``bind_host`` and ``port`` are
     where it listens (an observer matches a caller's connection against them)."""
 

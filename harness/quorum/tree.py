@@ -114,7 +114,11 @@ class TreeQuorum:
         quorum_id_lease: int = 1,
         on_lease: Callable[[QuorumSnapshot], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        caller_refusal: Callable[[str], str | None] | None = None,
     ) -> None:
+        # Why a connection (gRPC's peer string) may not call at all, or None; None: any may
+        # (``harness.job.quorum_callers``: only the job's own processes). Asked without the lock.
+        self._caller_refusal = caller_refusal
         self.opts = rule.QuorumOpts(
             min_replicas=min_replicas,
             join_timeout_s=join_timeout_s,
@@ -401,7 +405,17 @@ class TreeQuorum:
         """Why this caller may not take part (called with the lock held), or None."""
         return rule.refusal(self._state, replica_id, self.secret)
 
+    def _check_caller(self, context: grpc.ServicerContext) -> None:
+        """Abort a call whose connection is no one's the job admits (before anything of it is
+        decoded, and without the lock: the look may read /proc)."""
+        if self._caller_refusal is None:
+            return
+        refused = self._caller_refusal(context.peer())
+        if refused is not None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+
     def _heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._check_caller(context)
         try:
             replica_id = decode_heartbeat_request(request)
         except (WireError, UnicodeDecodeError) as e:
@@ -415,6 +429,7 @@ class TreeQuorum:
         return b""
 
     def _quorum(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._check_caller(context)
         try:
             member = decode_quorum_request(request)
         except (WireError, UnicodeDecodeError) as e:

@@ -206,3 +206,50 @@ def blocked_survivors(run_dir) -> list[dict]:
     return [
         f for f in events(run_dir, "failure") if "asked for no quorum" in (f.get("detail") or "")
     ]
+
+
+#: A stranger's listener (issue #49): bind HOST:PORT as soon as it is free (within SECONDS),
+#: accept whatever connects until stdin closes, then print what it got as one JSON line. Plain
+#: standard library, for the system's interpreter: another user cannot run the project's.
+STRANGER = r"""
+import json, select, socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+deadline, bound, conns, got, accepted = time.monotonic() + seconds, False, [], 0, 0
+while time.monotonic() < deadline:
+    try:
+        s.bind((host, port))
+        s.listen(64)
+        bound = True
+        break
+    except OSError:
+        time.sleep(0.005)
+print(json.dumps({"bound": bound}), flush=True)
+watch = [sys.stdin] + ([s] if bound else [])
+while True:
+    ready, _, _ = select.select(watch + conns, [], [], 1.0)
+    if sys.stdin in ready and not sys.stdin.readline():
+        break
+    for r in ready:
+        if r is s:
+            c, _ = s.accept()
+            accepted += 1
+            c.setblocking(False)
+            conns.append(c)
+        elif r is not sys.stdin:
+            data = r.recv(65536)
+            got += len(data)
+            if not data:
+                conns.remove(r)
+print(json.dumps({"bound": bound, "accepted": accepted, "bytes": got}), flush=True)
+"""
+
+
+def start_stranger(host: str, port: int, seconds: float) -> subprocess.Popen:
+    """:data:`STRANGER` as another local user (``nobody``, through ``setpriv``; as root only,
+    else as this user), on ``host:port``. Close its stdin, then read its JSON lines."""
+    argv = ["/usr/bin/python3", "-I", "-c", STRANGER, host, str(port), str(seconds)]
+    if os.geteuid() == 0:
+        argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from e2e_helpers import wait_until
+from e2e_helpers import start_stranger, wait_until
 
 from experiments.bench import takeover as bench
 from runtime.journal import JOB_END, PROC_START, STEP_COMMIT, read_journal
@@ -142,3 +142,37 @@ def test_a_stopped_controller_is_killed_by_its_keeper_and_taken_over(tmp_path: P
     assert not [r for r in later if r.get("replica") is not None]  # no group restarted
     assert max(r["step"] for r in records if r["event"] == STEP_COMMIT) == 600
     assert wait_until(lambda: not _no_process_of(run_dir), time.monotonic() + 10)
+
+
+def test_a_stranger_on_the_dead_controllers_quorum_port_gets_nothing_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Issue #49: the moment the controller dies its quorum port is free, and another user
+    binds it. The new controller serves the quorum elsewhere (the trainers reach it through
+    their host agent's relay, which forwards nowhere while no controller serves), so the
+    stranger is dialled by nobody, and the run ends well with no trainer restarted."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "steps=300", "replicas=2", "checkpoint.every_steps=0")
+    stranger = None
+    try:
+        assert wait_until(lambda: _committed(run_dir) >= 20, time.monotonic() + 120)
+        saved = json.loads((run_dir / "quorum.json").read_text())
+        stranger = start_stranger(saved["host"], int(saved["port"]), seconds=20)
+        os.kill(_controller_pid(run_dir), signal.SIGKILL)
+        assert stranger.stdout is not None
+        took = json.loads(stranger.stdout.readline())
+        output, _ = proc.communicate(timeout=180)
+        assert stranger.stdin is not None
+        stranger.stdin.close()
+        got = json.loads(stranger.stdout.readline())
+    finally:
+        for p in (proc, stranger):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert took["bound"], "the dead controller's quorum port never came free: nothing tested"
+    assert proc.returncode == 0, output[-2000:]
+    assert got["accepted"] == 0 and got["bytes"] == 0, got
+    records = read_journal(run_dir / "journal.jsonl")
+    assert records[-1]["event"] == JOB_END and records[-1]["status"] == "ok"
+    starts = [r for r in records if r["event"] == PROC_START]
+    assert len(starts) == 2, starts  # no trainer restarted

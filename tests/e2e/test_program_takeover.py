@@ -132,7 +132,8 @@ def test_a_program_job_survives_its_controllers_sigkill_twice(tmp_path: Path) ->
     starts = [r for r in records if r["event"] == PROC_START]
     assert len(starts) == REPLICAS * RANKS, starts  # no program started again
     assert [r for r in records if r["event"] == "group.start"][REPLICAS:] == []
-    assert json.loads((run_dir / "program.json").read_text())["tap_port"] == state["tap_port"]
+    # each new controller served its tap on a fresh port (never its predecessor's: issue #49)
+    assert json.loads((run_dir / "program.json").read_text())["tap_port"] != state["tap_port"]
 
     # each group's committed steps never went back, reached the end, and went on past the kill
     for g in range(REPLICAS):

@@ -331,9 +331,8 @@ def test_the_quorum_tap_listens_on_bind_host_and_admits_only_the_ranks_the_job_s
                 time.sleep(0.1)
             tap = job.program.tap
             found["tap"] = (tap.bind_host, tap.port)
-            found["rank0"] = {pid for r in range(2) for pid in job.faults.pids(Target(replica=r))}
-            found["rank0_trees"] = {p for pid in found["rank0"] for p in _family_tree(pid)}
             found["tap_clients"] = _owners(_clients_of(tap.port))  # before the stranger calls
+            found["agents"] = {h.pid for h in job.controller.hosts.values()}
             found["members"] = tree.last_quorum().replica_ids
             group = job.program._groups[0]  # what a local user can learn: the store, the ids
             found["stranger"] = _stranger_calls(
@@ -367,9 +366,10 @@ def test_the_quorum_tap_listens_on_bind_host_and_admits_only_the_ranks_the_job_s
     loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
     assert any(pid == os.getpid() and a in loopback and p == port for pid, a, p in seen), seen
     assert not [(pid, p) for pid, addr, p in seen if pid == os.getpid() and addr in _ANY]
-    # Its only clients are the groups' rank-0 processes (their Managers).
+    # Its only clients are the groups' host agents: their quorum relays, through which every
+    # Manager reaches it (the relay lets through only its agent's own processes).
     assert found["tap_clients"], "no Manager connected to the tap"
-    assert set(found["tap_clients"].values()) <= found["rank0_trees"], found
+    assert set(found["tap_clients"].values()) <= found["agents"], found
     # A stranger is refused everywhere, even with the group's store and a Manager's own id.
     assert set(found["stranger"].values()) == {"PERMISSION_DENIED"}, found["stranger"]
     # Every quorum member is a tagged incarnation's: the tap forwards a Manager under its

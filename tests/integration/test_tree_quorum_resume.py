@@ -1,5 +1,8 @@
 """The tree quorum survives its controller: a service with a state file is SIGKILLed (its process,
-as a controller dies) and a new process resumes it from the file, on the same port.
+as a controller dies) and a new process resumes it from the file, on a fresh port: the Managers
+reach it through their host's relay (``runtime.relay``), which the job points at it. The port
+it served on before is never bound again: anyone on the machine could have taken it meanwhile
+(issue #49), and is then answered by nobody.
 
 What a user sees: the running torchft Managers never restart; their next quorum requests reach
 the new service, which lets them in (same secret and incarnations), numbers its quorums above
@@ -13,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -29,7 +33,8 @@ from tree_quorum_proc import issued, start_service
 from harness.config import CheckpointConfig, JobConfig, TimeoutConfig, config_to_dict
 from harness.quorum import durable
 from harness.quorum.durable import QuorumStateError
-from harness.quorum.service import QuorumPortTaken, TreeQuorumService
+from harness.quorum.service import TreeQuorumService
+from runtime.relay import Relay
 
 
 class _Events:
@@ -106,7 +111,7 @@ def test_a_resumed_service_waits_for_every_member_it_knew_before_issuing(tmp_pat
     resumed = TreeQuorumService.resume(cfg, _Events(), state)
     try:
         addr = resumed.address
-        assert addr == info["address"]
+        assert addr.rsplit(":", 1)[0] == info["address"].rsplit(":", 1)[0]  # the same host
         # a went on to step 9 without a quorum and heartbeats; d died (no sign of life).
         _beat_once(addr, [a, b, c])
         stop = threading.Event()
@@ -186,12 +191,10 @@ def test_quorum_ids_are_never_reused_across_many_resumes(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(60)
-def test_a_torn_state_file_is_refused_and_nothing_serves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_torn_state_file_is_refused_and_nothing_serves(tmp_path: Path) -> None:
     cfg = _cfg(2)
     state, log = tmp_path / "quorum.json", tmp_path / "issued"
-    proc, info = start_service(config_to_dict(cfg), state, log, admit=2)
+    proc, _ = start_service(config_to_dict(cfg), state, log, admit=2)
     _kill(proc)
     whole = state.read_bytes()
     state.write_bytes(whole[: len(whole) // 2])
@@ -201,18 +204,48 @@ def test_a_torn_state_file_is_refused_and_nothing_serves(
     proc, said = start_service(config_to_dict(cfg), state, log, resume=True)
     assert proc.wait(timeout=30) == 3
     assert str(state) in said["error"] and "torn or truncated" in said["error"]
-    # The port of a live service is not taken over: the error names it.
-    state.write_bytes(whole)
-    proc, info = start_service(config_to_dict(cfg), state, log, resume=True)
-    monkeypatch.setattr(TreeQuorumService, "REBIND_S", 0.3)
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_on_the_saved_port_gets_nothing_and_the_resume_serves_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """Issue #49: the moment a controller dies, its quorum port is free, and anyone on the
+    machine can bind it (a loop of bind() got it 0.6 s after a SIGKILL). The resumed service
+    binds a fresh port and serves there; the stranger's socket gets no connection."""
+    cfg = _cfg(2)
+    state, log = tmp_path / "quorum.json", tmp_path / "issued"
+    proc, info = start_service(config_to_dict(cfg), state, log, admit=2)
+    host, port = info["address"].split("://")[-1].rsplit(":", 1)
+    _kill(proc)
+    stranger = socket.socket()
+    stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stranger.bind((host, int(port)))
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the dead service's port never came free"
+            time.sleep(0.02)
+    stranger.listen(16)
+    stranger.setblocking(False)
+    resumed = TreeQuorumService.resume(cfg, _Events(), state)
     try:
-        port = info["address"].rsplit(":", 1)[1]
-        whole = state.read_bytes()  # as the live service rewrote it when it resumed
-        with pytest.raises(QuorumPortTaken, match=f"port {port} .* still taken"):
-            TreeQuorumService.resume(cfg, _Events(), state)
-        assert state.read_bytes() == whole  # a refused resume changes nothing
+        assert resumed.address.rsplit(":", 1)[1] != port
+        a, b = (info["member_ids"][str(r)] + f":{r}" for r in range(2))
+        out: dict[str, Any] = {}
+        _beat_once(resumed.address, [a, b])
+        for t in [_asking(resumed.address, r, out, 10.0, step=1) for r in (a, b)]:
+            t.join()
+        assert not isinstance(out[a], Exception) and out[a].quorum_id == out[b].quorum_id
+        with pytest.raises(BlockingIOError):
+            stranger.accept()  # nobody dialled the old port
+        saved = durable.load(state)
+        assert f"{saved.host}:{saved.port}" in resumed.address  # a next takeover starts there
     finally:
-        _kill(proc)
+        resumed.shutdown()
+        stranger.close()
 
 
 @pytest.mark.timeout(60)
@@ -220,7 +253,8 @@ def test_a_crash_of_the_service_restarts_it_in_place_and_it_goes_on_saving(
     tmp_path: Path,
 ) -> None:
     """The quorum-service fault (``crash``) keeps working with a state file: the service comes
-    back in this process on its port, ids go on, and the file follows it."""
+    back in this process on a fresh port (the job points the relays at it), ids go on, and the
+    file follows it."""
     restarted: list[bool] = []
     events = _Events()
     events.quorum_restarted = lambda: restarted.append(True)  # type: ignore[method-assign]
@@ -239,13 +273,13 @@ def test_a_crash_of_the_service_restarts_it_in_place_and_it_goes_on_saving(
             ids.append({out[a].quorum_id, out[b].quorum_id})
             if step == 3:
                 service.crash()
-        assert restarted == [True] and service.address == addr
+        assert restarted == [True] and service.address != addr
         assert len(ids[0]) == len(ids[1]) == 1 and max(ids[0]) < min(ids[1])
     finally:
         service.shutdown()
     saved = durable.load(state)
     assert saved.quorum_id_lease > max(ids[1]) and saved.incarnations == {0: 0, 1: 0}
-    assert f"{saved.host}:{saved.port}" in addr and set(saved.reported) == {a, b}
+    assert f"{saved.host}:{saved.port}" in service.address and set(saved.reported) == {a, b}
 
 
 # --- whole trainers ------------------------------------------------------------------------------
@@ -263,6 +297,9 @@ def test_trainers_keep_committing_across_a_sigkilled_and_resumed_service(
     cfg_dict["recovery"]["quorum_every_steps"] = quorum_every
     state, log_a, log_b = tmp_path / "quorum.json", tmp_path / "issued_a", tmp_path / "issued_b"
     service, info = start_service(cfg_dict, state, log_a, admit=2)
+    relay = Relay("127.0.0.1")  # the trainers' host agent's, as every tree-quorum job has
+    relay.start()
+    relay.set_upstream(info["address"])
     journals = [tmp_path / f"g{r}.jsonl" for r in range(2)]
     procs = [
         start_trainer(
@@ -270,7 +307,7 @@ def test_trainers_keep_committing_across_a_sigkilled_and_resumed_service(
             replica_id=r,
             rank=0,
             store_addr=None,
-            lighthouse_addr=info["address"],
+            lighthouse_addr=f"http://{relay.address}",
             journal_path=journals[r],
             member_id=info["member_ids"][str(r)],
         )
@@ -288,7 +325,7 @@ def test_trainers_keep_committing_across_a_sigkilled_and_resumed_service(
         before = [qid for qid, _ in issued(log_a)]
         time.sleep(1.0)  # the trainers are on their own meanwhile
         resumed, again = start_service(cfg_dict, state, log_b, resume=True)
-        assert again["address"] == info["address"]
+        relay.set_upstream(again["address"])  # what the job tells every host's agent
         for j, n in zip(journals, at_kill, strict=True):
             _wait_commits(j, n + 12, procs, deadline)
         assert all(p.poll() is None for p in procs), "a trainer restarted"
@@ -299,6 +336,7 @@ def test_trainers_keep_committing_across_a_sigkilled_and_resumed_service(
         for s in (service, resumed):
             if s is not None and s.poll() is None:
                 _kill(s)
+        relay.close()
 
     after = [qid for qid, _ in issued(log_b)]
     assert before and after, (before, after)

@@ -68,6 +68,7 @@ class FakeController:
         self.hosts: dict[str, FakeHost] = {}
         self.procs: dict[str, FakeProc] = {}
         self.stores: list[tuple[str, int]] = []  # (host, replica) of every store served
+        self.quorum_upstream = ""
         self.worker_calls: list[tuple[str, str, tuple[Any, ...]]] = []
         self.fatal: Failure | None = None
         self.fatal_event = threading.Event()
@@ -92,6 +93,10 @@ class FakeController:
         self.hosts[name].lost = True
         for proc in [p for p in self.procs.values() if p.host == name and not p.stopped]:
             self.kill(proc.proc_id, cause=Cause.LOST_HOST)
+
+    def set_quorum_upstream(self, address: str) -> None:
+        """Where every host's quorum relay forwards (the fake ranks dial no relay)."""
+        self.quorum_upstream = address
 
     def serve_store(self, host: FakeHost, replica: int) -> str:
         """A group's store on ``host`` (no server: the fake ranks never dial it)."""

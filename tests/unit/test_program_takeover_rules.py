@@ -25,7 +25,6 @@ from runtime.journal import (
     STEP_ABORT,
     STEP_COMMIT,
 )
-from runtime.netaddr import bind_again
 
 PROGRAM = ["python", "tests/programs/train_ddp.py", "40"]
 
@@ -70,38 +69,6 @@ def test_a_missing_or_damaged_program_state_refuses_the_takeover(tmp_path: Path)
     (tmp_path / pt.STATE_FILE).write_text('{"tap_port": 1')
     with pytest.raises(TakeoverRefused, match="not valid JSON"):
         pt.load(tmp_path)
-
-
-def test_a_port_is_bound_again_while_the_old_socket_lingers():
-    now = [0.0]
-    tries: list[int] = []
-
-    def make(port: int) -> str:
-        tries.append(port)
-        if len(tries) < 3:
-            raise OSError("taken")
-        return f"tap:{port}"
-
-    def sleep(s: float) -> None:
-        now[0] += s
-
-    assert bind_again(make, 7, pt.BIND_PATIENCE_S, sleep=sleep, clock=lambda: now[0]) == "tap:7"
-    assert tries == [7, 7, 7]
-
-    def never(port: int) -> str:
-        raise OSError("taken for good")
-
-    with pytest.raises(OSError, match="for good"):
-        bind_again(never, 7, 1.0, sleep=sleep, clock=lambda: now[0])
-
-    def refused(port: int) -> str:
-        tries.append(port)
-        raise OSError("no free port")
-
-    tries.clear()
-    with pytest.raises(OSError, match="no free port"):  # any free port: nothing to wait for
-        bind_again(refused, 0, 1.0, sleep=sleep, clock=lambda: now[0])
-    assert tries == [0]
 
 
 def test_a_group_s_last_step_is_its_current_incarnation_s_last_commit_or_heal():

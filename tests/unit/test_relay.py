@@ -201,12 +201,11 @@ def test_configure_relay_exports_its_address(monkeypatch: pytest.MonkeyPatch, ec
         r.close()
 
 
-def test_only_a_slurm_job_with_the_tree_quorum_relays() -> None:
+def test_every_job_with_the_tree_quorum_relays_and_none_with_torchfts_lighthouse() -> None:
     from harness.config import JobConfig, RecoveryConfig
     from harness.job.site import wants_quorum_relay
 
     tree, lighthouse = RecoveryConfig(quorum="tree"), RecoveryConfig(quorum="torchft")
-    assert wants_quorum_relay(JobConfig(launcher="slurm", recovery=tree))
-    assert not wants_quorum_relay(JobConfig(launcher="slurm", recovery=lighthouse))
-    for launcher in ("local", "netns", "external"):
-        assert not wants_quorum_relay(JobConfig(launcher=launcher, recovery=tree))
+    for launcher in ("local", "netns", "external", "slurm"):
+        assert wants_quorum_relay(JobConfig(launcher=launcher, recovery=tree))
+        assert not wants_quorum_relay(JobConfig(launcher=launcher, recovery=lighthouse))
