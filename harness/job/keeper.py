@@ -18,7 +18,7 @@ SIGKILL. Its agents and workers keep training for ``recovery.controller_grace_s`
   than 0, 1 or 2 is a controller that died: the keeper starts ``... controller_proc RUN
   --takeover`` at once and says so in one line, at most ``recovery.controller_max_restarts``
   times within ``recovery.controller_within_s`` (:class:`RestartIntensity`); past that the run
-  ends, status 1.
+  ends, status 1, and the keeper writes its ``job.end`` with the reason.
 * SIGINT (Ctrl-C, sent to the whole foreground group) is the controller's to act on: the keeper
   waits for it. SIGTERM (``ftharness stop``) and SIGUSR1 (SLURM's time-limit warning) are passed
   on to the controller; after a SIGTERM a controller that dies is not replaced.
@@ -57,6 +57,7 @@ from harness.config import JobConfig
 from harness.job.rundir import (
     CONSOLE_FILE,
     KEEPER_FILE,
+    end_failed,
     find_job_end,
     job_from_argv,
     read_json,
@@ -231,11 +232,11 @@ class Keeper:
                 return wait_for_end(self.run_dir, self.say)
             how = f"the controller (pid {pid}) {describe_exit(status)} before the run ended"
             if self._stopping:
-                self.say(f"{how}, while stopping: the run ends here")
+                self._give_up(f"{how}, while stopping: the run ends here")
                 return 1
             r = self.intensity
             if not self.intensity.allow(time.monotonic()):
-                self.say(
+                self._give_up(
                     f"{how}; it was replaced {r.recent} times within {r.within_s:g} s "
                     f"(recovery.controller_max_restarts = {r.max_restarts}): the run ends here"
                 )
@@ -246,6 +247,15 @@ class Keeper:
                 f"{r.max_restarts} within {r.within_s:g} s)"
             )
             takeover = True
+
+    def _give_up(self, why: str) -> None:
+        """No controller will end the run: say why, and write its ``job.end`` with the reason
+        (``rundir.end_failed``), as a refused takeover does."""
+        self.say(why)
+        try:
+            end_failed(self.run_dir, f"no controller could be kept running: {why}")
+        except OSError as exc:  # the journal's disk: said, and the run still ends
+            self.say(f"cannot write job.end to {self.run_dir / 'journal.jsonl'}: {exc}")
 
     def _start(self, takeover: bool) -> int:
         promoted = self._promote_standby() if takeover else None

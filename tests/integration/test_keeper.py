@@ -104,6 +104,10 @@ def test_past_the_restart_intensity_the_run_ends_1_and_nothing_is_left(tmp_path:
     assert keeper.returncode == 1, err
     assert [s[0] for s in _starts(run_dir)] == ["first", "takeover", "takeover"]
     assert "recovery.controller_max_restarts = 2" in err and "the run ends here" in err
+    # and the journal says so: a run that ended, with why, never one that vanished (#49)
+    end = find_job_end(run_dir / "journal.jsonl")
+    assert end is not None and end["status"] == "failed", end
+    assert "recovery.controller_max_restarts = 2" in end["reason"], end
     # the dead controllers' children were the keeper's (subreaper), stopped when the run ended
     orphans = [int(p) for p in (run_dir / "orphans").read_text().split()]
     assert len(orphans) == 3
