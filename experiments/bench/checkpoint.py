@@ -85,9 +85,10 @@ def _rank_main(rank: int, port: int, root: str, model_kind: str, reps: int, out:
         tokens = torch.randint(0, vocab, (4, seq + 1), generator=gen)
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         t_wait = time.perf_counter()
-        for w in writers.values():  # as the trainer: the staging copy in before the state moves
-            w.wait_staged()
-        staging_wait[0] += time.perf_counter() - t_wait
+        # as the trainer: the staging copy in before the state moves (counted only where one
+        # was under way: the other ways stage nothing)
+        if [w for w in writers.values() if w.wait_staged()]:
+            staging_wait[0] += time.perf_counter() - t_wait
         optim.step()
         optim.zero_grad()
 

@@ -329,13 +329,14 @@ class Writer:
         if self._on_durable is not None:
             self._on_durable(step, path)
 
-    def wait_staged(self) -> None:
+    def wait_staged(self) -> bool:
         """Block until the last checkpoint's staging copy is taken (the state may change from
-        then on). Quick when nothing is being staged. A staging error is raised by
-        :meth:`wait`, with the write's."""
+        then on); whether there was one to wait for (quick when nothing is being staged). A
+        staging error is raised by :meth:`wait`, with the write's."""
         staged, self._staged = self._staged, None
         if staged is not None:
             futures_wait([staged])  # an error here fails the upload too: wait() raises it
+        return staged is not None
 
     def busy(self) -> bool:
         """A write is handed over and not in place yet."""

@@ -158,6 +158,7 @@ def test_a_stranger_on_the_dead_controllers_quorum_port_gets_nothing_and_the_run
         assert wait_until(lambda: _committed(run_dir) >= 20, time.monotonic() + 120)
         saved = json.loads((run_dir / "quorum.json").read_text())
         stranger = start_stranger(saved["host"], int(saved["port"]), seconds=20)
+        t_kill = time.time()
         os.kill(_controller_pid(run_dir), signal.SIGKILL)
         assert stranger.stdout is not None
         took = json.loads(stranger.stdout.readline())
@@ -174,5 +175,7 @@ def test_a_stranger_on_the_dead_controllers_quorum_port_gets_nothing_and_the_run
     assert got["accepted"] == 0 and got["bytes"] == 0, got
     records = read_journal(run_dir / "journal.jsonl")
     assert records[-1]["event"] == JOB_END and records[-1]["status"] == "ok"
-    starts = [r for r in records if r["event"] == PROC_START]
-    assert len(starts) == 2, starts  # no trainer restarted
+    takeovers = [r for r in records if r["event"] == "controller.takeover"]
+    adopted = sorted((r["replica"], r["adopted"]) for r in takeovers if "adopted" in r)
+    assert adopted == [(0, True), (1, True)], takeovers  # both groups went on as they were
+    assert not [r for r in records if r["event"] == PROC_START and r["t"] > t_kill]
