@@ -244,14 +244,13 @@ def _take_over(
 
 
 def _cannot_take_over(run_dir: Path, journal: Any, why: str) -> dict[str, Any]:
-    from runtime.journal import JOB_END, STEP_COMMIT, read_journal
+    from harness.job.rundir import run_totals
+    from runtime.journal import JOB_END, read_journal
 
-    records = read_journal(run_dir / "journal.jsonl")
-    steps = max((r["step"] for r in records if r["event"] == STEP_COMMIT), default=0)
-    seconds = time.time() - records[0]["t"] if records else 0.0
+    totals = run_totals(read_journal(run_dir / "journal.jsonl"))
     reason = f"the controller died and no new one could take over: {why}"
-    journal.emit(JOB_END, status="failed", reason=reason, steps=steps, seconds=seconds)
-    return {"status": "failed", "reason": reason, "steps": steps}
+    journal.emit(JOB_END, status="failed", reason=reason, **totals)
+    return {"status": "failed", "reason": reason, "steps": totals["steps"]}
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any
 
 from harness.job.program_admission import REFUSAL_MEMORY_S, _addresses, host_is_local
 from runtime import peer_process
+from runtime.relay import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,13 @@ class QuorumCallers:
 
     def _look(self, peer: str) -> tuple[tuple[peer_process.Holder, ...] | None, str | None]:
         client = peer_process.parse_peer(peer)
-        host, _, port = self._server().split("://")[-1].rpartition(":")
-        if client is None or not port.isdigit():
+        try:
+            listening = parse_address(self._server())
+        except ValueError:
+            listening = None
+        if client is None or listening is None:
             return None, f"a connection from {peer!r}: not a TCP peer"
-        server = peer_process.server_endpoint(host.strip("[]"), int(port))
+        server = peer_process.server_endpoint(*listening)
         roots, remote = [os.getpid()], []
         for h in list(self._hosts()):
             key = (getattr(h, "name", ""), int(getattr(h, "pid", 0) or 0))

@@ -180,21 +180,28 @@ def end_failed(run_dir: Path, reason: str) -> Record | None:
     keeper's last word when none could be kept running (``attach``, ``status`` and a report
     then see a run that ended, with why, never one that vanished). Nothing if the journal has
     an end already; the record written otherwise."""
-    from runtime.journal import STEP_COMMIT, Journal, read_journal
+    from runtime.journal import Journal, read_journal
 
     path = run_dir / "journal.jsonl"
     if find_job_end(path) is not None:
         return None
     records = read_journal(path) if path.exists() else []
     start = next((r for r in records if r.get("event") == "job.start"), {})
-    steps = max((int(r["step"]) for r in records if r["event"] == STEP_COMMIT), default=0)
-    seconds = time.time() - records[0]["t"] if records else 0.0
     stamp = {k: start[k] for k in ("policy",) if k in start}
     journal = Journal(path, job=str(start.get("job", run_dir.name)), **stamp)
     try:
-        return journal.emit(JOB_END, status="failed", reason=reason, steps=steps, seconds=seconds)
+        return journal.emit(JOB_END, status="failed", reason=reason, **run_totals(records))
     finally:
         journal.close()
+
+
+def run_totals(records: list[Record]) -> dict[str, Any]:
+    """A failed ``job.end``'s ``steps`` (the highest committed) and ``seconds`` (since the
+    journal's first record), from the journal's ``records``."""
+    from runtime.journal import STEP_COMMIT
+
+    steps = max((int(r["step"]) for r in records if r["event"] == STEP_COMMIT), default=0)
+    return {"steps": steps, "seconds": time.time() - records[0]["t"] if records else 0.0}
 
 
 def find_job_end(journal: Path) -> Record | None:

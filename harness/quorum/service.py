@@ -290,15 +290,14 @@ class TreeQuorumService:
         return bool(self.tree.status()["participants"])
 
 
-def _can_bind(host: str, port: int = 0) -> bool:
-    """Whether a socket can bind ``host:port`` now: ``host`` is an address of this machine (of
-    this network namespace) and, for a given port, that port is free there."""
+def _can_bind(host: str) -> bool:
+    """Whether a socket can bind ``host`` now: it is an address of this machine (of this network
+    namespace)."""
     import socket
 
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+            s.bind((host, 0))
         return True
     except OSError:
         return False
