@@ -21,6 +21,9 @@ question, and nothing else:
   still refers to the same socket, so a caller verifies a connection once and re-checks it per
   request in microseconds. While that descriptor is open, its socket keeps the connection's
   address pair, so no other socket can present the same client end to the same server.
+* :func:`connection_uids`: the user that made the client's socket, for a connection from this
+  network namespace (the group store's gate, ``runtime.group_store``: a store admits its own
+  user's processes, and its ranks may be any of the job's processes on this host).
 * :func:`descends_from`: whether a pid is a descendant of another (the program's rank 0 of its
   host agent: a pid on this machine names the process the agent started, not a stranger that
   got a recycled or coinciding number).
@@ -132,11 +135,11 @@ def _hex(ep: Endpoint) -> tuple[str | None, str | None]:
     return None, _words(addr.packed)
 
 
-def connection_inodes(pid: int, client: Endpoint, server: Endpoint) -> set[int] | None:
-    """The inodes of the sockets in ``pid``'s network namespace whose local end is ``client``
-    and whose remote end is ``server`` (an empty ``server.ip``: any address on that port),
-    TIME_WAIT left out (no socket behind it); None if the tables cannot be read."""
-    found: set[int] = set()
+def _rows(pid: int, client: Endpoint, server: Endpoint) -> list[list[str]] | None:
+    """The rows of ``pid``'s ``/proc/<pid>/net/tcp{,6}`` whose local end is ``client`` and whose
+    remote end is ``server`` (an empty ``server.ip``: any address on that port), TIME_WAIT left
+    out (no socket behind it), each split in fields; None if the tables cannot be read."""
+    rows: list[list[str]] = []
     read_any = False
     local_hex, remote_hex = _hex(client), _hex(server)
     for i, table in enumerate(("tcp", "tcp6")):
@@ -157,9 +160,28 @@ def connection_inodes(pid: int, client: Endpoint, server: Endpoint) -> set[int] 
                 continue
             if not fields[2].endswith(want_port) or (remote and fields[2] != remote + want_port):
                 continue
-            if fields[9] != "0":
-                found.add(int(fields[9]))
-    return found if read_any else None
+            rows.append(fields)
+    return rows if read_any else None
+
+
+def connection_inodes(pid: int, client: Endpoint, server: Endpoint) -> set[int] | None:
+    """The inodes of the sockets in ``pid``'s network namespace whose local end is ``client``
+    and whose remote end is ``server`` (see :func:`_rows`); None if the tables cannot be read."""
+    rows = _rows(pid, client, server)
+    if rows is None:
+        return None
+    return {int(fields[9]) for fields in rows if fields[9] != "0"}
+
+
+def connection_uids(pid: int, client: Endpoint, server: Endpoint) -> set[int] | None:
+    """The owners (uids) of the sockets in ``pid``'s network namespace whose local end is
+    ``client`` and whose remote end is ``server``: the user whose process made each socket, as
+    the kernel recorded it (one read of the table; no process is looked at). None if the tables
+    cannot be read; empty if no such socket is in this namespace."""
+    rows = _rows(pid, client, server)
+    if rows is None:
+        return None
+    return {int(fields[7]) for fields in rows}
 
 
 def process_tree(root: int) -> list[int]:

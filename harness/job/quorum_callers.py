@@ -1,8 +1,9 @@
 """Who may call the tree quorum service at all: the connection, not the id (issue #49).
 
 The tree quorum admits a Manager by its tagged replica id (``harness.quorum.rule``), and the
-built-in trainer's tag sits in its group's TCPStore, which any local user can read: a stranger
-who read it and called the service directly was answered as the group. But with the tree quorum
+built-in trainer's tag sits in its group's TCPStore, which any local user could read (the store
+now admits the job's user only, where it can: ``runtime.group_store``): a stranger who read it
+and called the service directly was answered as the group. But with the tree quorum
 no one of the job calls the service directly: every Manager, and every program's through the
 tap, reaches it through its host agent's quorum relay (``runtime.relay``,
 ``harness.job.site.wants_quorum_relay``), and the tap runs in the controller. So a call is let

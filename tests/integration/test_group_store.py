@@ -1,13 +1,18 @@
 """A replica group's store served by its host agent (``runtime.group_store``), through a real
 controller and agent: it serves what the group's ranks write in it, lives in a child of the agent
 (not in the controller), is replaced whole by the group's next store, outlives the death of a
-worker of its host, and ends with its agent."""
+worker of its host, and ends with its agent; and no other user of the machine reaches it (issue
+#49, finding 3), whether the job runs as root or not."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import psutil
 import pytest
@@ -81,3 +86,98 @@ def test_a_store_ends_with_its_agent():
     finally:
         c.shutdown(grace_s=0.5)
     wait_for(lambda: not psutil.pid_exists(pid))
+
+
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+as_root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to be another user")
+
+#: torch's own store client, run as another user: what it reads of ``manager_addr``, or why not.
+STRANGER = """
+import json, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+host, port = sys.argv[1].rsplit(":", 1)
+try:
+    s = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                 timeout=timedelta(seconds=3))
+    s.set("manager_addr", "stranger:1")
+    print(json.dumps({"got": s.get("manager_addr").decode()}))
+except Exception as exc:
+    print(json.dumps({"refused": repr(exc)[:300]}))
+"""
+
+
+def _as_nobody(script: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*AS_NOBODY, sys.executable, "-c", script, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def _netns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+@as_root_only
+def test_another_user_cannot_reach_a_groups_store_and_the_job_still_can(ctl):
+    host = ctl.spawn_host("h0")
+    address = ctl.serve_store(host, 0)
+    _client(address).set("manager_addr", "h0:1234")
+
+    out, _ = _as_nobody(STRANGER, address, cwd="/").communicate(timeout=60)
+    said = json.loads(out.strip().splitlines()[-1])
+    assert "refused" in said, said  # on the old store: {"got": "stranger:1"}
+    assert _client(address).get("manager_addr") == b"h0:1234"  # nothing of the stranger's
+
+    # the store itself lives where no one else connects: a network namespace of its own
+    gate = _server_pid(address)
+    (store,) = psutil.Process(gate).children()
+    assert _netns(store.pid) != _netns(gate) == _netns(host.pid)
+
+
+NOBODYS_AGENT = """
+import json, os, sys, time
+from datetime import timedelta
+sys.path.insert(0, sys.argv[1])
+from runtime.group_store import serve_in_child
+from torch.distributed import TCPStore
+pid, address = serve_in_child("127.0.0.1", 10)
+host, port = address.rsplit(":", 1)
+s = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+             timeout=timedelta(seconds=10))
+s.set("manager_addr", "mine:1")
+print(json.dumps({"address": address, "store": pid, "read": s.get("manager_addr").decode()}),
+      flush=True)
+sys.stdin.readline()
+"""
+
+
+@as_root_only
+def test_a_store_served_for_a_job_that_is_not_root_admits_that_user_only():
+    repo = str(Path(__file__).resolve().parents[2])
+    agent = subprocess.Popen(
+        [*AS_NOBODY, sys.executable, "-c", NOBODYS_AGENT, repo],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        said = json.loads(agent.stdout.readline())
+        assert said["read"] == "mine:1"  # its own user's client is served
+        (store,) = psutil.Process(said["store"]).children()
+        assert _netns(store.pid) != _netns(os.getpid())  # a user namespace made it possible
+        with pytest.raises(Exception, match=r"(?i)timed out|connection|reset|closed"):
+            _client_quick(said["address"]).get("manager_addr")  # root is not the job's user
+    finally:
+        agent.stdin.close()
+        agent.wait(timeout=30)
+
+
+def _client_quick(address: str) -> TCPStore:
+    host, port = address.rsplit(":", 1)
+    return TCPStore(
+        host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=3)
+    )
