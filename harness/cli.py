@@ -298,8 +298,11 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
-    """``ftharness data prepare``: implemented by harness.corpus.cli (defaults: PrepareOptions)."""
-    p = sub.add_parser("data", help="prepare a corpus: tokenizer, token file, held-out split")
+    """``ftharness data prepare|verify``: implemented by harness.corpus.cli (defaults:
+    PrepareOptions) and harness.corpus.verify."""
+    p = sub.add_parser(
+        "data", help="prepare a corpus (tokenizer, token file, held-out split), or verify one"
+    )
     s = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
     prep = s.add_parser(
         "prepare",
@@ -322,6 +325,17 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--text-key", help="the text field of .jsonl / .parquet (default text)")
     prep.add_argument("--sample-bytes", type=int, help="text the tokenizer trains on (2 MiB)")
     prep.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    ver = s.add_parser(
+        "verify",
+        help="read a prepared corpus whole: checksums, every id within the vocabulary, the "
+        "document index (rc 0 clean, 1 problems, 2 not a corpus)",
+        description="Read every file of corpus DIR: each checksum against manifest.json, every "
+        "token id against the vocabulary (each bad one named with its offset, split and "
+        "document), the document index and the tokenizer. Opening a corpus for a run trusts "
+        "the manifest's max_token_id; this does not.",
+    )
+    ver.add_argument("dir", help="a directory `ftharness data prepare` wrote")
+    ver.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def _interrupt(signum: int, frame: object) -> None:

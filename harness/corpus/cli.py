@@ -53,7 +53,11 @@ def corpus_for_job(corpus: str | None, say: Say | None = None) -> Corpus:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.data_command != "prepare":  # argparse allows only prepare; a guard for callers
+    if args.data_command == "verify":
+        from harness.corpus import verify
+
+        return verify.main(args.dir, (lambda _msg: None) if args.quiet else _say)
+    if args.data_command != "prepare":  # argparse allows only these; a guard for callers
         print(f"ftharness data: unknown subcommand {args.data_command!r}", file=sys.stderr)
         return 2
     given = {
