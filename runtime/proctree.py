@@ -76,12 +76,16 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 def reap_within(pid: int, timeout_s: float, poll_s: float = 0.02) -> bool:
     """Reap child ``pid`` if it exits within ``timeout_s`` (polled every ``poll_s``); whether it
-    did."""
+    did. A pid that is no child of ours (any more) counts as reaped: a loop of ours that waits
+    for any child (a subreaper's) may have reaped it first, and waiting on would wait out
+    ``timeout_s`` for nothing."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
+        try:
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return True
+        except ChildProcessError:
+            return True
         time.sleep(poll_s)
     return False
 
