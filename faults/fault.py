@@ -55,6 +55,7 @@ _CATALOGUE_MODULES = (
     "faults.network",
     "faults.slurm",
     "faults.controller",
+    "faults.data",
 )
 
 
@@ -129,6 +130,13 @@ class FaultContext(Protocol):
     def kill_quorum_service(self) -> None: ...
 
     def committed_step(self) -> int: ...
+
+    def poison_data(self, steps_ahead: int) -> dict[str, Any]:
+        """Make the data the job reads ``steps_ahead`` steps after its last commit (that step's
+        first sequence) crash every step that reads it, from now on and in every group; return
+        where it is (``index``, ``key`` and, for a token file, its ``chunk``, ``offset``,
+        ``document``, ``in_document``). ValueError where the job cannot (a program's data)."""
+        ...
 
     def partition_host(self, host: str) -> None:
         """Cut the host's link: nothing reaches it or leaves it (needs hosts with a network of

@@ -120,6 +120,9 @@ PREFLIGHT = "preflight"
 GROUP_START = "group.start"
 CONTROLLER_TAKEOVER = "controller.takeover"
 FAULT_PLAN = "fault.plan"
+DATA_SUSPECT = "data.suspect"  # a pass raised, and these sequences are its cause (a rank)
+POISON_DATA = "fault.poison_data"  # where the poison_data fault made the data bad
+DATA_QUARANTINE = "data.quarantine"  # two groups failed on a sequence: every group skips it
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")

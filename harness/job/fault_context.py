@@ -2,7 +2,8 @@
 
 Faults reach a job only through this adapter: which processes a target names, running a hook in
 a worker, killing a host, keeping a host out for a cooldown, crashing the quorum service. It
-reads the job's records and calls the job's own operations; it keeps no state of its own.
+reads the job's records and calls the job's own operations; it keeps no state of its own but
+where the job's data stands (the last committed step's ``seq_due``, for ``poison_data``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from typing import Any, Protocol
 
 from faults.fault import Target
 from harness.config import JobConfig
+from harness.job.groups import Groups
 from harness.job.hosts import HostPool
 from harness.job.recovery import RecoveryTracker
 from harness.job.site import Site
 from harness.quorum.service import QuorumService
+from harness.rank.data import TokenStream
+from harness.rank.token_data import make_stream
 from runtime.actor import wire_name
 from runtime.controller import Controller
-from runtime.journal import Journal
+from runtime.journal import STEP_COMMIT, Journal, Record
 from runtime.mesh import ActorMesh, ProcMesh
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the project (for a helper process's imports)
@@ -53,6 +57,9 @@ class RunningJob(Protocol):
     @property
     def quorum(self) -> QuorumService: ...
 
+    @property
+    def groups_kind(self) -> Groups: ...
+
     site: Site  # where it runs: its test network (netns) or allocation (slurm), if any
 
 
@@ -62,6 +69,24 @@ class JobFaultContext:
         self.journal: Journal = job.journal
         self.replicas: int = job.cfg.replicas
         self.ranks: int = job.cfg.ranks
+        self._due = 0  # every sequence below it was due by the last committed step
+        self._stream: TokenStream | None = None
+        job.journal.add_sink(self._on_record)
+
+    def _on_record(self, r: Record) -> None:
+        if r.get("event") == STEP_COMMIT and isinstance(r.get("seq_due"), int):
+            self._due = max(self._due, r["seq_due"])
+
+    def poison_data(self, steps_ahead: int) -> dict[str, Any]:
+        data = self._job.cfg.data
+        if self._stream is None:  # the map from a sequence to its data (a corpus chunk)
+            n = self.replicas * self.ranks
+            self._stream = make_stream(data, shard=0, num_shards=n, group_size=self.ranks)
+        per_step = self.replicas * self.ranks * data.batch_size
+        index = self._due + (steps_ahead - 1) * per_step
+        key = self._stream.key(index)
+        self._job.groups_kind.poison(key)
+        return {"index": index, "key": key, **self._stream.where(key)}
 
     @property
     def networked(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.job.poison import DataMarks
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
 from runtime.host_handle import HostAgentHandle
@@ -82,6 +83,12 @@ class Groups(Protocol):
         """The quorum service numbers its quorums from the start again."""
         ...
 
+    def poison(self, key: int) -> None:
+        """The ``poison_data`` fault: the data of ``key`` crashes every step that reads it
+        (``harness.job.poison``); ValueError where the kind cannot (a program's data is its
+        own)."""
+        ...
+
     def stop(self) -> None:
         """The job is stopping: every group's training ends (before the job waits on it)."""
         ...
@@ -103,6 +110,7 @@ class TrainerGroups:
         quorum: QuorumService,
         on_done: Callable[[], None],
         adopt: Callable[[Any, Any], ActorMesh | None],
+        data: DataMarks,
     ) -> None:
         self.controller = controller
         self._adopt = adopt  # harness.job.takeover.adopt (which imports this module)
@@ -110,9 +118,13 @@ class TrainerGroups:
         self.run_dir = run_dir
         self.quorum = quorum
         self.on_done = on_done
+        self.data = data  # poisoned and quarantined data (harness.job.poison)
 
     def start(self) -> None:
         return None
+
+    def poison(self, key: int) -> None:
+        self.data.poison(key)
 
     def adopt(self, job: Any, plan: Any) -> ActorMesh | None:
         return self._adopt(job, plan)
@@ -162,6 +174,7 @@ class TrainerGroups:
             self.quorum.address,
             str(self.run_dir),
             member_ids or {},
+            self.data.marks(),
         )
         call = actors.train.call()
         training = {r: call.futures[(i, 0)] for i, r in enumerate(replicas)}

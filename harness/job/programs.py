@@ -114,6 +114,9 @@ class ProgramGroups:
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
 
+    def poison(self, key: int) -> None:
+        raise ValueError("poison_data needs the built-in trainer: a program reads its own data")
+
     def stop(self) -> None:
         """The job is stopping: no more hang reports, every group's training ends."""
         self._stop.set()

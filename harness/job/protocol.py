@@ -76,6 +76,7 @@ from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
 from harness.job.groups import Groups, ReplicaGroup, TrainerGroups
 from harness.job.hosts import HostPool
+from harness.job.poison import DataMarks
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
 from harness.job.silent import SilentWatch
@@ -219,6 +220,8 @@ class Job:
     def _make_groups(self) -> Groups:
         """The kind of replica group this job runs: the one place that asks."""
         if not self.cfg.program.enabled:
+            data = DataMarks(self.journal, self.say, self.in_every_trainer)
+            self.journal.add_sink(data.on_record)
             return TrainerGroups(
                 self.controller,
                 self._cfg_dict,
@@ -226,6 +229,7 @@ class Job:
                 self.quorum,
                 self._check_done,
                 adopt=takeover.adopt,
+                data=data,
             )
         from harness.job.programs import ProgramGroups
 

@@ -101,10 +101,12 @@ class TrainerActor(Actor):
         lighthouse_addr: str,
         run_dir: str | None,
         member_ids: dict[int, str] | None = None,
+        data_marks: dict[str, list[int]] | None = None,
     ) -> None:
         """``store_addrs`` maps each replica group to its TCPStore, ``member_ids`` to the name
         the quorum service admitted for it (none: torchft's Lighthouse); this actor's group and
-        rank are its mesh coordinates."""
+        rank are its mesh coordinates. ``data_marks``: the job's ``poisoned`` and
+        ``quarantined`` data so far (``harness.job.poison``)."""
         self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
         store_addr = store_addrs[replica_id]
@@ -120,6 +122,10 @@ class TrainerActor(Actor):
             run_dir=run_dir,
             member_id=(member_ids or {}).get(replica_id),
         )
+        marks = data_marks or {}
+        for key in marks.get("poisoned", ()):
+            self.trainer.poison_data(key)
+        self.trainer.quarantine_data(list(marks.get("quarantined", ())))
 
     @endpoint(supervised=True)  # an exception escaping training is a failure of the group
     def train(self) -> dict[str, Any]:
@@ -161,6 +167,22 @@ def stop_training(after_step: int | None = None) -> None:
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
             actor.trainer.stop(after_step)
+
+
+def quarantine_data(keys: list[int]) -> None:
+    """System call: every trainer in this worker skips the data of ``keys`` from its next pass
+    on (``harness.job.poison``)."""
+    for actor in current_actors().values():
+        if isinstance(actor, TrainerActor):
+            actor.trainer.quarantine_data(keys)
+
+
+def poison_data(key: int) -> None:
+    """System call (the ``poison_data`` fault): the data of ``key`` crashes the step of every
+    trainer in this worker that reads it."""
+    for actor in current_actors().values():
+        if isinstance(actor, TrainerActor):
+            actor.trainer.poison_data(key)
 
 
 def request_quorum() -> None:

@@ -36,6 +36,7 @@ Two data policies (``DataConfig.policy``) say what becomes of a down group's seq
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -43,6 +44,27 @@ import torch
 from harness.config import DataConfig
 
 _NOISE = 0.1
+#: A target the loss leaves out (``torch.nn.functional.cross_entropy``'s ``ignore_index``).
+IGNORE = -100
+
+
+class UnreadableData(RuntimeError):
+    """A sequence that cannot be read (the ``poison_data`` fault's; a real loader's decoding
+    error is whatever it raises)."""
+
+
+def masked(
+    inputs: torch.Tensor, targets: torch.Tensor, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inputs`` and ``targets`` with ``rows`` trained on nothing: ids 0 in, :data:`IGNORE`
+    out (copies: a batch's two are views of one tensor)."""
+    if not rows:
+        return inputs, targets
+    inputs, targets = inputs.clone(), targets.clone()
+    for j in rows:
+        inputs[j] = 0
+        targets[j] = IGNORE
+    return inputs, targets
 
 
 class TokenStream:
@@ -64,6 +86,8 @@ class TokenStream:
         self.rank = shard % group_size
         self.position = 0  # committed steps (both policies)
         self.consumed = 0  # group batches the job has committed (``replay``)
+        self.quarantined: set[int] = set()  # keys every group skips (:meth:`quarantine`)
+        self.poisoned: set[int] = set()  # keys that cannot be read (:meth:`poison`)
         g = torch.Generator().manual_seed(cfg.seed)
         # The rule is a property of the whole stream (same for every shard), so all groups learn
         # one distribution; an odd multiplier keeps the map a permutation for even vocabularies.
@@ -97,10 +121,69 @@ class TokenStream:
     def batch(self, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch to train now as ``(inputs, targets)``, each ``(batch, seq_len)``. ``slot``:
         this group's rank among the step's participants (``replay`` only). Does not advance:
-        call :meth:`advance` once the step that trained it has committed."""
+        call :meth:`advance` once the step that trained it has committed.
+
+        A quarantined sequence (:meth:`quarantine`) keeps its row, as ids 0 with every target
+        :data:`IGNORE` (no loss, no gradient; the batch keeps its shape on every rank). A
+        poisoned one (:meth:`poison`) cannot be read: :class:`UnreadableData` is raised, as a
+        loader's decoding error would be."""
         start = self._first(slot)
-        seqs = torch.stack([self.sequence(start + j) for j in range(self.cfg.batch_size)])
-        return seqs[:, :-1], seqs[:, 1:]
+        n = self.cfg.batch_size
+        for index in range(start, start + n):
+            self.check_readable(index)
+        seqs = self._sequences(start, n)
+        return self._screened(start, seqs[:, :-1], seqs[:, 1:])
+
+    def _sequences(self, start: int, n: int) -> torch.Tensor:
+        return torch.stack([self.sequence(start + j) for j in range(n)])
+
+    def indices(self, slot: int | None = None) -> list[int]:
+        """The global indices of the sequences :meth:`batch` reads, in its rows' order."""
+        start = self._first(slot)
+        return list(range(start, start + self.cfg.batch_size))
+
+    # --- poison data (issue #50): data every group skips, and the fault that makes it bad ----
+
+    def key(self, index: int) -> int:
+        """What identifies global sequence ``index``'s data (the same data is the same key):
+        the index itself here; a chunk of the corpus for a token file, read again each epoch."""
+        return index
+
+    def where(self, key: int) -> dict[str, Any]:
+        """Where the data of ``key`` comes from, for the journal and the report."""
+        return {"sequence": key}
+
+    def quarantine(self, keys: Iterable[int]) -> None:
+        """Skip the data of ``keys`` from now on (called from another thread: a set's update
+        is atomic, and :meth:`batch` reads each key once)."""
+        self.quarantined.update(int(k) for k in keys)
+
+    def poison(self, key: int) -> None:
+        """The ``poison_data`` fault: the data of ``key`` cannot be read from now on."""
+        self.poisoned.add(int(key))
+
+    def check_readable(self, index: int) -> None:
+        """Raise :class:`UnreadableData` if sequence ``index`` cannot be read (and is not
+        quarantined: a quarantined one is not read)."""
+        key = self.key(index)
+        if key in self.poisoned and key not in self.quarantined:
+            raise UnreadableData(f"sequence {index} (data {key}) cannot be decoded (poison_data)")
+
+    def outside_vocabulary(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[int]:
+        """The rows of a batch holding an id the model has no embedding or output for (a
+        corrupted shard's: the embedding would raise, or the loss read out of bounds)."""
+        v = self.cfg.vocab_size
+        bad = (inputs < 0) | (inputs >= v)
+        bad_t = (targets >= v) | ((targets < 0) & (targets != IGNORE))
+        return [int(r) for r in torch.nonzero(bad.any(dim=1) | bad_t.any(dim=1)).flatten()]
+
+    def _screened(
+        self, start: int, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.quarantined:
+            return inputs, targets
+        skip = [j for j in range(inputs.shape[0]) if self.key(start + j) in self.quarantined]
+        return masked(inputs, targets, skip)
 
     def trained_ranges(self, slot: int | None, participants: int) -> list[tuple[int, int]]:
         """The global sequences ``[first, end)`` a step committed now has trained, as far as

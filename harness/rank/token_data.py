@@ -20,6 +20,7 @@ control evaluates the same ones.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,9 +82,24 @@ class TokenFileStream(TokenStream):
     def sequence(self, index: int) -> torch.Tensor:
         return self._rows(index, 1)[0]
 
-    def batch(self, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = self._rows(self._first(slot), self.cfg.batch_size)
-        return seqs[:, :-1], seqs[:, 1:]
+    def _sequences(self, start: int, n: int) -> torch.Tensor:
+        return self._rows(start, n)
+
+    def key(self, index: int) -> int:
+        """The chunk: bad data in the corpus is met again at each epoch, under another index."""
+        return self.chunk_of(index)
+
+    def where(self, key: int) -> dict[str, Any]:
+        """The chunk's offset in the training split, and its document and offset in that."""
+        offset = key * self.cfg.seq_len
+        index = self.corpus.index
+        doc = int(np.searchsorted(index, offset, side="right")) - 1
+        return {
+            "chunk": key,
+            "offset": offset,
+            "document": doc,
+            "in_document": offset - int(index[doc]),
+        }
 
 
 def make_stream(

@@ -71,6 +71,7 @@ from torch.distributed import TCPStore
 
 from harness.config import JobConfig, config_from_dict
 from harness.rank import checkpoint
+from harness.rank.data import IGNORE, masked
 from harness.rank.group_layout import (
     GroupLayout,
     Replicated,
@@ -92,6 +93,8 @@ from runtime.journal import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
     CHECKPOINT_START,
+    DATA_QUARANTINE,
+    DATA_SUSPECT,
     EVAL,
     PROC_START,
     STEP_ABORT,
@@ -444,14 +447,113 @@ class Trainer:
 
     def _forward_backward(self, slot: int | None) -> torch.Tensor:
         t0 = time.perf_counter()
-        inputs, targets = self.data.batch(slot)
+        inputs, targets = self._read(slot)
         self.optimizer.zero_grad(set_to_none=False)
-        loss = loss_fn(self.model(inputs), targets)
-        loss.backward()
+        try:
+            logits = self.model(inputs)
+            if bool((targets == IGNORE).all()):  # every sequence quarantined: train nothing
+                loss = logits.sum() * 0.0
+            else:
+                loss = loss_fn(logits, targets)
+            loss.backward()
+        except Exception as exc:
+            rows = self.data.outside_vocabulary(inputs, targets)
+            if not rows and isinstance(self.layout, Replicated):  # a sharded pass is collective
+                rows = [j for j in range(inputs.shape[0]) if self._raises(inputs[j : j + 1])]
+            self._suspect_data(self.data.indices(slot), rows, exc)
+            raise  # the group fails; the controller quarantines what two groups failed on
         if self._step_delay > 0:
             time.sleep(self._step_delay)  # fault hook: a straggler
         self._compute_s += time.perf_counter() - t0
         return loss
+
+    def _read(self, slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's batch, screened (``harness.job.poison``). A sequence that cannot be read
+        is journaled as the suspect (``data.suspect``) and fails the group; one with ids outside
+        the vocabulary is bad data for certain: quarantined here and now (``data.quarantine``,
+        the controller tells every group) and left out of this pass, the group unharmed."""
+        try:
+            inputs, targets = self.data.batch(slot)
+        except Exception as exc:
+            indices = self.data.indices(slot)
+            rows = [j for j, index in enumerate(indices) if not self._readable(index)]
+            self._suspect_data(indices, rows, exc)
+            raise
+        bad = self.data.outside_vocabulary(inputs, targets)
+        if bad:
+            indices = self.data.indices(slot)
+            for j in bad:
+                self._quarantine_found(indices[j], inputs[j], targets[j])
+            inputs, targets = masked(inputs, targets, bad)
+        return inputs, targets
+
+    def _readable(self, index: int) -> bool:
+        try:
+            self.data.check_readable(index)
+            self.data.sequence(index)
+        except Exception:
+            return False
+        return True
+
+    def _quarantine_found(self, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        key = self.data.key(index)
+        self.data.quarantine([key])
+        ids = torch.cat([inputs, targets[-1:]])
+        self._emit(
+            DATA_QUARANTINE,
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "index": index,
+                "key": key,
+                **self.data.where(key),
+                "groups": [self.replica_id],
+                "steps": [self.manager.current_step() + 1],
+                "found": "vocabulary",
+                "what": f"token id {int(ids.max())} outside the vocabulary of "
+                f"{self.cfg.data.vocab_size}",
+            },
+        )
+
+    def _suspect_data(self, indices: list[int], rows: list[int], exc: Exception) -> None:
+        """Journal the sequences (``rows`` of a batch of ``indices``) that a pass or a read
+        failed on, if any are to blame (``data.suspect``); nothing if none is: the failure is
+        the group's (``harness.job.poison``)."""
+        if not rows:
+            return
+        self._emit(
+            DATA_SUSPECT,
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "step": self.manager.current_step() + 1,
+                "what": f"{type(exc).__name__}: {exc}"[:300],
+                "sequences": [
+                    {
+                        "index": indices[j],
+                        "key": (k := self.data.key(indices[j])),
+                        **self.data.where(k),
+                    }
+                    for j in rows
+                ],
+            },
+        )
+
+    def _raises(self, inputs: torch.Tensor) -> bool:
+        try:
+            with torch.no_grad():
+                self.model(inputs)
+        except Exception:
+            return True
+        return False
+
+    def poison_data(self, key: int) -> None:
+        """Fault hook (``poison_data``): the data of ``key`` cannot be read from now on."""
+        self.data.poison(key)
+
+    def quarantine_data(self, keys: list[int]) -> None:
+        """Skip the data of ``keys`` from the next pass on (``harness.job.poison``)."""
+        self.data.quarantine(keys)
 
     def _join_quorum(self) -> bool:
         """``start_quorum``, surviving a quorum service that went away mid-request (its restart

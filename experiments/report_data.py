@@ -1,0 +1,77 @@
+"""Poison data in the report, from the journal alone (``harness.job.poison``): per policy, the
+data the ``poison_data`` fault made bad (``fault.poison_data``), the sequences groups failed on
+(``data.suspect``) and those quarantined (``data.quarantine``), each with its document and offset
+for a token file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dashboards.metrics import split_by_policy
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, Record
+
+_WHERE = ("key", "index", "chunk", "offset", "document", "in_document")
+
+
+def data_summary(records: Sequence[Record]) -> dict[str, Any]:
+    """Per policy with any of it: ``poisoned`` and ``quarantined`` (where each is; the groups
+    and steps that failed on a quarantined one and how) and ``suspected`` (failures of a group
+    blamed on its data)."""
+    out: dict[str, Any] = {}
+    for policy, recs in split_by_policy(records).items():
+        poisoned = [_where(r) for r in recs if r.get("event") == POISON_DATA]
+        quarantined = [
+            {
+                **_where(r),
+                "groups": r.get("groups"),
+                "steps": r.get("steps"),
+                "what": r.get("what"),
+                "found": r.get("found", "groups"),
+            }
+            for r in recs
+            if r.get("event") == DATA_QUARANTINE
+        ]
+        suspected = sum(1 for r in recs if r.get("event") == DATA_SUSPECT)
+        if poisoned or quarantined or suspected:
+            out[policy] = {
+                "poisoned": poisoned,
+                "quarantined": quarantined,
+                "sequences_quarantined": len(quarantined),
+                "suspected": suspected,
+            }
+    return out
+
+
+def _where(r: Record) -> dict[str, Any]:
+    return {k: r[k] for k in _WHERE if k in r}
+
+
+def render_data(summary: dict[str, Any]) -> list[str]:
+    """Markdown lines for the report (none when no data was bad)."""
+    lines: list[str] = []
+    for policy, p in summary.items():
+        lines += [
+            f"## Poison data: `{policy}`",
+            "",
+            f"- sequences quarantined: {p['sequences_quarantined']}; failures blamed on data: "
+            f"{p['suspected']}; made bad by a fault: {len(p['poisoned'])}",
+            "",
+        ]
+        if p["quarantined"]:
+            lines += [
+                "| data | document | offset in it | found by | groups | at steps | error |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for q in p["quarantined"]:
+                data = f"chunk {q['key']}" if "chunk" in q else f"sequence {q['key']}"
+                groups = ", ".join(str(g) for g in q.get("groups") or ())
+                steps = ", ".join(str(s) for s in q.get("steps") or ())
+                what = str(q.get("what") or "").replace("|", "/")[:120]
+                how = "its ids" if q["found"] == "vocabulary" else "2 groups failing"
+                lines.append(
+                    f"| {data} | {q.get('document', '-')} | {q.get('in_document', '-')} | "
+                    f"{how} | {groups} | {steps} | {what} |"
+                )
+            lines.append("")
+    return lines

@@ -1,0 +1,41 @@
+"""Poison data: a sequence that fails the step of whichever group reads it."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import ClassVar
+
+from faults.fault import FaultContext, Target, TargetKind, register
+from runtime.journal import POISON_DATA
+
+#: The most steps ahead a poisoned sequence may be (the run must still be reading by then).
+MAX_STEPS_AHEAD = 1000
+
+
+@register("poison_data")
+@dataclass(frozen=True, kw_only=True)
+class PoisonData:
+    """Make the data the job reads ``steps_ahead`` steps after its last committed step (that
+    step's first sequence) unreadable, as a record a loader cannot decode: the step of whichever
+    group reads it fails. It stays bad for the rest of the run, in every group, a restarted one
+    too; for a token file the bad data is a chunk of the corpus, met again at each epoch. The
+    harness quarantines it once two groups have failed on it (``harness.job.poison``). Its
+    target is the job: the data every group reads. The built-in trainer only. Heal: none."""
+
+    default_target: ClassVar[TargetKind] = "service"
+    hold_s: float = 0.0
+    steps_ahead: int = 3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.steps_ahead <= MAX_STEPS_AHEAD:
+            raise ValueError(
+                f"poison_data: steps_ahead must be 1-{MAX_STEPS_AHEAD}, got {self.steps_ahead!r}"
+            )
+
+    def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
+        where = ctx.poison_data(self.steps_ahead)
+        ctx.journal.emit(POISON_DATA, **where)
+
+    def heal(self, ctx: FaultContext, target: Target) -> None:
+        return None

@@ -1,0 +1,132 @@
+"""Poison data: data that crashes the step of whichever group reads it is quarantined.
+
+A token id outside the vocabulary from a corrupted shard, or a record a loader cannot decode, is
+a fault of the data, not of the replica that met it. With ``data.policy = "replay"`` a dead
+group's batches go to the survivors, so one bad sequence used to kill every group in turn until
+the restart intensity ended the job (issue #50). Now (``harness.rank.trainer``):
+
+* **ids outside the vocabulary** are bad data for certain, whoever reads them: the rank that
+  reads them quarantines them at once (``data.quarantine``, ``found = "vocabulary"``), before
+  its pass, and trains the rest of its batch: no group fails;
+* a sequence that **cannot be read**, or a **pass that raises** where some rows raise alone (or
+  hold bad ids), fails the group as before, and its rank journals the sequences to blame
+  (``data.suspect``). One group's failure alone proves nothing (a replica with a bad local copy
+  or broken state fails on good data, which another group then reads without failing), so the
+  data is quarantined when a **second group** fails on it: journaled (``data.quarantine``),
+  said on the console.
+
+Either way the key (a sequence; a chunk of the corpus for a token file, met again at each epoch)
+is then skipped by every group: the ones running (a system call,
+``harness.rank.actors.quarantine_data``) and every group started later (its trainers get
+:meth:`DataMarks.marks`). The ``poison_data`` fault (``faults.data``) marks a key here too, so
+that a group started after it meets the same bad data, as it would in a corrupted corpus.
+
+Not covered yet: a non-finite loss on a sequence (it still condemns the replica:
+``harness.job.divergence``); a quarantine sent while a group is being constructed reaches that
+group only at its next failure on the key (which sends it again).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, Journal, Record
+
+#: Different groups that must fail on a key before it is quarantined.
+GROUPS_TO_QUARANTINE = 2
+
+
+class DataMarks:
+    """The job's poisoned and quarantined keys (module doc). ``send(func, *args)`` runs a
+    system call of ``harness.rank.actors`` in every running trainer."""
+
+    def __init__(
+        self, journal: Journal, say: Callable[[str], None], send: Callable[..., None]
+    ) -> None:
+        self._journal = journal
+        self._say = say
+        self._send = send
+        self._lock = threading.Lock()
+        self.poisoned: set[int] = set()
+        self.quarantined: dict[int, Record] = {}  # key -> its data.quarantine record
+        self._suspects: dict[int, dict[int, Record]] = {}  # key -> replica -> its suspicion
+
+    def marks(self) -> dict[str, list[int]]:
+        """What a trainer started now must know (``TrainerActor``'s ``data_marks``)."""
+        with self._lock:
+            return {"poisoned": sorted(self.poisoned), "quarantined": sorted(self.quarantined)}
+
+    def poison(self, key: int) -> None:
+        """The ``poison_data`` fault: the data of ``key`` crashes every step that reads it."""
+        from harness.rank.actors import poison_data
+
+        with self._lock:
+            self.poisoned.add(key)
+        self._send(poison_data, key)
+
+    def on_record(self, r: Record) -> None:
+        """A journal sink: counts each ``data.suspect``, quarantines at the second group; a
+        rank's own ``data.quarantine`` (ids outside the vocabulary) goes to every group."""
+        if r.get("event") == DATA_QUARANTINE and "rank" in r and isinstance(r.get("key"), int):
+            self._found(r["key"], r)
+            return
+        if r.get("event") != DATA_SUSPECT or not isinstance(r.get("replica"), int):
+            return
+        for seq in r.get("sequences") or ():
+            key = seq.get("key")
+            if isinstance(key, int):
+                self._suspected(key, r["replica"], r, seq)
+
+    def _found(self, key: int, r: Record) -> None:
+        from harness.rank.actors import quarantine_data
+
+        with self._lock:
+            if key in self.quarantined:
+                return
+            self.quarantined[key] = r
+        self._send(quarantine_data, [key])
+        self._say(f"quarantined {describe(r)}")
+
+    def _suspected(self, key: int, replica: int, r: Record, seq: dict[str, Any]) -> None:
+        from harness.rank.actors import quarantine_data
+
+        with self._lock:
+            if key in self.quarantined:
+                again = True  # a group that missed it (started while it was sent): once more
+            else:
+                again = False
+                by = self._suspects.setdefault(key, {})
+                by.setdefault(replica, r)
+                if len(by) < GROUPS_TO_QUARANTINE:
+                    return
+                record = {
+                    **{k: v for k, v in seq.items() if k != "key"},
+                    "key": key,
+                    "groups": sorted(by),
+                    "what": r.get("what", ""),
+                    "steps": sorted({int(x.get("step", 0)) for x in by.values()}),
+                }
+                self.quarantined[key] = record
+        if again:
+            self._send(quarantine_data, [key])
+            return
+        self._journal.emit(DATA_QUARANTINE, **record)
+        self._send(quarantine_data, [key])
+        self._say(f"quarantined {describe(record)}")
+
+
+def describe(record: Record) -> str:
+    """One line about a ``data.quarantine`` record: what, where, who met it."""
+    if "document" in record:
+        where = (
+            f"chunk {record['key']} of the corpus (offset {record['offset']}, document "
+            f"{record['document']}, offset {record['in_document']} in it)"
+        )
+    else:
+        where = f"sequence {record['key']}"
+    groups = ", ".join(str(g) for g in record.get("groups", ()))
+    if record.get("found") == "vocabulary":
+        return f"{where}: {record.get('what', '')}, found by group {groups} before its pass"[:400]
+    return f"{where}: groups {groups} failed on it with {record.get('what', '')}"[:400]

@@ -1,0 +1,127 @@
+"""Poison data (issue #50): the stream's quarantine and poison, and the controller's rule that
+quarantines the data two different groups failed on (``harness.job.poison``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.config import DataConfig
+from harness.job.poison import DataMarks, describe
+from harness.rank.actors import poison_data, quarantine_data
+from harness.rank.data import IGNORE, TokenStream, UnreadableData, masked
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, Journal
+
+
+def _stream() -> TokenStream:
+    return TokenStream(DataConfig(batch_size=4, seq_len=8, vocab_size=64), shard=0, num_shards=1)
+
+
+def test_a_quarantined_sequence_trains_nothing_and_a_poisoned_one_cannot_be_read():
+    s = _stream()
+    clean_x, clean_y = s.batch()
+    first = s.indices()
+    assert first == [0, 1, 2, 3]
+    s.poison(first[1])
+    with pytest.raises(UnreadableData, match=r"sequence 1 .* cannot be decoded"):
+        s.batch()
+    s.quarantine([first[1]])  # quarantined: not read, so it no longer fails the batch
+    x, y = s.batch()
+    assert torch.equal(x[1], torch.zeros_like(x[1])) and bool((y[1] == IGNORE).all())
+    assert torch.equal(x[[0, 2, 3]], clean_x[[0, 2, 3]])
+    assert torch.equal(y[[0, 2, 3]], clean_y[[0, 2, 3]])
+    assert torch.equal(s.batch()[0], x)  # nothing of the stream itself changed
+
+
+def test_ids_outside_the_vocabulary_are_found_in_inputs_and_targets_but_not_a_quarantined_row():
+    s = _stream()
+    x, y = s.batch()
+    assert s.outside_vocabulary(x, y) == []
+    x, y = x.clone(), y.clone()
+    x[0, 3] = 64
+    y[2, -1] = 70
+    x[3, 0] = -1
+    assert s.outside_vocabulary(x, y) == [0, 2, 3]
+    x2, y2 = masked(x, y, [0, 2, 3])
+    assert s.outside_vocabulary(x2, y2) == []  # IGNORE is no id
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, func, *args) -> None:
+        self.calls.append((func, *args))
+
+
+def _suspect(journal: Journal, replica: int, key: int, step: int = 5) -> None:
+    journal.emit(
+        DATA_SUSPECT,
+        replica=replica,
+        rank=0,
+        step=step,
+        what="IndexError: index out of range in self",
+        sequences=[{"index": key + 100, "key": key, "sequence": key}],
+    )
+
+
+def test_data_two_groups_failed_on_is_quarantined_once_and_sent_to_every_trainer():
+    journal = Journal(None, job="t")
+    seen: list[dict] = []
+    said: list[str] = []
+    sent = _Sent()
+    marks = DataMarks(journal, said.append, sent)
+    journal.add_sink(marks.on_record)
+    journal.add_sink(seen.append)
+
+    _suspect(journal, 0, 7)
+    _suspect(journal, 0, 7, step=6)  # the same group again: a broken replica, maybe
+    assert sent.calls == [] and marks.marks()["quarantined"] == []
+
+    _suspect(journal, 1, 7, step=6)
+    (q,) = [r for r in seen if r["event"] == DATA_QUARANTINE]
+    assert q["key"] == 7 and q["groups"] == [0, 1] and q["steps"] == [5, 6]
+    assert q["what"].startswith("IndexError")
+    assert sent.calls == [(quarantine_data, [7])]
+    assert said == [f"quarantined {describe(q)}"]
+    assert "sequence 7: groups 0, 1 failed on it with IndexError" in said[0]
+    assert marks.marks() == {"poisoned": [], "quarantined": [7]}
+
+    _suspect(journal, 2, 7)  # a group that missed it: sent again, not journaled again
+    assert len([r for r in seen if r["event"] == DATA_QUARANTINE]) == 1
+    assert sent.calls[-1] == (quarantine_data, [7])
+
+    marks.poison(9)
+    assert sent.calls[-1] == (poison_data, 9)
+    assert marks.marks() == {"poisoned": [9], "quarantined": [7]}
+
+
+def test_a_corpus_chunk_is_described_by_its_document():
+    text = describe(
+        {"key": 3, "chunk": 3, "offset": 768, "document": 2, "in_document": 40, "groups": [0, 2],
+         "what": "IndexError: x"}
+    )  # fmt: skip
+    assert text == (
+        "chunk 3 of the corpus (offset 768, document 2, offset 40 in it): groups 0, 2 failed on "
+        "it with IndexError: x"
+    )
+
+
+def test_a_ranks_own_quarantine_goes_to_every_group_once():
+    journal = Journal(None, job="t")
+    said: list[str] = []
+    sent = _Sent()
+    marks = DataMarks(journal, said.append, sent)
+    journal.add_sink(marks.on_record)
+    found = dict(
+        replica=2, rank=0, index=40, key=11, sequence=11, groups=[2], steps=[9],
+        found="vocabulary", what="token id 300 outside the vocabulary of 256",
+    )  # fmt: skip
+    journal.emit(DATA_QUARANTINE, **found)
+    journal.emit(DATA_QUARANTINE, **{**found, "replica": 1, "groups": [1]})  # met again
+    assert sent.calls == [(quarantine_data, [11])]
+    assert said == [
+        "quarantined sequence 11: token id 300 outside the vocabulary of 256, found by group 2 "
+        "before its pass"
+    ]
+    assert marks.marks()["quarantined"] == [11]
