@@ -228,6 +228,11 @@ class RecoveryConfig:
     max_restarts: int = 10
     within_s: float = 600.0
     restart_delay_s: float = 0.0
+    # A failure that comes back the same way (its exception and last frame, or its signal) this
+    # many times in a row, no injected fault explaining it, each within a minute of the last, is
+    # deterministic, not a fault to ride through: the job ends, naming it (harness/job/
+    # crash_loop.py, for the built-in trainer and programs alike).
+    deterministic_max: int = 3
     # A lost host whose agent cannot be restarted (it fails to start or never dials in) is tried
     # at most host_max_restarts times within host_within_s (restart intensity, as max_restarts /
     # within_s for a group; a restart that succeeds starts the count again); then the host is
@@ -625,6 +630,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("recovery.max_restarts", cfg.recovery.max_restarts, 0)
     _positive("recovery.host_max_restarts", cfg.recovery.host_max_restarts, 0)
+    _positive("recovery.deterministic_max", cfg.recovery.deterministic_max, 2)
     _positive("recovery.spares_per_host", cfg.recovery.spares_per_host, 0)
     _check_stragglers(cfg.recovery.stragglers)
     _positive("recovery.quorum_every_steps", cfg.recovery.quorum_every_steps, 0)

@@ -121,6 +121,7 @@ GROUP_START = "group.start"
 CONTROLLER_TAKEOVER = "controller.takeover"
 FAULT_PLAN = "fault.plan"
 DATA_SUSPECT = "data.suspect"  # a pass raised, and these sequences are its cause (a rank)
+FAILURE_SIGNATURE = "failure.signature"  # what identifies a group's failure, and if it counts
 POISON_DATA = "fault.poison_data"  # where the poison_data fault made the data bad
 DATA_QUARANTINE = "data.quarantine"  # two groups failed on a sequence: every group skips it
 

@@ -187,15 +187,18 @@ class CrashLoop:
         return self.loop
 
 
-def diagnosis(deaths: list[Death]) -> str:
-    """What the user reads (console, ``job.end``, the report) about a crash loop."""
+def diagnosis(deaths: list[Death], who: str = "the program") -> str:
+    """What the user reads (console, ``job.end``, the report) about a crash loop of ``who``."""
     last = deaths[-1]
-    who = ", ".join(f"group {d.replica} rank {d.rank} {d.where}" for d in deaths)
+    where = ", ".join(
+        (f"group {d.replica} rank {d.rank}" if d.replica >= 0 else "the groups") + f" {d.where}"
+        for d in deaths
+    )
     text = (
-        f"the program fails the same way every time, so ftharness stopped restarting it: "
+        f"{who} fails the same way every time, so ftharness stopped restarting it: "
         f"{len(deaths)} deaths in a row with {last.what}"
         + (f" (last frame: {last.frame})" if last.frame else "")
-        + f": {who}"
+        + f": {where}"
     )
     if h := hint(last):
         text += f"\nhint: {h}"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.job.poison import DataMarks
+from harness.job.trainer_deaths import TrainerDeaths
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
 from runtime.host_handle import HostAgentHandle
@@ -111,6 +112,7 @@ class TrainerGroups:
         on_done: Callable[[], None],
         adopt: Callable[[Any, Any], ActorMesh | None],
         data: DataMarks,
+        deaths: TrainerDeaths,
     ) -> None:
         self.controller = controller
         self._adopt = adopt  # harness.job.takeover.adopt (which imports this module)
@@ -119,6 +121,7 @@ class TrainerGroups:
         self.quorum = quorum
         self.on_done = on_done
         self.data = data  # poisoned and quarantined data (harness.job.poison)
+        self.deaths = deaths  # failures that come back the same way (harness.job.trainer_deaths)
 
     def start(self) -> None:
         return None
@@ -133,7 +136,7 @@ class TrainerGroups:
         return ()  # its trainers ask the quorum service under the id it admitted
 
     def absorbs(self, failure: Any) -> bool:
-        return False
+        return self.deaths.seen(failure)  # a crash loop: the job ends, nothing is restarted
 
     def quorum_upstream(self) -> str | None:
         return None

@@ -53,6 +53,15 @@ class DataMarks:
         self.quarantined: dict[int, Record] = {}  # key -> its data.quarantine record
         self._suspects: dict[int, dict[int, Record]] = {}  # key -> replica -> its suspicion
 
+    @classmethod
+    def attach(
+        cls, journal: Journal, say: Callable[[str], None], send: Callable[..., None]
+    ) -> DataMarks:
+        """Marks fed by ``journal`` (its records are the rule's input)."""
+        marks = cls(journal, say, send)
+        journal.add_sink(marks.on_record)
+        return marks
+
     def marks(self) -> dict[str, list[int]]:
         """What a trainer started now must know (``TrainerActor``'s ``data_marks``)."""
         with self._lock:
@@ -75,7 +84,7 @@ class DataMarks:
         if r.get("event") != DATA_SUSPECT or not isinstance(r.get("replica"), int):
             return
         for seq in r.get("sequences") or ():
-            key = seq.get("key")
+            key = seq.get("key") if isinstance(seq, dict) else None
             if isinstance(key, int):
                 self._suspected(key, r["replica"], r, seq)
 

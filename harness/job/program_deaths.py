@@ -42,7 +42,7 @@ class DeathWatch:
     ) -> None:
         # a survivor a peer's death took down dies within its collective timeout
         explained = cfg.timeouts.process_group_timeout + FENCE_SLACK_S
-        self._loop = CrashLoop(explained_s=explained)
+        self._loop = CrashLoop(tries=cfg.recovery.deterministic_max, explained_s=explained)
         self._logs = logs
         self._group = group
         self._say = say

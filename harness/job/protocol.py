@@ -84,6 +84,7 @@ from harness.job.site import Site, controller_spec, wants_quorum_relay
 from harness.job.stall import StallWatch
 from harness.job.start import job_start
 from harness.job.takeover import Plan
+from harness.job.trainer_deaths import TrainerDeaths
 from harness.quorum.backends import make_quorum_service
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
@@ -220,17 +221,13 @@ class Job:
     def _make_groups(self) -> Groups:
         """The kind of replica group this job runs: the one place that asks."""
         if not self.cfg.program.enabled:
-            data = DataMarks(self.journal, self.say, self.in_every_trainer)
-            self.journal.add_sink(data.on_record)
+            data = DataMarks.attach(self.journal, self.say, self.in_every_trainer)
+            incarnation = lambda r: g.incarnation if (g := self.groups.get(r)) else None  # noqa: E731
+            deaths = TrainerDeaths.attach(self.cfg, self.journal, incarnation, self.say, self.fail)
             return TrainerGroups(
-                self.controller,
-                self._cfg_dict,
-                self.run_dir,
-                self.quorum,
-                self._check_done,
-                adopt=takeover.adopt,
-                data=data,
-            )
+                self.controller, self._cfg_dict, self.run_dir, self.quorum, self._check_done,
+                adopt=takeover.adopt, data=data, deaths=deaths,
+            )  # fmt: skip
         from harness.job.programs import ProgramGroups
 
         kind: Groups = ProgramGroups(self)

@@ -48,6 +48,11 @@ _NOISE = 0.1
 IGNORE = -100
 
 
+class BadData(RuntimeError):
+    """A step failed on data a rank blamed (``data.suspect``): the failure is the data's, not
+    the trainer's (``harness.job.poison``, ``harness.job.trainer_deaths``)."""
+
+
 class UnreadableData(RuntimeError):
     """A sequence that cannot be read (the ``poison_data`` fault's; a real loader's decoding
     error is whatever it raises)."""

@@ -71,7 +71,7 @@ from torch.distributed import TCPStore
 
 from harness.config import JobConfig, config_from_dict
 from harness.rank import checkpoint
-from harness.rank.data import IGNORE, masked
+from harness.rank.data import IGNORE, BadData, masked
 from harness.rank.group_layout import (
     GroupLayout,
     Replicated,
@@ -517,8 +517,10 @@ class Trainer:
 
     def _suspect_data(self, indices: list[int], rows: list[int], exc: Exception) -> None:
         """Journal the sequences (``rows`` of a batch of ``indices``) that a pass or a read
-        failed on, if any are to blame (``data.suspect``); nothing if none is: the failure is
-        the group's (``harness.job.poison``)."""
+        failed on, if any are to blame (``data.suspect``), and raise :class:`BadData` from
+        ``exc`` (the group fails: its failure says the data is to blame, so it is no crash
+        loop of the trainer's, ``harness.job.trainer_deaths``); nothing if none is: the
+        failure is the group's (``harness.job.poison``), and the caller re-raises ``exc``."""
         if not rows:
             return
         self._emit(
@@ -538,6 +540,10 @@ class Trainer:
                 ],
             },
         )
+        raise BadData(
+            f"{type(exc).__name__} on {len(rows)} sequence(s) of this batch, journaled as "
+            "suspects (data.suspect)"
+        ) from exc
 
     def _raises(self, inputs: torch.Tensor) -> bool:
         try:

@@ -1,0 +1,162 @@
+"""The built-in trainer's failures, read by the crash-loop rule (``harness.job.crash_loop``):
+the same classifier a program's deaths go through (``harness.job.program_deaths``).
+
+A failure of the trainer that comes back the same way (a missing or changed corpus file, a bug
+at a given step, an out-of-memory on every start) was restarted until the restart intensity
+gave up, and the job ended on "restart intensity exceeded", the cause only in a traceback. Each
+failure a replica group's supervisor receives is read here first (``TrainerGroups.absorbs``):
+
+* a death of a running rank: its exception and last frame from the failure's traceback (the
+  trainer's exception travels up as a value), else its signal or exit code; where: the group's
+  last committed step;
+* a restart that raised (the new incarnation's trainers could not be built): the remote
+  exception inside it, "while starting".
+
+Never counted: a stop from outside (SIGKILL, SIGTERM, SIGINT), a failure with no cause of its
+own, a failure the data is to blame for (``BadData``: ``harness.job.poison`` quarantines the
+data), and whatever an injected fault explains (:class:`harness.job.crash_loop.CrashLoop`).
+``recovery.deterministic_max`` failures in a row with one signature, each within a minute of
+the one before, end the job with the diagnosis: on the console, in ``job.end`` and the report.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+from collections.abc import Callable
+
+from harness.config import JobConfig
+from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
+from runtime.failure import Cause, Failure
+from runtime.journal import FAILURE_SIGNATURE, FAULT_INJECT, STEP_COMMIT, Journal, Record
+
+#: Exception types that say the data, not the trainer, failed (``harness.rank.data.BadData``).
+DATA_FAULTS = ("BadData", "harness.rank.data.BadData")
+#: Seconds after an injected fault in which any group's failure counts as its consequence (a
+#: survivor a peer's death took down fails within its collective timeout).
+EXPLAINED_SLACK_S = 5.0
+
+_REPLICA = re.compile(r"/replica(\d+)(/|$)")
+
+
+class TrainerDeaths:
+    """The rule above for one job. ``incarnation(replica)``: the group's current incarnation
+    (None: none yet); ``say(line)`` tells the user; ``fail(reason)`` ends the job; ``emit``:
+    the journal's."""
+
+    def __init__(
+        self,
+        *,
+        tries: int,
+        explained_s: float,
+        incarnation: Callable[[int], int | None],
+        say: Callable[[str], None],
+        fail: Callable[[str], None],
+        emit: Callable[..., object] = lambda event, **fields: None,
+    ) -> None:
+        self._emit = emit  # a journal's emit
+        self._loop = CrashLoop(tries=tries, explained_s=explained_s)
+        self._incarnation = incarnation
+        self._say = say
+        self._fail = fail
+        self._lock = threading.Lock()
+        self._steps: dict[int, int] = {}  # replica -> its last committed step
+        self._starts = itertools.count(1)  # a failed start stands for an incarnation of its own
+
+    @classmethod
+    def attach(
+        cls,
+        cfg: JobConfig,
+        journal: Journal,
+        incarnation: Callable[[int], int | None],
+        say: Callable[[str], None],
+        fail: Callable[[str], None],
+    ) -> TrainerDeaths:
+        """The rule for job ``cfg``, fed by ``journal`` and journaling into it."""
+        deaths = cls(
+            tries=cfg.recovery.deterministic_max,
+            explained_s=cfg.timeouts.process_group_timeout + EXPLAINED_SLACK_S,
+            incarnation=incarnation, say=say, fail=fail, emit=journal.emit,
+        )  # fmt: skip
+        journal.add_sink(deaths.on_record)
+        return deaths
+
+    def on_record(self, r: Record) -> None:
+        """A journal sink: committed steps (where a death was) and injected faults."""
+        event = r.get("event")
+        if event == STEP_COMMIT and isinstance(replica := r.get("replica"), int):
+            with self._lock:
+                self._steps[replica] = max(self._steps.get(replica, 0), int(r.get("step", 0)))
+        elif event == FAULT_INJECT:
+            target = r.get("target")
+            replica = target.get("replica") if isinstance(target, dict) else None
+            inc = self._incarnation(replica) if isinstance(replica, int) else None
+            with self._lock:
+                self._loop.fault(float(r.get("t", time.time())), replica, inc)
+
+    def seen(self, failure: Failure) -> bool:
+        """Count ``failure`` (one a group's supervisor received), journaling what identifies it
+        (``failure.signature``: its signature, where, whether it counts and why not); True when
+        it completed a crash loop: the job is ending, and the group must not be restarted."""
+        death, why = self._death(failure)
+        if death is None:
+            self._emit(
+                FAILURE_SIGNATURE, replica=failure.coords.get("replica"), counted=False, why=why
+            )
+            return False
+        with self._lock:
+            explained = self._loop.explained(death)
+            loop = self._loop.died(death)
+        self._emit(
+            FAILURE_SIGNATURE,
+            replica=death.replica,
+            rank=death.rank,
+            incarnation=death.incarnation,
+            kind=death.kind,
+            frame=death.frame,
+            what=death.what[:300],
+            where=death.where,
+            counted=not explained,
+            why="an injected fault explains it" if explained else None,
+        )
+        if not loop:
+            return False
+        text = diagnosis(loop, who="the trainer")
+        for line in text.splitlines():
+            self._say(line)
+        self._fail(text)
+        return True
+
+    def _death(self, failure: Failure) -> tuple[Death | None, str | None]:
+        """The death ``failure`` is, or None and why it is none."""
+        replica = failure.coords.get("replica")
+        if replica is None:
+            m = _REPLICA.search(failure.child or "")
+            replica = int(m.group(1)) if m else -1  # full_restart: every group is one child
+        starting = failure.cause is Cause.EXCEPTION and not failure.coords
+        read = read_death(
+            (failure.traceback or "").splitlines(),
+            signal=failure.signal,
+            exit_code=None if starting else failure.exit_code,
+        )
+        if read is None:
+            return None, "a stop from outside, or no cause of its own"
+        what, kind, frame, lines = read
+        if kind.rsplit(".", 1)[-1] in DATA_FAULTS:
+            return None, "the data is to blame (harness.job.poison)"
+        incarnation: int | None
+        if starting:
+            incarnation, where = -next(self._starts), "while starting (building its trainers)"
+        else:
+            incarnation = self._incarnation(replica) if replica >= 0 else None
+            with self._lock:
+                step = self._steps.get(replica)
+            where = "before its first step" if step is None else f"after step {step}"
+        rank = failure.coords.get("rank", 0)
+        death = Death(
+            replica, rank, -1 if incarnation is None else incarnation, what, kind, frame, where,
+            failure.t_event, lines,
+        )  # fmt: skip
+        return death, None

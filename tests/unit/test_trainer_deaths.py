@@ -1,0 +1,142 @@
+"""The built-in trainer's failures through the crash-loop rule (``harness.job.trainer_deaths``):
+a failure that comes back the same way ends the job naming it; a fault, a stop or bad data never
+counts. The failures are the values a group's supervisor receives, as the runtime builds them:
+a restart that raised (its RemoteError's remote traceback inside), a rank's exception."""
+
+from __future__ import annotations
+
+import traceback
+
+from harness.job.trainer_deaths import TrainerDeaths
+from runtime.actor import RemoteError
+from runtime.failure import Cause, Failure
+from runtime.journal import FAULT_INJECT, STEP_COMMIT
+
+REMOTE = """\
+Traceback (most recent call last):
+  File "/repo/runtime/worker.py", line 432, in _serve
+    return getattr(target, msg.method)(*msg.args, **msg.kwargs)
+  File "/repo/harness/rank/token_data.py", line 37, in _open
+    return open_corpus(cfg.corpus, verify=False)
+harness.corpus.tokenfile.CorpusError: /data/c: no manifest.json: not a prepared corpus (port {n})
+"""
+
+
+def _restart_failure(replica: int, n: int, t: float) -> Failure:
+    """What runtime.supervisor delivers when a restart raised (its except clause)."""
+    try:
+        raise RemoteError("CorpusError", f"/data/c: no manifest.json ({n})", REMOTE.format(n=n), {})
+    except RemoteError as exc:
+        return Failure(
+            cause=Cause.EXCEPTION,
+            detail=f"restart of job/replica{replica}/ranks failed: {exc!r}",
+            traceback=traceback.format_exc(),
+            child=f"job/replica{replica}/ranks",
+            t_event=t,
+        )
+
+
+def _rank_failure(replica: int, t: float, exc_text: str, *, signal: str | None = None) -> Failure:
+    tb = (
+        "Traceback (most recent call last):\n"
+        '  File "/repo/harness/rank/trainer.py", line 468, in _forward_backward\n'
+        "    loss.backward()\n"
+        f"{exc_text}\n"
+    )
+    return Failure(
+        cause=Cause.SIGNAL if signal else Cause.EXCEPTION,
+        detail="an actor raised",
+        coords={"replica": replica, "rank": 0},
+        exit_code=None if signal else 71,
+        signal=signal,
+        traceback=None if signal else tb,
+        child=f"job/replica{replica}/ranks",
+        t_event=t,
+    )
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.said: list[str] = []
+        self.failed: list[str] = []
+        self.incarnations = {0: 0, 1: 0, 2: 0}
+        self.journaled: list[dict] = []
+
+    def deaths(self, tries: int = 3) -> TrainerDeaths:
+        return TrainerDeaths(
+            tries=tries,
+            explained_s=10.0,
+            incarnation=self.incarnations.get,
+            say=self.said.append,
+            fail=self.failed.append,
+            emit=lambda event, **fields: self.journaled.append({"event": event, **fields}),
+        )
+
+
+def test_a_start_that_fails_the_same_way_three_times_ends_the_job_naming_the_cause():
+    job = _Job()
+    deaths = job.deaths()
+    assert not deaths.seen(_restart_failure(1, 1, 100.0))
+    assert not deaths.seen(_restart_failure(1, 2, 100.5))
+    assert deaths.seen(_restart_failure(1, 3, 101.0))  # absorbed: not restarted again
+    (reason,) = job.failed
+    assert reason.startswith(
+        "the trainer fails the same way every time, so ftharness stopped restarting it: 3 deaths "
+        "in a row with harness.corpus.tokenfile.CorpusError: /data/c: no manifest.json"
+    )
+    assert "(last frame: token_data.py:37 in _open)" in reason
+    assert "group 1 rank 0 while starting (building its trainers)" in reason
+    assert job.said == reason.splitlines()
+
+
+def test_a_rank_that_fails_the_same_way_after_the_same_step_ends_it_and_says_where():
+    job = _Job()
+    deaths = job.deaths()
+    deaths.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    oom = "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"
+    for i, t in enumerate((10.0, 12.0, 14.0)):
+        job.incarnations[2] = i
+        assert deaths.seen(_rank_failure(2, t, oom)) is (i == 2)
+    assert "group 2 rank 0 after step 40" in job.failed[0]
+    assert "trainer.py:468 in _forward_backward" in job.failed[0]
+    # each failure journaled with what identifies it
+    assert [r["event"] for r in job.journaled] == ["failure.signature"] * 3
+    assert {
+        (r["replica"], r["kind"], r["frame"], r["where"], r["counted"]) for r in job.journaled
+    } == {(2, "RuntimeError", "trainer.py:468 in _forward_backward", "after step 40", True)}
+    assert [r["incarnation"] for r in job.journaled] == [0, 1, 2]
+
+
+def test_faults_stops_bad_data_and_mixed_causes_never_make_a_loop():
+    job = _Job()
+    deaths = job.deaths()
+    oom = "RuntimeError: not enough memory"
+    # an injected fault hit group 0: its failures in that incarnation are the fault's
+    deaths.on_record({"event": FAULT_INJECT, "t": 0.0, "target": {"replica": 0}})
+    for t in (20.0, 21.0, 22.0):
+        assert not deaths.seen(_rank_failure(0, t, oom))
+    # a stop from outside, and failures the data is to blame for
+    for t in (30.0, 31.0, 32.0):
+        assert not deaths.seen(_rank_failure(1, t, "", signal="SIGKILL"))
+        bad = "harness.rank.data.BadData: UnreadableData on 1 sequence(s) of this batch"
+        assert not deaths.seen(_rank_failure(1, t, bad))
+    # two alike, then another: the run starts again
+    job.incarnations[1] = 5
+    assert not deaths.seen(_rank_failure(1, 40.0, oom))
+    assert not deaths.seen(_rank_failure(1, 41.0, oom))
+    assert not deaths.seen(_rank_failure(1, 42.0, "ValueError: something else"))
+    assert not deaths.seen(_rank_failure(1, 43.0, oom))
+    # alike but far apart: a rare race ridden through, not a loop
+    assert not deaths.seen(_rank_failure(1, 200.0, oom))
+    assert not deaths.seen(_rank_failure(1, 400.0, oom))
+    assert job.failed == []
+    why = [r["why"] for r in job.journaled if not r["counted"]]
+    assert (
+        why
+        == ["an injected fault explains it"] * 3
+        + [
+            "a stop from outside, or no cause of its own",
+            "the data is to blame (harness.job.poison)",
+        ]
+        * 3
+    )
