@@ -335,6 +335,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         "the manifest's max_token_id; this does not.",
     )
     ver.add_argument("dir", help="a directory `ftharness data prepare` wrote")
+    ver.add_argument(
+        "--limit", type=int, default=1000, help="bad ids named one by one; the rest are counted"
+    )
     ver.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 

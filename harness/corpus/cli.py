@@ -56,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
     if args.data_command == "verify":
         from harness.corpus import verify
 
-        return verify.main(args.dir, (lambda _msg: None) if args.quiet else _say)
+        progress: Say = (lambda _msg: None) if args.quiet else _say
+        return verify.main(args.dir, progress, args.limit)
     if args.data_command != "prepare":  # argparse allows only these; a guard for callers
         print(f"ftharness data: unknown subcommand {args.data_command!r}", file=sys.stderr)
         return 2

@@ -10,9 +10,9 @@ This reads everything instead:
   mismatch listed, not only the first;
 * every token id against the vocabulary, in pieces of :data:`CHUNK` ids (a memory map: nothing
   is loaded whole); each bad id is named with its offset in ``tokens.bin``, its split, and its
-  document and offset in that document (``index.npy``), the first :data:`SHOWN` of them
-  printed, all of them counted, and the largest id compared with the manifest's
-  ``max_token_id``;
+  document and offset in that document (``index.npy``), the first ``limit`` of them
+  (:data:`SHOWN` unless asked) printed, all of them counted, and the largest id compared with
+  the manifest's ``max_token_id``;
 * the document index: ``documents + 1`` offsets from 0 to the token count, never decreasing,
   and a document boundary where the held-out split starts;
 * the tokenizer: it loads, and its vocabulary fits the manifest's.
@@ -43,8 +43,8 @@ from harness.corpus.tokenfile import (
 
 #: Token ids read at a time.
 CHUNK = 1 << 24
-#: Bad ids printed one by one; the rest are counted.
-SHOWN = 20
+#: Bad ids named one by one by default (``--limit``); the rest are counted.
+SHOWN = 1000
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Verdict:
     tokens: int = 0
     documents: int = 0
     problems: list[str] = field(default_factory=list)
-    bad_ids: list[BadId] = field(default_factory=list)  # the first SHOWN
+    bad_ids: list[BadId] = field(default_factory=list)  # the first ``limit``
+    limit: int = SHOWN
     bad_count: int = 0
     max_id: int = -1
     seconds: float = 0.0
@@ -76,13 +77,16 @@ class Verdict:
         return not self.problems and not self.bad_count
 
 
-def verify(path: str | Path, say: Callable[[str], None] = lambda _m: None) -> Verdict:
-    """Check corpus directory ``path`` (module doc). Raises CorpusError only where it is not a
-    corpus at all (no readable manifest); everything else is a problem in the verdict."""
+def verify(
+    path: str | Path, say: Callable[[str], None] = lambda _m: None, limit: int = SHOWN
+) -> Verdict:
+    """Check corpus directory ``path`` (module doc), naming at most ``limit`` bad ids. Raises
+    CorpusError only where it is not a corpus at all (no readable manifest); everything else is
+    a problem in the verdict."""
     t0 = time.monotonic()
     root = Path(path)
     manifest = read_manifest(root)
-    v = Verdict(root)
+    v = Verdict(root, limit=limit)
     _check_files(root, manifest, v, say)
     tokens = _tokens(root, manifest, v)
     index = _index(root, manifest, v)
@@ -181,7 +185,7 @@ def _check_ids(
             v.max_id = max(v.max_id, int(chunk.max()))
         bad = np.flatnonzero(chunk >= vocab)
         v.bad_count += len(bad)
-        for i in bad[: max(0, SHOWN - len(v.bad_ids))]:
+        for i in bad[: max(0, v.limit - len(v.bad_ids))]:
             offset = first + int(i)
             doc, in_doc = _document(index, offset)
             split = "heldout" if offset >= heldout else "train"
@@ -239,10 +243,13 @@ def report(v: Verdict) -> list[str]:
     return lines
 
 
-def main(path: str, say: Callable[[str], None]) -> int:
+def main(path: str, say: Callable[[str], None], limit: int = SHOWN) -> int:
     """``ftharness data verify``: the report on stdout; 0 clean, 1 problems, 2 not a corpus."""
+    if limit < 0:
+        print(f"ftharness data verify: --limit {limit}: must be >= 0")
+        return 2
     try:
-        v = verify(path, say)
+        v = verify(path, say, limit)
     except CorpusError as exc:
         print(f"ftharness data verify: {exc}")
         return 2

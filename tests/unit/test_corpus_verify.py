@@ -48,8 +48,8 @@ def plant(d: Path, offsets: list[int], value: int) -> None:
     (d / "manifest.json").write_text(json.dumps(m))
 
 
-def _run(capsys, d: Path) -> tuple[int, list[str]]:
-    rc = cli_main(["data", "verify", str(d), "--quiet"])
+def _run(capsys, d: Path, *more: str) -> tuple[int, list[str]]:
+    rc = cli_main(["data", "verify", str(d), "--quiet", *more])
     return rc, capsys.readouterr().out.strip().splitlines()
 
 
@@ -93,8 +93,12 @@ def test_past_the_first_ones_bad_ids_are_counted(capsys, corpus):
     rc, lines = _run(capsys, corpus)
     assert rc == 1
     shown = [ln for ln in lines if "is outside the vocabulary" in ln]
-    assert len(shown) == verify_mod.SHOWN
-    assert f"... and {len(offsets) - verify_mod.SHOWN} more ids outside the vocabulary" in lines
+    assert len(shown) == len(offsets) < verify_mod.SHOWN  # every one named by default
+    rc, lines = _run(capsys, corpus, "--limit", "5")
+    assert rc == 1
+    assert len([ln for ln in lines if "is outside the vocabulary" in ln]) == 5
+    assert f"... and {len(offsets) - 5} more ids outside the vocabulary" in lines
+    assert _run(capsys, corpus, "--limit", "-1")[0] == 2
 
 
 def test_a_changed_file_and_a_broken_index_are_each_listed(capsys, corpus):
