@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: Deaths in a row with one signature that make a crash loop: the job ends at the third, so a
 #: program that fails at start is tried at most three times.
@@ -34,6 +37,9 @@ TRIES = 3
 #: ... each within this long of the one before (a crash loop restarts within seconds; a rare
 #: race that recurs every few minutes is ridden through).
 WINDOW_S = 60.0
+#: Seconds past the collective timeout in which any group's death after an injected fault is
+#: the fault's (a survivor a peer's death took down fails within its collective timeout).
+EXPLAINED_SLACK_S = 5.0
 #: Signals that are a stop from outside, not a death of the program's own.
 STOP_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT")
 #: Known causes, matched in the exception and the log lines shown: the hint printed with them.
@@ -155,6 +161,21 @@ class CrashLoop:
         self._faults: list[float] = []  # when each injected fault fired
         self._hit: set[tuple[int, int]] = set()  # (replica, incarnation) an injected fault hit
         self.loop: list[Death] | None = None  # the crash loop found, once it is
+
+    @classmethod
+    def for_job(cls, cfg: Any) -> CrashLoop:
+        """The rule with job ``cfg``'s bounds: ``recovery.deterministic_max`` tries, and the
+        collective timeout (plus :data:`EXPLAINED_SLACK_S`) for a fault's consequences."""
+        explained = cfg.timeouts.process_group_timeout + EXPLAINED_SLACK_S
+        return cls(tries=cfg.recovery.deterministic_max, explained_s=explained)
+
+    def fault_record(self, r: dict[str, Any], incarnation: Callable[[int], int | None]) -> None:
+        """:meth:`fault` from a ``fault.inject`` journal record; ``incarnation(replica)``: the
+        group's current one (None: none)."""
+        target = r.get("target")
+        replica = target.get("replica") if isinstance(target, dict) else None
+        inc = incarnation(replica) if isinstance(replica, int) else None
+        self.fault(float(r.get("t", time.time())), replica, inc)
 
     def fault(self, t: float, replica: int | None, incarnation: int | None) -> None:
         """A fault was injected at ``t``: into ``replica``'s ``incarnation`` (None: a host, a

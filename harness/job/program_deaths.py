@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
-from harness.job.program_env import FENCE_SLACK_S, LOG_HEADER, error_file, log_name
+from harness.job.program_env import LOG_HEADER, error_file, log_name
 from harness.job.program_group import ProgramGroup, ProgramJob
 from harness.job.program_progress import TAIL_LINES, ended_early, read_tail
 from runtime.failure import Failure
@@ -40,9 +40,7 @@ class DeathWatch:
         finished: Callable[[], None] = lambda: None,
         overtaken: Callable[[int], object] = lambda replica: None,
     ) -> None:
-        # a survivor a peer's death took down dies within its collective timeout
-        explained = cfg.timeouts.process_group_timeout + FENCE_SLACK_S
-        self._loop = CrashLoop(tries=cfg.recovery.deterministic_max, explained_s=explained)
+        self._loop = CrashLoop.for_job(cfg)
         self._logs = logs
         self._group = group
         self._say = say
@@ -105,10 +103,12 @@ class DeathWatch:
                     self._healed[g.replica] = (g.incarnation, int(r.get("step", 0)))
         if event != FAULT_INJECT:
             return
-        replica = (r.get("target") or {}).get("replica")
-        g = self._group(replica) if isinstance(replica, int) else None
         with self._lock:
-            self._loop.fault(float(r.get("t", time.time())), replica, g.incarnation if g else None)
+            self._loop.fault_record(r, self._incarnation)
+
+    def _incarnation(self, replica: int) -> int | None:
+        g = self._group(replica)
+        return g.incarnation if g else None
 
     def on_failure(self, failure: Failure) -> None:
         coords = failure.coords or {}

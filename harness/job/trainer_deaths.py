@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-import time
 from collections.abc import Callable
 
 from harness.config import JobConfig
@@ -34,30 +33,26 @@ from runtime.journal import FAILURE_SIGNATURE, FAULT_INJECT, STEP_COMMIT, Journa
 
 #: Exception types that say the data, not the trainer, failed (``harness.rank.data.BadData``).
 DATA_FAULTS = ("BadData", "harness.rank.data.BadData")
-#: Seconds after an injected fault in which any group's failure counts as its consequence (a
-#: survivor a peer's death took down fails within its collective timeout).
-EXPLAINED_SLACK_S = 5.0
 
 _REPLICA = re.compile(r"/replica(\d+)(/|$)")
 
 
 class TrainerDeaths:
-    """The rule above for one job. ``incarnation(replica)``: the group's current incarnation
-    (None: none yet); ``say(line)`` tells the user; ``fail(reason)`` ends the job; ``emit``:
-    the journal's."""
+    """The rule above for one job (``loop``: ``CrashLoop.for_job``). ``incarnation(replica)``:
+    the group's current incarnation (None: none yet); ``say(line)`` tells the user;
+    ``fail(reason)`` ends the job; ``emit``: the journal's."""
 
     def __init__(
         self,
         *,
-        tries: int,
-        explained_s: float,
+        loop: CrashLoop,
         incarnation: Callable[[int], int | None],
         say: Callable[[str], None],
         fail: Callable[[str], None],
         emit: Callable[..., object] = lambda event, **fields: None,
     ) -> None:
         self._emit = emit  # a journal's emit
-        self._loop = CrashLoop(tries=tries, explained_s=explained_s)
+        self._loop = loop
         self._incarnation = incarnation
         self._say = say
         self._fail = fail
@@ -75,11 +70,8 @@ class TrainerDeaths:
         fail: Callable[[str], None],
     ) -> TrainerDeaths:
         """The rule for job ``cfg``, fed by ``journal`` and journaling into it."""
-        deaths = cls(
-            tries=cfg.recovery.deterministic_max,
-            explained_s=cfg.timeouts.process_group_timeout + EXPLAINED_SLACK_S,
-            incarnation=incarnation, say=say, fail=fail, emit=journal.emit,
-        )  # fmt: skip
+        loop = CrashLoop.for_job(cfg)
+        deaths = cls(loop=loop, incarnation=incarnation, say=say, fail=fail, emit=journal.emit)
         journal.add_sink(deaths.on_record)
         return deaths
 
@@ -90,11 +82,8 @@ class TrainerDeaths:
             with self._lock:
                 self._steps[replica] = max(self._steps.get(replica, 0), int(r.get("step", 0)))
         elif event == FAULT_INJECT:
-            target = r.get("target")
-            replica = target.get("replica") if isinstance(target, dict) else None
-            inc = self._incarnation(replica) if isinstance(replica, int) else None
             with self._lock:
-                self._loop.fault(float(r.get("t", time.time())), replica, inc)
+                self._loop.fault_record(r, self._incarnation)
 
     def seen(self, failure: Failure) -> bool:
         """Count ``failure`` (one a group's supervisor received), journaling what identifies it

@@ -456,9 +456,9 @@ class Trainer:
             else:
                 loss = loss_fn(logits, targets)
             loss.backward()
-        except Exception as exc:
-            rows = self.data.outside_vocabulary(inputs, targets)
-            if not rows and isinstance(self.layout, Replicated):  # a sharded pass is collective
+        except Exception as exc:  # bad ids are masked by _read: blame the rows that raise alone
+            rows = []
+            if isinstance(self.layout, Replicated):  # a sharded pass is collective
                 rows = [j for j in range(inputs.shape[0]) if self._raises(inputs[j : j + 1])]
             self._suspect_data(self.data.indices(slot), rows, exc)
             raise  # the group fails; the controller quarantines what two groups failed on

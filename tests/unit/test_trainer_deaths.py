@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import traceback
 
+from harness.job.crash_loop import CrashLoop
 from harness.job.trainer_deaths import TrainerDeaths
 from runtime.actor import RemoteError
 from runtime.failure import Cause, Failure
@@ -64,8 +65,7 @@ class _Job:
 
     def deaths(self, tries: int = 3) -> TrainerDeaths:
         return TrainerDeaths(
-            tries=tries,
-            explained_s=10.0,
+            loop=CrashLoop(tries=tries, explained_s=10.0),
             incarnation=self.incarnations.get,
             say=self.said.append,
             fail=self.failed.append,
