@@ -7,7 +7,11 @@ The trainer (``harness.rank.trainer``) calls a layout for the three things that 
   one flat allreduce within the group (when it has several ranks), then torchft's across the
   groups. Sharded: FSDP2 reduce-scatters each block's gradients within the group during the
   backward pass, and its all-reduce hook averages each resulting shard with the same shard of
-  the other groups through torchft's Manager, as torchtitan wires its ``replicate_pg``;
+  the other groups through torchft's Manager, as torchtitan wires its ``replicate_pg``. The
+  step's :class:`Asks` (a sparse quorum's flag, a checkpoint asked for) ride on those
+  collectives rather than on collectives of their own: one float more in the flat allreduce
+  (replicated); one tiny allreduce within the group before the backward pass, and one float
+  more on the root module's shard across the groups (sharded);
 * **the state** a heal and a checkpoint carry: each rank's own tensors. Sharded, these are the
   local shards of the DTensors (rank r of a group heals from rank r of a peer, torchft pairs the
   ranks so), plain tensors that every transport carries and ``torch.load(weights_only=True)``
@@ -28,6 +32,7 @@ checks it numerically).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -44,6 +49,21 @@ INTRA_PREFIX = "harness/intra"
 CrossGroup = Callable[[torch.Tensor], None]
 
 
+@dataclass(frozen=True)
+class Asks:
+    """What a rank was asked to do once this step commits, for its layout to agree on.
+
+    Going in (:meth:`GroupLayout.backward`): this rank's own flags, None where nothing is to be
+    agreed (every rank of every group passes None alike: it is the job's config). Coming out
+    (:meth:`GroupLayout.average`): ``quorum``, whether any rank of any participating group
+    asked for a quorum at the next step (a sparse quorum's flag: a new member waits);
+    ``checkpoint``, whether any rank of this group was asked for a checkpoint (a group whose
+    ranks write their shards together must agree to)."""
+
+    quorum: bool | None = None
+    checkpoint: bool | None = None
+
+
 class GroupLayout(Protocol):
     """What the trainer asks of the way its group holds the model."""
 
@@ -53,12 +73,16 @@ class GroupLayout(Protocol):
     #: spread over the ranks), not only rank 0.
     eval_on_every_rank: bool
 
-    def average(self, model: nn.Module, asked: bool | None, *, contribute: bool) -> bool:
+    def backward(self, loss: torch.Tensor, asks: Asks) -> None:
+        """The step's backward pass, with this rank's ``asks`` to agree on (see :class:`Asks`).
+        Every rank of every group calls it once per pass, then :meth:`average`."""
+        ...
+
+    def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """After the backward pass: finish averaging the gradients over every rank of every
-        participating group. ``asked``: this rank's sparse-quorum flag (None: no sparse
-        quorum); returns whether any rank of any participating group raised it.
-        ``contribute``: False when this rank's loss was not finite (its gradients count as
-        zeros: a corrupted replica's NaN must not reach the other groups)."""
+        participating group, and return the asks agreed (:class:`Asks`; False where none was
+        to be agreed). ``contribute``: False when this rank's loss was not finite (its gradients
+        count as zeros: a corrupted replica's NaN must not reach the other groups)."""
         ...
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
@@ -99,10 +123,17 @@ class Replicated:
         self._across = across
         self._intra = intra
         self._ranks = ranks
+        self._asks = Asks()
 
-    def average(self, model: nn.Module, asked: bool | None, *, contribute: bool) -> bool:
+    def backward(self, loss: torch.Tensor, asks: Asks) -> None:
+        self._asks = asks
+        loss.backward()
+
+    def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """One flat allreduce per step (fewer, larger messages than one per tensor); the
-        quorum flag rides along as one more float."""
+        quorum flag rides along as one more float. Rank 0 writes a checkpoint alone: its own
+        ask is the group's."""
+        asked = self._asks.quorum
         if not contribute:
             model.zero_grad(set_to_none=False)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -120,7 +151,8 @@ class Replicated:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        return asked is not None and bool(flat[-1].item() > 0)
+        quorum = asked is not None and bool(flat[-1].item() > 0)
+        return Asks(quorum=quorum, checkpoint=bool(self._asks.checkpoint))
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -195,6 +227,11 @@ class Sharded:
         fully_shard(model, mesh=mesh)
         self._across = across
         self._timeout = timeout
+        # The group's quorum ask (one float), set before the backward pass, to cross the groups
+        # on the root's shard; the result once it has crossed; the group's checkpoint ask.
+        self._carry: torch.Tensor | None = None
+        self._crossed: torch.Tensor | None = None
+        self._checkpoint = False
 
         def average_shard(shard: torch.Tensor) -> None:
             # A non-finite gradient (a corrupted replica) must not reach the other groups: the
@@ -203,23 +240,48 @@ class Sharded:
                 shard.zero_()
             across(shard)
 
+        def average_root(shard: torch.Tensor) -> None:
+            carry, self._carry = self._carry, None
+            if carry is None:
+                average_shard(shard)
+                return
+            if not bool(torch.isfinite(shard).all()):
+                shard.zero_()
+            both = torch.cat([shard, carry.to(device=shard.device, dtype=shard.dtype)])
+            across(both)
+            shard.copy_(both[:-1])
+            self._crossed = both[-1:]
+
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
-                m.set_all_reduce_hook(average_shard)
+                m.set_all_reduce_hook(average_root if m is model else average_shard)
 
-    def average(self, model: nn.Module, asked: bool | None, *, contribute: bool) -> bool:
-        """The gradients are averaged already (in the backward pass, where a non-finite shard
-        counted as zeros: ``contribute`` is moot); the quorum flag is reduced within the group,
-        then across the groups: every rank gets the same answer."""
-        if asked is None:
-            return False
+    def backward(self, loss: torch.Tensor, asks: Asks) -> None:
+        """Agree on the asks within the group first (one allreduce of two floats: a rank asked
+        is enough, asks reach the ranks apart), so that every rank of the group carries the
+        same quorum flag across the groups, on the root's shard (``average_root``)."""
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if asked else 0.0])
-        dist.all_reduce(flag)
-        self._across(flag)
-        return bool(flag.item() > 0)
+        self._carry = self._crossed = None
+        self._checkpoint = False
+        if asks.quorum is not None or asks.checkpoint is not None:
+            flags = torch.tensor([float(bool(asks.quorum)), float(bool(asks.checkpoint))])
+            dist.all_reduce(flags)
+            self._checkpoint = bool(flags[1].item() > 0)
+            if asks.quorum is not None:
+                self._carry = (flags[:1] > 0).float()
+        loss.backward()
+
+    def average(self, model: nn.Module, *, contribute: bool) -> Asks:
+        """The gradients are averaged already (in the backward pass, where a non-finite shard
+        counted as zeros: ``contribute`` is moot), the quorum flag with the root's shard; it
+        crosses alone only where the root holds no shard of its own."""
+        if self._carry is not None:
+            self._across(self._carry)
+            self._crossed, self._carry = self._carry, None
+        quorum = self._crossed is not None and bool(self._crossed.item() > 0)
+        return Asks(quorum=quorum, checkpoint=self._checkpoint)
 
     def checkpoint_group(self) -> Any:
         """A gloo group of its own over the group's ranks, as torchtitan's checkpointer has: a

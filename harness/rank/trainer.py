@@ -73,6 +73,7 @@ from harness.config import JobConfig, config_from_dict
 from harness.rank import checkpoint
 from harness.rank.data import IGNORE, BadData, masked
 from harness.rank.group_layout import (
+    Asks,
     GroupLayout,
     Replicated,
     Sharded,
@@ -201,6 +202,7 @@ class Trainer:
         self._quorum_every = cfg.quorum_every()
         self._quorum_next = True
         self._quorum_asked = threading.Event()
+        self._group_asks = Asks()  # what the group's ranks agreed on in the last pass
         # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
         self._writer = checkpoint.BackgroundWriter(f"harness-ckpt-r{replica_id}-{rank}")
         # Joins the quorum while the training thread runs the pass (_quorum_overlapped): one
@@ -455,7 +457,7 @@ class Trainer:
                 loss = logits.sum() * 0.0
             else:
                 loss = loss_fn(logits, targets)
-            loss.backward()
+            self.layout.backward(loss, self._asks())
         except Exception as exc:  # bad ids are masked by _read: blame the rows that raise alone
             rows = []
             if isinstance(self.layout, Replicated):  # a sharded pass is collective
@@ -605,15 +607,24 @@ class Trainer:
         torchft averages over participants; on a peer failure it records the error (so
         should_commit says no) instead of raising. Then close the communicator at once: a
         survivor blocked on this rank would otherwise wait out the process-group timeout."""
-        asked = None
-        if self._quorum_every > 1:
-            asked = self._quorum_asked.is_set()
-            self._quorum_asked.clear()
-        flag = self.layout.average(self.model, asked, contribute=finite)
+        agreed = self.layout.average(self.model, contribute=finite)
+        if agreed.quorum:
+            self._quorum_asked.clear()  # the quorum it asks for comes at the next step
+        self._group_asks = agreed
         failed = self.manager.errored()
         if failed is not None:
             close_communicator(self._pg, failed.original_exception)
-        return flag
+        return bool(agreed.quorum)
+
+    def _asks(self) -> Asks:
+        """This rank's asks for its layout to agree on (:class:`Asks`), read before each
+        backward pass and cleared only once honoured: an ask that a pass done again (an
+        overlapped quorum that changed the state) or an uncommitted step read is not lost."""
+        quorum = self._quorum_asked.is_set() if self._quorum_every > 1 else None
+        checkpoint = None
+        if self._dcp is not None and self._dcp.pg is not None:  # the group writes together
+            checkpoint = self._checkpoint_asked.is_set()
+        return Asks(quorum=quorum, checkpoint=checkpoint)
 
     def _across_groups(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` in place over the participating groups (torchft)."""
@@ -795,8 +806,8 @@ class Trainer:
             return
         writer = self._dcp.writer
         asked = self._checkpoint_asked.is_set()
-        if self._dcp.pg is not None:  # a rank asked is enough (asks reach ranks apart)
-            asked = self.layout.group_min(0 if asked else 1) == 0
+        if self._dcp.pg is not None:  # agreed by the group, with the step's gradients (_asks)
+            asked = bool(self._group_asks.checkpoint)
         if writer is None or (step % self.cfg.checkpoint.every_steps and not asked):
             return
         self._checkpoint_asked.clear()

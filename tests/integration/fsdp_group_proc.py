@@ -5,8 +5,10 @@ groups on a store at PORT + 2 (group 0 hosts it), averaging as torchft's Manager
 
 It takes one step of the tiny model under ``harness.rank.group_layout.Sharded`` on its own batch
 and writes to OUT (JSON): the full averaged gradient of every parameter (gathered within the
-group), its local shard shapes, and what a fresh sharded copy that loaded this rank's
-``state_dict`` holds after the same step.
+group), its local shard shapes, what a fresh sharded copy that loaded this rank's
+``state_dict`` holds after the same step, and the asks the layout agreed on in each step (group 0's
+rank 1 asks for a quorum and group 1's rank 0 for a checkpoint in the first; nobody in the
+second).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from harness.config import ModelConfig
-from harness.rank.group_layout import Sharded, init_group_world
+from harness.rank.group_layout import Asks, Sharded, init_group_world
 from harness.rank.model import build_model, loss_fn, model_blocks
 
 GROUPS, RANKS, VOCAB, SEQ, BATCH = 2, 2, 64, 8, 2
@@ -54,7 +56,9 @@ def main() -> None:
 
     model, optim, layout = sharded()
     inputs, targets = batch(group, rank)
-    loss_fn(model(inputs), targets).backward()
+    asks = Asks(quorum=(group, rank) == (0, 1), checkpoint=(group, rank) == (1, 0))
+    layout.backward(loss_fn(model(inputs), targets), asks)
+    agreed = [layout.average(model, contribute=True)]
     grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}
     shards = {n: list(layout.local(p).shape) for n, p in model.named_parameters()}
     optim.step()
@@ -71,9 +75,10 @@ def main() -> None:
         torch.equal(layout.local(a), copy_layout.local(b))
         for a, b in zip(model.parameters(), copy.parameters(), strict=True)
     )
-    for m, o in ((model, optim), (copy, copy_optim)):
+    for m, o, lay in ((model, optim, layout), (copy, copy_optim, copy_layout)):
         o.zero_grad()
-        loss_fn(m(inputs), targets).backward()
+        lay.backward(loss_fn(m(inputs), targets), Asks(quorum=False, checkpoint=False))
+        agreed.append(lay.average(m, contribute=True))
         o.step()
     equal_after_step = all(
         torch.equal(layout.local(a), copy_layout.local(b))
@@ -86,6 +91,7 @@ def main() -> None:
                 "shards": shards,
                 "equal_after_load": equal_after_load,
                 "equal_after_step": equal_after_step,
+                "agreed": [[a.quorum, a.checkpoint] for a in agreed],
             },
             f,
         )
