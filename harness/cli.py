@@ -235,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="run only the rows whose name contains TEXT, or one of several TEXTs "
                 "separated by commas (e.g. program_hsdp, or sharded,2ranks,in_place/tree)",
             )
+        if name == "overhead":
+            b.add_argument(
+                "--only",
+                metavar="NAMES",
+                help="run only these configurations, separated by commas (e.g. ftharness_fsdp); "
+                "the floors their ratios are taken against (plain, and plain_hsdp for "
+                "ftharness_fsdp) always run too",
+            )
     return parser
 
 

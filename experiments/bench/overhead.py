@@ -690,8 +690,25 @@ def break_even(
     }
 
 
+def chosen(only: str | None) -> list[str]:
+    """The configurations ``--only`` names, with the floors their ratios need, in
+    :data:`CONFIGS` order; every configuration when ``only`` is empty."""
+    if not only:
+        return list(CONFIGS)
+    names = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(names - set(CONFIGS))
+    if unknown:
+        print(f"bench overhead --only: unknown {unknown}; choose from {CONFIGS}", file=sys.stderr)
+        raise SystemExit(2)
+    names.add("plain")
+    if "ftharness_fsdp" in names:
+        names.add("plain_hsdp")
+    return [c for c in CONFIGS if c in names]
+
+
 def main(args: argparse.Namespace) -> int:
     plan = dict(QUICK_PLAN if args.quick else PLAN)
+    configs = chosen(getattr(args, "only", None))
 
     def log(msg: str) -> None:
         if not args.json:
@@ -703,9 +720,9 @@ def main(args: argparse.Namespace) -> int:
         for model, (steps, warmup, reps) in plan.items():
             reps = args.reps or reps
             result["meta"]["plan"][model] = {"steps": steps, "warmup": warmup, "reps": reps}
-            runs: dict[str, list[dict]] = {m: [] for m in CONFIGS}
+            runs: dict[str, list[dict]] = {m: [] for m in configs}
             for rep in range(reps):
-                order = CONFIGS[rep % len(CONFIGS) :] + CONFIGS[: rep % len(CONFIGS)]
+                order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
                 for mode in order:
                     t = time.monotonic()
                     row = run_one(model, mode, rep, Path(tmp), steps, warmup)

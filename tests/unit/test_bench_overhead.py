@@ -97,3 +97,20 @@ def test_the_token_file_is_compared_with_the_synthetic_stream_at_its_vocabulary(
     # per repetition: 1.01 and 1.0; the larger output layer (2.0 vs plain's 1.0) is not counted
     assert rows["ftharness_tokens"]["ratio_to_synthetic"] == pytest.approx(1.005)
     assert "ratio_to_synthetic" not in rows["ftharness_vocab2048"]
+
+
+def test_only_runs_the_named_configurations_and_their_floors() -> None:
+    from experiments.bench.overhead import CONFIGS, chosen
+
+    assert chosen(None) == CONFIGS
+    assert chosen("ftharness_fsdp") == ["plain", "ftharness_fsdp", "plain_hsdp"]
+    assert chosen("torchft, ftharness") == ["plain", "torchft", "ftharness"]
+
+
+def test_only_refuses_an_unknown_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    from experiments.bench.overhead import chosen
+
+    with pytest.raises(SystemExit) as exc:
+        chosen("ftharness,fsdp")
+    assert exc.value.code == 2
+    assert "unknown ['fsdp']" in capsys.readouterr().err
