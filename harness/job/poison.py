@@ -21,6 +21,10 @@ is then skipped by every group: the ones running (a system call,
 :meth:`DataMarks.marks`). The ``poison_data`` fault (``faults.data``) marks a key here too, so
 that a group started after it meets the same bad data, as it would in a corrupted corpus.
 
+A controller that takes over a run (``harness.job.takeover``) rebuilds all of it from the
+journal (:meth:`DataMarks.resume`): the groups it starts skip what the dead controller had
+quarantined, and a suspicion from before counts toward the second group.
+
 Not covered yet: a non-finite loss on a sequence (it still condemns the replica:
 ``harness.job.divergence``); a quarantine sent while a group is being constructed reaches that
 group only at its next failure on the key (which sends it again).
@@ -32,7 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, Journal, Record
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, Journal, Record
 
 #: Different groups that must fail on a key before it is quarantined.
 GROUPS_TO_QUARANTINE = 2
@@ -61,6 +65,23 @@ class DataMarks:
         marks = cls(journal, say, send)
         journal.add_sink(marks.on_record)
         return marks
+
+    def resume(self, records: list[Record]) -> None:
+        """Take up what a dead controller's journal says (a takeover): the keys poisoned and
+        quarantined, and who suspected what, without journaling, sending or saying any of it
+        again (the groups still running have had it sent; new ones get :meth:`marks`)."""
+        with self._lock:
+            for r in records:
+                event, key = r.get("event"), r.get("key")
+                if event == POISON_DATA and isinstance(key, int):
+                    self.poisoned.add(key)
+                elif event == DATA_QUARANTINE and isinstance(key, int):
+                    self.quarantined.setdefault(key, r)
+                elif event == DATA_SUSPECT and isinstance(r.get("replica"), int):
+                    for seq in r.get("sequences") or ():
+                        k = seq.get("key") if isinstance(seq, dict) else None
+                        if isinstance(k, int):
+                            self._suspects.setdefault(k, {}).setdefault(r["replica"], r)
 
     def marks(self) -> dict[str, list[int]]:
         """What a trainer started now must know (``TrainerActor``'s ``data_marks``)."""

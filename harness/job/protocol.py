@@ -222,6 +222,7 @@ class Job:
         """The kind of replica group this job runs: the one place that asks."""
         if not self.cfg.program.enabled:
             data = DataMarks.attach(self.journal, self.say, self.in_every_trainer)
+            data.resume(self.how.history)  # what a dead controller had marked (a takeover)
             incarnation = lambda r: g.incarnation if (g := self.groups.get(r)) else None  # noqa: E731
             deaths = TrainerDeaths.attach(self.cfg, self.journal, incarnation, self.say, self.fail)
             return TrainerGroups(

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from harness.job import takeover
 from harness.job.preflight import check_network
 from harness.job.takeover import GroupPlan, Plan
-from runtime.journal import JOB_START
+from runtime.journal import JOB_START, Record
 
 
 class JobStart(Protocol):
@@ -26,6 +26,8 @@ class JobStart(Protocol):
 
     #: The dead controller's plan (a takeover), or None.
     plan: Plan | None
+    #: The run's journal so far: the dead controller's records (a takeover), or none.
+    history: list[Record]
 
     @property
     def resumes(self) -> bool:
@@ -53,6 +55,9 @@ class FreshStart:
     plan: Plan | None = None
     resumes = False
 
+    def __init__(self) -> None:
+        self.history: list[Record] = []
+
     def adopting(self) -> dict[int, GroupPlan]:
         return {}
 
@@ -76,6 +81,7 @@ class TakeoverStart:
     def __init__(self, plan: Plan) -> None:
         self.plan: Plan | None = plan
         self._plan = plan
+        self.history = plan.records
 
     def adopting(self) -> dict[int, GroupPlan]:
         return dict(self._plan.groups)

@@ -10,7 +10,7 @@ from harness.config import DataConfig
 from harness.job.poison import DataMarks, describe
 from harness.rank.actors import poison_data, quarantine_data
 from harness.rank.data import IGNORE, TokenStream, UnreadableData, masked
-from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, Journal
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, Journal
 
 
 def _stream() -> TokenStream:
@@ -125,3 +125,33 @@ def test_a_ranks_own_quarantine_goes_to_every_group_once():
         "before its pass"
     ]
     assert marks.marks()["quarantined"] == [11]
+
+
+def test_a_controller_that_takes_over_keeps_what_the_dead_one_marked():
+    """The dead controller's journal, read by the next (a takeover): its quarantined and
+    poisoned keys reach the groups started from then on, a suspicion from before counts toward
+    the second group, and nothing is journaled, sent or said again."""
+    before = Journal(None, job="t")
+    old: list[dict] = []
+    before.add_sink(old.append)
+    dead = DataMarks(before, lambda _: None, _Sent())
+    before.add_sink(dead.on_record)
+    _suspect(before, 0, 7)
+    _suspect(before, 1, 7)  # quarantined by the dead controller
+    _suspect(before, 2, 8)  # one suspicion of 8
+    before.emit(POISON_DATA, key=9, index=12)
+
+    journal = Journal(None, job="t")
+    seen: list[dict] = []
+    journal.add_sink(seen.append)
+    said: list[str] = []
+    sent = _Sent()
+    marks = DataMarks.attach(journal, said.append, sent)
+    marks.resume(old)
+    assert marks.marks() == {"poisoned": [9], "quarantined": [7]}
+    assert seen == [] and sent.calls == [] and said == []
+
+    _suspect(journal, 0, 8)  # a second group on 8: quarantined now
+    (q,) = [r for r in seen if r["event"] == DATA_QUARANTINE]
+    assert q["key"] == 8 and q["groups"] == [0, 2]
+    assert sent.calls == [(quarantine_data, [8])]
