@@ -14,6 +14,10 @@ from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, Record
 _WHERE = ("key", "index", "chunk", "offset", "document", "in_document")
 
 
+#: How a quarantined sequence was found, for the report's table.
+HOW_FOUND = {"vocabulary": "its ids", "nonfinite": "a non-finite loss on equal weights"}
+
+
 def data_summary(records: Sequence[Record]) -> dict[str, Any]:
     """Per policy with any of it: ``poisoned`` and ``quarantined`` (where each is; the groups
     and steps that failed on a quarantined one and how) and ``suspected`` (failures of a group
@@ -32,13 +36,19 @@ def data_summary(records: Sequence[Record]) -> dict[str, Any]:
             for r in recs
             if r.get("event") == DATA_QUARANTINE
         ]
-        suspected = sum(1 for r in recs if r.get("event") == DATA_SUSPECT)
-        if poisoned or quarantined or suspected:
+        suspected = sum(
+            1 for r in recs if r.get("event") == DATA_SUSPECT and r.get("found") != "nonfinite"
+        )
+        nonfinite = sum(
+            1 for r in recs if r.get("event") == DATA_SUSPECT and r.get("found") == "nonfinite"
+        )
+        if poisoned or quarantined or suspected or nonfinite:
             out[policy] = {
                 "poisoned": poisoned,
                 "quarantined": quarantined,
                 "sequences_quarantined": len(quarantined),
                 "suspected": suspected,
+                "nonfinite": nonfinite,
             }
     return out
 
@@ -55,7 +65,8 @@ def render_data(summary: dict[str, Any]) -> list[str]:
             f"## Poison data: `{policy}`",
             "",
             f"- sequences quarantined: {p['sequences_quarantined']}; failures blamed on data: "
-            f"{p['suspected']}; made bad by a fault: {len(p['poisoned'])}",
+            f"{p['suspected']}; non-finite losses blamed on data: {p.get('nonfinite', 0)}; "
+            f"made bad by a fault: {len(p['poisoned'])}",
             "",
         ]
         if p["quarantined"]:
@@ -68,7 +79,7 @@ def render_data(summary: dict[str, Any]) -> list[str]:
                 groups = ", ".join(str(g) for g in q.get("groups") or ())
                 steps = ", ".join(str(s) for s in q.get("steps") or ())
                 what = str(q.get("what") or "").replace("|", "/")[:120]
-                how = "its ids" if q["found"] == "vocabulary" else "2 groups failing"
+                how = HOW_FOUND.get(q["found"], "2 groups failing")
                 lines.append(
                     f"| {data} | {q.get('document', '-')} | {q.get('in_document', '-')} | "
                     f"{how} | {groups} | {steps} | {what} |"

@@ -17,7 +17,9 @@ Figures, per divergence:
 A divergence that was healed does not make the run's ``replicas_equal_after_heal`` or
 ``loss_finite`` hypothesis fail: :func:`without_healed_divergence` drops the suspect's commit
 records from the detected step until its replacement heals (or the job restarts, for a
-rollback). One only observed (``recovery.divergence = "observe"``) still does.
+rollback). One only observed (``recovery.divergence = "observe"``) still does. Neither does a
+non-finite loss the data was to blame for (action ``data``: the weights checked equal, the
+sequences were quarantined): the suspect's commit records of that one step are dropped.
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ BUCKET_S = 2.0
 def without_healed_divergence(records: Sequence[Record]) -> list[Record]:
     """``records`` less the commit records of diverged groups that were then repaired: from
     the divergence's step, until the group heals (or the job restarts)."""
-    if not any(_repaired(r) for r in records):
+    if not any(_repaired(r) or _data_to_blame(r) for r in records):
         return list(records)
     out: list[Record] = []
     excluded: dict[int, int] = {}  # replica -> from step
     for r in records:  # journal order: an alarm comes after the commits that raised it
         event = r.get("event")
-        if _repaired(r):
+        if _data_to_blame(r):
+            at = {(int(s), int(r["step"])) for s in r.get("suspects") or []}
+            out = [c for c in out if not _at(c, at)]
+        elif _repaired(r):
             for s in r.get("suspects") or []:
                 excluded[int(s)] = int(r["step"])
             out = [c for c in out if not _excluded(c, excluded)]
@@ -68,6 +73,16 @@ def without_healed_divergence(records: Sequence[Record]) -> list[Record]:
 
 def _repaired(r: Record) -> bool:
     return r.get("event") == SILENT_DIVERGENCE and r.get("action") in ("heal", "rollback")
+
+
+def _data_to_blame(r: Record) -> bool:
+    return r.get("event") == SILENT_DIVERGENCE and r.get("action") == "data"
+
+
+def _at(r: Record, at: set[tuple[int, int]]) -> bool:
+    if r.get("event") != STEP_COMMIT or r.get("replica") is None:
+        return False
+    return (int(r["replica"]), int(r.get("step", 0))) in at
 
 
 def _excluded(r: Record, excluded: dict[int, int]) -> bool:

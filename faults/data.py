@@ -1,10 +1,11 @@
-"""Poison data: a sequence that fails the step of whichever group reads it."""
+"""Poison data: a sequence that fails the step of whichever group reads it, or gives it a
+non-finite loss."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from faults.fault import FaultContext, Target, TargetKind, register
 from runtime.journal import POISON_DATA
@@ -17,15 +18,19 @@ MAX_STEPS_AHEAD = 1000
 @dataclass(frozen=True, kw_only=True)
 class PoisonData:
     """Make the data the job reads ``steps_ahead`` steps after its last committed step (that
-    step's first sequence) unreadable, as a record a loader cannot decode: the step of whichever
-    group reads it fails. It stays bad for the rest of the run, in every group, a restarted one
-    too; for a token file the bad data is a chunk of the corpus, met again at each epoch. The
-    harness quarantines it once two groups have failed on it (``harness.job.poison``). Its
-    target is the job: the data every group reads. The built-in trainer only. Heal: none."""
+    step's first sequence) bad. ``effect = "unreadable"``: a record a loader cannot decode, the
+    step of whichever group reads it fails; the harness quarantines it once two groups have
+    failed on it. ``"nonfinite"``: its loss is NaN, as a sequence that overflows the model's
+    numerics gives; the harness quarantines it once the checksums show the weights of the group
+    that met it equal to the others' (``harness.job.poison``). It stays bad for the rest of
+    the run, in every group, a restarted one too; for a token file the bad data is a chunk of
+    the corpus, met again at each epoch. Its target is the job: the data every group reads.
+    The built-in trainer only. Heal: none."""
 
     default_target: ClassVar[TargetKind] = "service"
     hold_s: float = 0.0
     steps_ahead: int = 3
+    effect: Literal["unreadable", "nonfinite"] = "unreadable"
 
     def __post_init__(self) -> None:
         if not 1 <= self.steps_ahead <= MAX_STEPS_AHEAD:
@@ -34,7 +39,7 @@ class PoisonData:
             )
 
     def fire(self, ctx: FaultContext, target: Target, rng: random.Random) -> None:
-        where = ctx.poison_data(self.steps_ahead)
+        where = ctx.poison_data(self.steps_ahead, self.effect)
         ctx.journal.emit(POISON_DATA, **where)
 
     def heal(self, ctx: FaultContext, target: Target) -> None:

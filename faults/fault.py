@@ -131,9 +131,10 @@ class FaultContext(Protocol):
 
     def committed_step(self) -> int: ...
 
-    def poison_data(self, steps_ahead: int) -> dict[str, Any]:
+    def poison_data(self, steps_ahead: int, effect: str = "unreadable") -> dict[str, Any]:
         """Make the data the job reads ``steps_ahead`` steps after its last commit (that step's
-        first sequence) crash every step that reads it, from now on and in every group; return
+        first sequence) crash every step that reads it (``effect = "nonfinite"``: give it a NaN
+        loss), from now on and in every group; return
         where it is (``index``, ``key`` and, for a token file, its ``chunk``, ``offset``,
         ``document``, ``in_document``). ValueError where the job cannot (a program's data)."""
         ...

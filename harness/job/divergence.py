@@ -14,9 +14,14 @@ have reported it as the record says took part (``participants``):
   differ): nobody can tell which is right, every group is a suspect and the action is
   ``rollback`` to the last step whose checksums agreed.
 * **non-finite loss** (every step): the groups whose loss is NaN or infinite are suspects
-  when at least one group's loss is finite (a non-finite loss is evidence in itself, so with two
-  groups the finite one is believed); when every group's is non-finite the training itself
-  diverged, which is not a silent fault of one replica, and nothing is decided.
+  when at least one group's loss is finite; when every group's is non-finite the training
+  itself diverged, which is not a silent fault of one replica, and nothing is decided. Every
+  group checksums a step in which any group's loss was not finite (``Asks.nonfinite``,
+  ``harness.rank.group_layout``), and the checksums decide: where they all agree, the suspects'
+  weights are the others' and the data is to blame (action ``data``: nobody is condemned, the
+  sequences it named are quarantined, ``harness.job.poison``); where they differ (or a group
+  sent none), the suspects are healed (a non-finite loss on weights that differ is evidence in
+  itself, so with two groups the finite one is believed).
 
 Not guaranteed: corruption that spreads before it is seen is not told apart. A group healed from
 a corrupted one before the next checksum step votes with it (the kill of a third group between
@@ -46,7 +51,7 @@ class Verdict:
     step: int
     rank: int
     cause: Literal["checksum", "nonfinite"]
-    action: Literal["heal", "rollback"]
+    action: Literal["heal", "rollback", "data"]
     suspects: tuple[int, ...]
     majority: tuple[int, ...]
     rollback_to: int | None  # for ``rollback``: the last step whose checksums agreed
@@ -112,7 +117,8 @@ class Divergence:
         if set(verdict.suspects) <= named:
             return None  # another rank index of the same groups, same step: one alarm
         named.update(verdict.suspects)
-        self._condemn(verdict.suspects)
+        if verdict.action != "data":
+            self._condemn(verdict.suspects)
         return verdict
 
     def _condemn(self, replicas: tuple[int, ...]) -> None:
@@ -129,11 +135,14 @@ class Divergence:
         if not bad or not good:
             return None  # all finite, or the training itself diverged everywhere
         e.judged_checksum = True  # one verdict per step
+        checked = set(e.checksums) >= set(e.losses) and len(set(e.checksums.values())) == 1
+        if checked:
+            self.last_agreed = max(self.last_agreed, step)
         return Verdict(
             step=step,
             rank=rank,
             cause="nonfinite",
-            action="heal",
+            action="data" if checked else "heal",
             suspects=bad,
             majority=good,
             rollback_to=None,

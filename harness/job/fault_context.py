@@ -77,7 +77,7 @@ class JobFaultContext:
         if r.get("event") == STEP_COMMIT and isinstance(r.get("seq_due"), int):
             self._due = max(self._due, r["seq_due"])
 
-    def poison_data(self, steps_ahead: int) -> dict[str, Any]:
+    def poison_data(self, steps_ahead: int, effect: str = "unreadable") -> dict[str, Any]:
         data = self._job.cfg.data
         if self._stream is None:  # the map from a sequence to its data (a corpus chunk)
             n = self.replicas * self.ranks
@@ -85,8 +85,8 @@ class JobFaultContext:
         per_step = self.replicas * self.ranks * data.batch_size
         index = self._due + (steps_ahead - 1) * per_step
         key = self._stream.key(index)
-        self._job.groups_kind.poison(key)
-        return {"index": index, "key": key, **self._stream.where(key)}
+        self._job.groups_kind.poison(key, effect)
+        return {"index": index, "key": key, "effect": effect, **self._stream.where(key)}
 
     @property
     def networked(self) -> bool:

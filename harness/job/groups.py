@@ -84,8 +84,9 @@ class Groups(Protocol):
         """The quorum service numbers its quorums from the start again."""
         ...
 
-    def poison(self, key: int) -> None:
+    def poison(self, key: int, effect: str = "unreadable") -> None:
         """The ``poison_data`` fault: the data of ``key`` crashes every step that reads it
+        (or, ``effect = "nonfinite"``, gives it a non-finite loss)
         (``harness.job.poison``); ValueError where the kind cannot (a program's data is its
         own)."""
         ...
@@ -126,8 +127,8 @@ class TrainerGroups:
     def start(self) -> None:
         return None
 
-    def poison(self, key: int) -> None:
-        self.data.poison(key)
+    def poison(self, key: int, effect: str = "unreadable") -> None:
+        self.data.poison(key, effect)
 
     def adopt(self, job: Any, plan: Any) -> ActorMesh | None:
         return self._adopt(job, plan)

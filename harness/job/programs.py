@@ -114,7 +114,7 @@ class ProgramGroups:
             self.job.say(f"program: every rank starts cold: {why}. {WARM_NEEDS}")
         threading.Thread(target=self._watch, daemon=True, name="ftharness-program-watch").start()
 
-    def poison(self, key: int) -> None:
+    def poison(self, key: int, effect: str = "unreadable") -> None:
         raise ValueError("poison_data needs the built-in trainer: a program reads its own data")
 
     def stop(self) -> None:

@@ -2,14 +2,18 @@
 and a straggler (``harness.job.stragglers``), judged from the commit records as they reach the
 journal, and the I/O around those pure decisions.
 
+* **A non-finite loss on equal weights** (every group's checksum of the step agrees): the data
+  is to blame, not the replica; journaled (``silent.divergence``, action ``data``), nobody is
+  failed, and ``harness.job.poison`` quarantines the sequences the group named.
 * **A diverged group** (the minority of a step's checksums, or a non-finite loss while others'
-  are finite) is failed by the controller: its recovery opens with cause ``divergence``, the
-  quorum service fences it (the tree quorum drops it from membership at once), and its processes
-  are killed as a hung worker's are. Its supervisor restarts it in place and the replacement
-  heals from a group at the quorum's highest step: never from the suspect, whose processes are
-  gone before any heal (both quorum backends pick heal sources among the quorum's members at its
-  max step, torchft's Lighthouse round-robin whatever their weights: a dead incarnation is no
-  member). Its checkpoints from the detection step on are quarantined.
+  are finite and the checksums differ) is failed by the controller: its recovery opens with
+  cause ``divergence``, the quorum service fences it (the tree quorum drops it from membership
+  at once), and its processes are killed as a hung worker's are. Its supervisor restarts it in
+  place and the replacement heals from a group at the quorum's highest step: never from the
+  suspect, whose processes are gone before any heal (both quorum backends pick heal sources
+  among the quorum's members at its max step, torchft's Lighthouse round-robin whatever their
+  weights: a dead incarnation is no member). Its checkpoints from the detection step on are
+  quarantined.
 * **No majority** (two groups that differ, or three that all differ): ``rollback``. Every
   checkpoint after the last step whose checksums agreed is quarantined and every group is
   failed; with no group left holding state the job resumes from its last (agreed) checkpoint
@@ -149,6 +153,9 @@ class SilentWatch:
             log.exception("silent-failure action failed")
 
     def _diverged(self, v: Verdict, t: float) -> None:
+        if v.action == "data":
+            self._data_to_blame(v)
+            return
         action = v.action if self.mode == "heal" else "observe"
         flip = self._earliest_flip(v.suspects, t)
         self.job.journal.emit(
@@ -181,6 +188,26 @@ class SilentWatch:
             self.fail_group(
                 replica, "divergence", f"silent divergence at step {v.step} ({v.cause})"
             )
+
+    def _data_to_blame(self, v: Verdict) -> None:
+        """A non-finite loss on weights every group's checksum shows equal: the data is to
+        blame, nobody is condemned; ``harness.job.poison`` quarantines the sequences the
+        suspects named (from this record)."""
+        self.job.journal.emit(
+            SILENT_DIVERGENCE,
+            step=v.step,
+            rank=v.rank,
+            cause=v.cause,
+            action="data",
+            suspects=list(v.suspects),
+            majority=list(v.majority),
+            rollback_to=None,
+            values={str(k): x for k, x in v.values.items()},
+        )
+        self.job.say(
+            f"replica(s) {list(v.suspects)} had a non-finite loss at step {v.step} on weights "
+            "equal to the others': the data is to blame, not the replica"
+        )
 
     def _earliest_flip(self, suspects: tuple[int, ...], t: float) -> Record | None:
         found = [f for r in suspects for f in self._flips.pop(r, []) if float(f["t"]) <= t]

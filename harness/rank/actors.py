@@ -105,8 +105,8 @@ class TrainerActor(Actor):
     ) -> None:
         """``store_addrs`` maps each replica group to its TCPStore, ``member_ids`` to the name
         the quorum service admitted for it (none: torchft's Lighthouse); this actor's group and
-        rank are its mesh coordinates. ``data_marks``: the job's ``poisoned`` and
-        ``quarantined`` data so far (``harness.job.poison``)."""
+        rank are its mesh coordinates. ``data_marks``: the job's ``poisoned`` (unreadable),
+        ``poisoned_nonfinite`` and ``quarantined`` data so far (``harness.job.poison``)."""
         self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
         store_addr = store_addrs[replica_id]
@@ -125,6 +125,8 @@ class TrainerActor(Actor):
         marks = data_marks or {}
         for key in marks.get("poisoned", ()):
             self.trainer.poison_data(key)
+        for key in marks.get("poisoned_nonfinite", ()):
+            self.trainer.poison_data(key, "nonfinite")
         self.trainer.quarantine_data(list(marks.get("quarantined", ())))
 
     @endpoint(supervised=True)  # an exception escaping training is a failure of the group
@@ -177,12 +179,12 @@ def quarantine_data(keys: list[int]) -> None:
             actor.trainer.quarantine_data(keys)
 
 
-def poison_data(key: int) -> None:
+def poison_data(key: int, effect: str = "unreadable") -> None:
     """System call (the ``poison_data`` fault): the data of ``key`` crashes the step of every
-    trainer in this worker that reads it."""
+    trainer in this worker that reads it (``effect = "nonfinite"``: gives it a NaN loss)."""
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
-            actor.trainer.poison_data(key)
+            actor.trainer.poison_data(key, effect)
 
 
 def request_quorum() -> None:

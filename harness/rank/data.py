@@ -72,6 +72,10 @@ def masked(
     return inputs, targets
 
 
+#: What the ``poison_data`` fault makes a sequence do (:meth:`TokenStream.poison`).
+POISON_EFFECTS = ("unreadable", "nonfinite")
+
+
 class TokenStream:
     """One replica group's shard of the stream. Not thread-safe; owned by one trainer."""
 
@@ -93,6 +97,7 @@ class TokenStream:
         self.consumed = 0  # group batches the job has committed (``replay``)
         self.quarantined: set[int] = set()  # keys every group skips (:meth:`quarantine`)
         self.poisoned: set[int] = set()  # keys that cannot be read (:meth:`poison`)
+        self.poisoned_nonfinite: set[int] = set()  # keys whose loss is not finite (:meth:`poison`)
         g = torch.Generator().manual_seed(cfg.seed)
         # The rule is a property of the whole stream (same for every shard), so all groups learn
         # one distribution; an odd multiplier keeps the map a permutation for even vocabularies.
@@ -163,9 +168,26 @@ class TokenStream:
         is atomic, and :meth:`batch` reads each key once)."""
         self.quarantined.update(int(k) for k in keys)
 
-    def poison(self, key: int) -> None:
-        """The ``poison_data`` fault: the data of ``key`` cannot be read from now on."""
-        self.poisoned.add(int(key))
+    def poison(self, key: int, effect: str = "unreadable") -> None:
+        """The ``poison_data`` fault: the data of ``key`` cannot be read from now on
+        (``effect = "unreadable"``), or its loss is not finite (``"nonfinite"``: as a sequence
+        that overflows the model's numerics would; :meth:`poisoned_logits`)."""
+        if effect not in POISON_EFFECTS:
+            raise ValueError(f"poison effect must be one of {POISON_EFFECTS}, got {effect!r}")
+        (self.poisoned if effect == "unreadable" else self.poisoned_nonfinite).add(int(key))
+
+    def poisoned_logits(self, slot: int | None, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (batch, seq_len, vocab) of the batch :meth:`batch` read, NaN in the rows
+        whose data is poisoned ``"nonfinite"`` (and not quarantined); ``logits`` itself if none
+        is."""
+        if not self.poisoned_nonfinite:
+            return logits
+        keys = [self.key(i) for i in self.indices(slot)]
+        rows = [k in self.poisoned_nonfinite and k not in self.quarantined for k in keys]
+        if not any(rows):
+            return logits
+        mask = torch.tensor(rows, device=logits.device).view(-1, 1, 1)
+        return logits.masked_fill(mask, float("nan"))
 
     def check_readable(self, index: int) -> None:
         """Raise :class:`UnreadableData` if sequence ``index`` cannot be read (and is not

@@ -8,10 +8,10 @@ The trainer (``harness.rank.trainer``) calls a layout for the three things that 
   groups. Sharded: FSDP2 reduce-scatters each block's gradients within the group during the
   backward pass, and its all-reduce hook averages each resulting shard with the same shard of
   the other groups through torchft's Manager, as torchtitan wires its ``replicate_pg``. The
-  step's :class:`Asks` (a sparse quorum's flag, a checkpoint asked for) ride on those
-  collectives rather than on collectives of their own: one float more in the flat allreduce
-  (replicated); one tiny allreduce within the group before the backward pass, and one float
-  more on the root module's shard across the groups (sharded);
+  step's :class:`Asks` (a sparse quorum's flag, a checkpoint asked for, a non-finite loss)
+  ride on those collectives rather than on collectives of their own: floats more in the flat
+  allreduce (replicated); one tiny allreduce within the group before the backward pass, and
+  floats more on the root module's shard across the groups (sharded);
 * **the state** a heal and a checkpoint carry: each rank's own tensors. Sharded, these are the
   local shards of the DTensors (rank r of a group heals from rank r of a peer, torchft pairs the
   ranks so), plain tensors that every transport carries and ``torch.load(weights_only=True)``
@@ -55,13 +55,30 @@ class Asks:
 
     Going in (:meth:`GroupLayout.backward`): this rank's own flags, None where nothing is to be
     agreed (every rank of every group passes None alike: it is the job's config). Coming out
-    (:meth:`GroupLayout.average`): ``quorum``, whether any rank of any participating group
-    asked for a quorum at the next step (a sparse quorum's flag: a new member waits);
-    ``checkpoint``, whether any rank of this group was asked for a checkpoint (a group whose
-    ranks write their shards together must agree to)."""
+    (:meth:`GroupLayout.average`), each False where it went in None:
+
+    * ``quorum``: whether any rank of any participating group asked for a quorum at the next
+      step (a sparse quorum's flag: a new member waits);
+    * ``checkpoint``: whether any rank of this group was asked for a checkpoint (a group whose
+      ranks write their shards together must agree to);
+    * ``nonfinite``: whether any rank of any participating group had a non-finite loss in this
+      step: every group then checksums the step, so that the controller can tell corrupted
+      weights from data that gives a non-finite loss (``harness.job.divergence``)."""
 
     quorum: bool | None = None
     checkpoint: bool | None = None
+    nonfinite: bool | None = None
+
+    def crossing(self) -> list[bool]:
+        """The flags that cross the groups, in order, where they are to be agreed."""
+        return [bool(a) for a in (self.quorum, self.nonfinite) if a is not None]
+
+    def crossed(self, values: list[bool], checkpoint: bool = False) -> Asks:
+        """The agreed asks, from what :meth:`crossing` became across the groups."""
+        got = iter(values)
+        quorum = bool(next(got)) if self.quorum is not None else False
+        nonfinite = bool(next(got)) if self.nonfinite is not None else False
+        return Asks(quorum=quorum, checkpoint=checkpoint, nonfinite=nonfinite)
 
 
 class GroupLayout(Protocol):
@@ -131,15 +148,15 @@ class Replicated:
 
     def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """One flat allreduce per step (fewer, larger messages than one per tensor); the
-        quorum flag rides along as one more float. Rank 0 writes a checkpoint alone: its own
-        ask is the group's."""
-        asked = self._asks.quorum
+        flags that cross the groups ride along as floats more. Rank 0 writes a checkpoint
+        alone: its own ask is the group's."""
+        crossing = self._asks.crossing()
         if not contribute:
             model.zero_grad(set_to_none=False)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         parts = [g.reshape(-1) for g in grads]
-        if asked is not None:
-            parts.append(torch.tensor([1.0 if asked else 0.0], dtype=parts[0].dtype))
+        if crossing:
+            parts.append(torch.tensor([float(a) for a in crossing], dtype=parts[0].dtype))
         flat = torch.cat(parts)
         if self._intra is not None:
             # A dead group peer raises: the group restarts. (torch's stub of ProcessGroupGloo
@@ -151,8 +168,8 @@ class Replicated:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        quorum = asked is not None and bool(flat[-1].item() > 0)
-        return Asks(quorum=quorum, checkpoint=bool(self._asks.checkpoint))
+        agreed = (flat[len(flat) - len(crossing) :] > 0).tolist() if crossing else []
+        return self._asks.crossed(agreed, checkpoint=bool(self._asks.checkpoint))
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -227,10 +244,12 @@ class Sharded:
         fully_shard(model, mesh=mesh)
         self._across = across
         self._timeout = timeout
-        # The group's quorum ask (one float), set before the backward pass, to cross the groups
-        # on the root's shard; the result once it has crossed; the group's checkpoint ask.
+        # The group's asks that cross the groups (Asks.crossing), agreed in the group before
+        # the backward pass, to ride on the root's shard; what they became across the groups;
+        # the asks themselves and the group's checkpoint ask.
         self._carry: torch.Tensor | None = None
         self._crossed: torch.Tensor | None = None
+        self._asks = Asks()
         self._checkpoint = False
 
         def average_shard(shard: torch.Tensor) -> None:
@@ -247,10 +266,11 @@ class Sharded:
                 return
             if not bool(torch.isfinite(shard).all()):
                 shard.zero_()
+            n = carry.numel()
             both = torch.cat([shard, carry.to(device=shard.device, dtype=shard.dtype)])
             across(both)
-            shard.copy_(both[:-1])
-            self._crossed = both[-1:]
+            shard.copy_(both[:-n])
+            self._crossed = both[-n:]
 
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -258,30 +278,32 @@ class Sharded:
                 m.set_all_reduce_hook(average_root if m is model else average_shard)
 
     def backward(self, loss: torch.Tensor, asks: Asks) -> None:
-        """Agree on the asks within the group first (one allreduce of two floats: a rank asked
-        is enough, asks reach the ranks apart), so that every rank of the group carries the
-        same quorum flag across the groups, on the root's shard (``average_root``)."""
+        """Agree on the asks within the group first (one allreduce of three floats: a rank that
+        asked is enough, asks reach the ranks apart), so that every rank of the group carries
+        the same flags across the groups, on the root's shard (``average_root``)."""
         import torch.distributed as dist
 
         self._carry = self._crossed = None
-        self._checkpoint = False
-        if asks.quorum is not None or asks.checkpoint is not None:
-            flags = torch.tensor([float(bool(asks.quorum)), float(bool(asks.checkpoint))])
-            dist.all_reduce(flags)
-            self._checkpoint = bool(flags[1].item() > 0)
-            if asks.quorum is not None:
-                self._carry = (flags[:1] > 0).float()
+        self._asks, self._checkpoint = asks, False
+        flags = [asks.quorum, asks.checkpoint, asks.nonfinite]
+        if any(a is not None for a in flags):
+            summed = torch.tensor([float(bool(a)) for a in flags])
+            dist.all_reduce(summed)
+            self._checkpoint = bool(summed[1].item() > 0)
+            crossing = [i for i in (0, 2) if flags[i] is not None]
+            if crossing:
+                self._carry = (summed[crossing] > 0).float()
         loss.backward()
 
     def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """The gradients are averaged already (in the backward pass, where a non-finite shard
-        counted as zeros: ``contribute`` is moot), the quorum flag with the root's shard; it
-        crosses alone only where the root holds no shard of its own."""
+        counted as zeros: ``contribute`` is moot), the crossing flags with the root's shard;
+        they cross alone only where the root holds no shard of its own."""
         if self._carry is not None:
             self._across(self._carry)
             self._crossed, self._carry = self._carry, None
-        quorum = self._crossed is not None and bool(self._crossed.item() > 0)
-        return Asks(quorum=quorum, checkpoint=self._checkpoint)
+        agreed = (self._crossed > 0).tolist() if self._crossed is not None else []
+        return self._asks.crossed(agreed, checkpoint=self._checkpoint)
 
     def checkpoint_group(self) -> Any:
         """A gloo group of its own over the group's ranks, as torchtitan's checkpointer has: a

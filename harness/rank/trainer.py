@@ -387,6 +387,10 @@ class Trainer:
             self._maybe_eval(0)
 
     def _checksum_due(self, step: int) -> bool:
+        """Every ``CHECKSUM_EVERY`` steps, at checkpoint steps, and at a step in which any
+        participating group's loss was not finite (``Asks.nonfinite``)."""
+        if self._group_asks.nonfinite:
+            return True
         every = self.cfg.checkpoint.every_steps
         return step % CHECKSUM_EVERY == 0 or (every > 0 and step % every == 0)
 
@@ -453,11 +457,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)
         try:
             logits = self.model(inputs)
+            logits = self.data.poisoned_logits(slot, logits)  # fault hook: poison_data, nonfinite
             if bool((targets == IGNORE).all()):  # every sequence quarantined: train nothing
                 loss = logits.sum() * 0.0
             else:
                 loss = loss_fn(logits, targets)
-            self.layout.backward(loss, self._asks())
+            finite = bool(torch.isfinite(loss))
+            if not finite:
+                self._suspect_nonfinite(slot, logits.detach(), targets)
+            self.layout.backward(loss, self._asks(nonfinite=not finite))
         except Exception as exc:  # bad ids are masked by _read: blame the rows that raise alone
             rows = []
             if isinstance(self.layout, Replicated):  # a sharded pass is collective
@@ -547,6 +555,40 @@ class Trainer:
             "suspects (data.suspect)"
         ) from exc
 
+    def _suspect_nonfinite(
+        self, slot: int | None, logits: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        """Journal the sequences of this batch whose own loss is not finite (all of them if
+        none is alone) as suspects, ``found = "nonfinite"``; the step goes on, this rank's
+        gradients counting as zeros. Every group checksums the step (``Asks.nonfinite``): the
+        controller quarantines them if this group's weights check equal to the others', and
+        heals the group if not (``harness.job.divergence``)."""
+        indices = self.data.indices(slot)
+        with torch.no_grad():
+            rows = [
+                j for j in range(targets.shape[0])
+                if bool((targets[j] != IGNORE).any())
+                and not bool(torch.isfinite(loss_fn(logits[j : j + 1], targets[j : j + 1])))
+            ]  # fmt: skip
+        self._emit(
+            DATA_SUSPECT,
+            {
+                "replica": self.replica_id,
+                "rank": self.rank,
+                "step": self.manager.current_step() + 1,
+                "found": "nonfinite",
+                "what": "non-finite loss",
+                "sequences": [
+                    {
+                        "index": indices[j],
+                        "key": (k := self.data.key(indices[j])),
+                        **self.data.where(k),
+                    }
+                    for j in (rows or range(len(indices)))
+                ],
+            },
+        )
+
     def _raises(self, inputs: torch.Tensor) -> bool:
         try:
             with torch.no_grad():
@@ -555,9 +597,10 @@ class Trainer:
             return True
         return False
 
-    def poison_data(self, key: int) -> None:
-        """Fault hook (``poison_data``): the data of ``key`` cannot be read from now on."""
-        self.data.poison(key)
+    def poison_data(self, key: int, effect: str = "unreadable") -> None:
+        """Fault hook (``poison_data``): the data of ``key`` cannot be read from now on, or
+        (``effect = "nonfinite"``) its loss is NaN."""
+        self.data.poison(key, effect)
 
     def quarantine_data(self, keys: list[int]) -> None:
         """Skip the data of ``keys`` from the next pass on (``harness.job.poison``)."""
@@ -616,7 +659,7 @@ class Trainer:
             close_communicator(self._pg, failed.original_exception)
         return bool(agreed.quorum)
 
-    def _asks(self) -> Asks:
+    def _asks(self, *, nonfinite: bool) -> Asks:
         """This rank's asks for its layout to agree on (:class:`Asks`), read before each
         backward pass and cleared only once honoured: an ask that a pass done again (an
         overlapped quorum that changed the state) or an uncommitted step read is not lost."""
@@ -624,7 +667,7 @@ class Trainer:
         checkpoint = None
         if self._dcp is not None and self._dcp.pg is not None:  # the group writes together
             checkpoint = self._checkpoint_asked.is_set()
-        return Asks(quorum=quorum, checkpoint=checkpoint)
+        return Asks(quorum=quorum, checkpoint=checkpoint, nonfinite=nonfinite)
 
     def _across_groups(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` in place over the participating groups (torchft)."""

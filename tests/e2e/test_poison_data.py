@@ -2,6 +2,8 @@
 
 * a sequence made unreadable (the ``poison_data`` fault) in a 3-group ``replay`` job fails the
   first two groups that read it, and no third: it is quarantined, and every group trains on;
+* a sequence made to give a NaN loss fails no group and condemns no replica: every group
+  checksums that step, the checksums agree, and it is quarantined at once;
 * a corrupted copy of the default corpus (a token id outside the vocabulary every 50,000 tokens,
   its manifest's checksum recomputed, as a corrupted upstream shard arrives, so the corpus
   opens) trains to its last step with no group failing: each bad chunk met is quarantined by
@@ -89,7 +91,37 @@ def test_a_poisoned_sequence_fails_two_groups_then_is_quarantined_and_training_g
     # what the user reads: the console and the report
     assert f"quarantined chunk {poison['key']} of the corpus" in out
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "sequences quarantined: 1; failures blamed on data: 2" in report
+    assert "sequences quarantined: 1; failures blamed on data: 2;" in report
+
+
+def test_a_sequence_with_a_nan_loss_is_quarantined_and_no_replica_is_condemned(tmp_path):
+    nonfinite = EXPERIMENT + '\n[faults.options.poison_data]\neffect = "nonfinite"\n'
+    (tmp_path / "exp.toml").write_text(nonfinite)
+    done = subprocess.run(
+        chaos_argv(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=280
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]  # loss_finite passes: the data was to blame
+    run = tmp_path / "run" / "in_place"
+    (poison,) = events(run, "fault.poison_data")
+    assert poison["effect"] == "nonfinite"
+    (suspect,) = events(run, "data.suspect")
+    assert suspect["found"] == "nonfinite"
+    assert [s["key"] for s in suspect["sequences"]] == [poison["key"]]
+    (verdict,) = events(run, "silent.divergence")
+    assert (verdict["action"], verdict["suspects"]) == ("data", [suspect["replica"]])
+    nan = [r for r in events(run, "step.commit") if r["loss"] != r["loss"]]
+    assert [(r["replica"], r["step"]) for r in nan] == [(suspect["replica"], verdict["step"])]
+    at_step = [r for r in events(run, "step.commit") if r["step"] == verdict["step"]]
+    assert len(at_step) == 3 and len({r["checksum"] for r in at_step}) == 1  # every group's
+    (quarantine,) = events(run, "data.quarantine")
+    assert (quarantine["key"], quarantine["found"]) == (poison["key"], "nonfinite")
+    assert [r for r in events(run, "failure") if r["t"] >= poison["t"]] == []
+    later = [r for r in events(run, "step.commit") if r["t"] > quarantine["t"] + 1.0]
+    assert {r["replica"] for r in later} == {0, 1, 2}, "not every group trains on"
+    assert "the data is to blame, not the replica" in out
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "sequences quarantined: 1; failures blamed on data: 0; non-finite losses" in report
 
 
 def _corrupted_copy(dst: Path, every: int) -> tuple[list[int], int]:

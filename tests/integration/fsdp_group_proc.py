@@ -7,8 +7,8 @@ It takes one step of the tiny model under ``harness.rank.group_layout.Sharded`` 
 and writes to OUT (JSON): the full averaged gradient of every parameter (gathered within the
 group), its local shard shapes, what a fresh sharded copy that loaded this rank's
 ``state_dict`` holds after the same step, and the asks the layout agreed on in each step (group 0's
-rank 1 asks for a quorum and group 1's rank 0 for a checkpoint in the first; nobody in the
-second).
+rank 1 asks for a quorum, group 1's rank 0 for a checkpoint and group 1's rank 1 says its loss was
+not finite in the first; nobody in the second).
 """
 
 from __future__ import annotations
@@ -56,7 +56,11 @@ def main() -> None:
 
     model, optim, layout = sharded()
     inputs, targets = batch(group, rank)
-    asks = Asks(quorum=(group, rank) == (0, 1), checkpoint=(group, rank) == (1, 0))
+    asks = Asks(
+        quorum=(group, rank) == (0, 1),
+        checkpoint=(group, rank) == (1, 0),
+        nonfinite=(group, rank) == (1, 1),
+    )
     layout.backward(loss_fn(model(inputs), targets), asks)
     agreed = [layout.average(model, contribute=True)]
     grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}
@@ -77,7 +81,9 @@ def main() -> None:
     )
     for m, o, lay in ((model, optim, layout), (copy, copy_optim, copy_layout)):
         o.zero_grad()
-        lay.backward(loss_fn(m(inputs), targets), Asks(quorum=False, checkpoint=False))
+        lay.backward(
+            loss_fn(m(inputs), targets), Asks(quorum=False, checkpoint=False, nonfinite=False)
+        )
         agreed.append(lay.average(m, contribute=True))
         o.step()
     equal_after_step = all(
@@ -91,7 +97,7 @@ def main() -> None:
                 "shards": shards,
                 "equal_after_load": equal_after_load,
                 "equal_after_step": equal_after_step,
-                "agreed": [[a.quorum, a.checkpoint] for a in agreed],
+                "agreed": [[a.quorum, a.checkpoint, a.nonfinite] for a in agreed],
             },
             f,
         )

@@ -5,8 +5,9 @@ What a user relies on: the gradient each rank steps with is the mean over every 
 group (gloo's AVG under FSDP2 is reported to sum, pytorch#162338: the layout forces SUM and
 divides), each rank holds only its shard, and the state a heal carries (a rank's own shards)
 loads into a fresh sharded copy bitwise, optimizer included, so the two then step identically;
-and the asks a step carries (a sparse quorum's flag, a checkpoint asked for) reach every rank of
-every group (quorum) or of the asking group (checkpoint), riding on the gradients' collectives.
+and the asks a step carries (a sparse quorum's flag, a checkpoint asked for, a non-finite loss)
+reach every rank of every group (quorum, non-finite) or of the asking group (checkpoint), riding
+on the gradients' collectives.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def test_sharded_groups_average_every_rank_of_every_group(tmp_path: Path) -> Non
             assert got["shards"][name] == [rows, *ref.shape[1:]], f"{name}: not this rank's shard"
         assert got["equal_after_load"], f"group {g} rank {r}: loaded shards differ"
         assert got["equal_after_step"], f"group {g} rank {r}: a step after the load differs"
-        # Step 1: group 0's rank 1 asked for a quorum, group 1's rank 0 for a checkpoint.
-        # Steps 2 (the model and its loaded copy, both in group g's world): nobody asked.
-        assert got["agreed"] == [[True, g == 1], [False, False], [False, False]], (g, r)
+        # Step 1: group 0's rank 1 asked for a quorum, group 1's rank 0 for a checkpoint,
+        # group 1's rank 1 had a non-finite loss. Steps 2 (the model and its loaded copy, both
+        # in group g's world): nobody asked.
+        assert got["agreed"] == [[True, g == 1, True], [False] * 3, [False] * 3], (g, r)

@@ -10,7 +10,7 @@ from harness.config import DataConfig
 from harness.job.poison import DataMarks, describe
 from harness.rank.actors import poison_data, quarantine_data
 from harness.rank.data import IGNORE, TokenStream, UnreadableData, masked
-from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, Journal
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, SILENT_DIVERGENCE, Journal
 
 
 def _stream() -> TokenStream:
@@ -85,15 +85,17 @@ def test_data_two_groups_failed_on_is_quarantined_once_and_sent_to_every_trainer
     assert sent.calls == [(quarantine_data, [7])]
     assert said == [f"quarantined {describe(q)}"]
     assert "sequence 7: groups 0, 1 failed on it with IndexError" in said[0]
-    assert marks.marks() == {"poisoned": [], "quarantined": [7]}
+    assert marks.marks() == {"poisoned": [], "poisoned_nonfinite": [], "quarantined": [7]}
 
     _suspect(journal, 2, 7)  # a group that missed it: sent again, not journaled again
     assert len([r for r in seen if r["event"] == DATA_QUARANTINE]) == 1
     assert sent.calls[-1] == (quarantine_data, [7])
 
     marks.poison(9)
-    assert sent.calls[-1] == (poison_data, 9)
-    assert marks.marks() == {"poisoned": [9], "quarantined": [7]}
+    assert sent.calls[-1] == (poison_data, 9, "unreadable")
+    marks.poison(10, "nonfinite")
+    assert sent.calls[-1] == (poison_data, 10, "nonfinite")
+    assert marks.marks() == {"poisoned": [9], "poisoned_nonfinite": [10], "quarantined": [7]}
 
 
 def test_a_corpus_chunk_is_described_by_its_document():
@@ -139,7 +141,8 @@ def test_a_controller_that_takes_over_keeps_what_the_dead_one_marked():
     _suspect(before, 0, 7)
     _suspect(before, 1, 7)  # quarantined by the dead controller
     _suspect(before, 2, 8)  # one suspicion of 8
-    before.emit(POISON_DATA, key=9, index=12)
+    before.emit(POISON_DATA, key=9, index=12, effect="unreadable")
+    before.emit(POISON_DATA, key=10, index=13, effect="nonfinite")
 
     journal = Journal(None, job="t")
     seen: list[dict] = []
@@ -148,10 +151,51 @@ def test_a_controller_that_takes_over_keeps_what_the_dead_one_marked():
     sent = _Sent()
     marks = DataMarks.attach(journal, said.append, sent)
     marks.resume(old)
-    assert marks.marks() == {"poisoned": [9], "quarantined": [7]}
+    assert marks.marks() == {"poisoned": [9], "poisoned_nonfinite": [10], "quarantined": [7]}
     assert seen == [] and sent.calls == [] and said == []
 
     _suspect(journal, 0, 8)  # a second group on 8: quarantined now
     (q,) = [r for r in seen if r["event"] == DATA_QUARANTINE]
     assert q["key"] == 8 and q["groups"] == [0, 2]
     assert sent.calls == [(quarantine_data, [8])]
+
+
+def test_a_nonfinite_loss_on_equal_weights_quarantines_what_the_group_named_at_once():
+    """A rank's non-finite suspicion is no failure and does not count toward the second group;
+    the checksums' verdict (``silent.divergence``, action ``data``) quarantines what it named."""
+    journal = Journal(None, job="t")
+    seen: list[dict] = []
+    journal.add_sink(seen.append)
+    said: list[str] = []
+    sent = _Sent()
+    marks = DataMarks.attach(journal, said.append, sent)
+    for replica in (0, 1):  # two groups' non-finite losses: no quarantine without the verdict
+        journal.emit(
+            DATA_SUSPECT, replica=replica, rank=0, step=12, found="nonfinite",
+            what="non-finite loss", sequences=[{"index": 40, "key": 40, "sequence": 40}],
+        )  # fmt: skip
+    assert sent.calls == [] and marks.marks()["quarantined"] == []
+    journal.emit(SILENT_DIVERGENCE, step=12, rank=0, cause="nonfinite", action="heal",
+                 suspects=[1], majority=[0, 2])  # fmt: skip
+    assert sent.calls == []  # weights that differ: the group is healed, the data not blamed
+    journal.emit(SILENT_DIVERGENCE, step=12, rank=0, cause="nonfinite", action="data",
+                 suspects=[0], majority=[1, 2])  # fmt: skip
+    (q,) = [r for r in seen if r["event"] == DATA_QUARANTINE]
+    assert (q["key"], q["found"], q["groups"], q["steps"]) == (40, "nonfinite", [0], [12])
+    assert sent.calls == [(quarantine_data, [40])]
+    assert said == [f"quarantined {describe(q)}"]
+    assert "sequence 40: group 0 met a non-finite loss, on weights every group's" in said[0]
+
+
+def test_a_nonfinite_poison_makes_its_rows_nan_until_quarantined():
+    s = _stream()
+    logits = torch.zeros(4, 8, 64)
+    assert s.poisoned_logits(None, logits) is logits
+    s.poison(2, "nonfinite")
+    s.batch()  # still readable
+    out = s.poisoned_logits(None, logits)
+    assert bool(out[2].isnan().all()) and bool(torch.isfinite(out[[0, 1, 3]]).all())
+    s.quarantine([2])
+    assert s.poisoned_logits(None, logits) is logits
+    with pytest.raises(ValueError, match="poison effect"):
+        s.poison(3, "slow")

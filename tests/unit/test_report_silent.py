@@ -108,3 +108,22 @@ def test_a_healed_divergence_is_reported_with_its_figures_and_does_not_fail_repl
     assert "| 2 | ejected | 31 | 3.1 |" in text
     page = render_dashboard(recs, {"policies": {}})
     assert 'id="panel-step-time"' in page and "g2 ejected at 3.5 s" in page
+
+
+def test_a_non_finite_loss_the_data_was_to_blame_for_leaves_only_that_step_out():
+    from experiments.report import _loss_finite
+
+    def commit(replica: int, step: int, loss: float) -> dict[str, Any]:
+        return {"event": "step.commit", "policy": "in_place", "replica": replica, "step": step,
+                "loss": loss, "t": float(step)}  # fmt: skip
+
+    recs = [commit(0, 5, 2.0), commit(1, 5, float("nan")), commit(1, 6, 2.0)]
+    assert not _loss_finite("in_place", without_healed_divergence(recs))["passed"]
+    blamed = {"event": "silent.divergence", "policy": "in_place", "step": 5, "rank": 0,
+              "cause": "nonfinite", "action": "data", "suspects": [1], "t": 5.5}  # fmt: skip
+    kept = without_healed_divergence([*recs[:2], blamed, recs[2]])
+    assert _loss_finite("in_place", kept)["passed"]
+    assert [(r["replica"], r["step"]) for r in kept if r["event"] == "step.commit"] == [
+        (0, 5),
+        (1, 6),
+    ]

@@ -168,3 +168,35 @@ def test_bitflip_flips_the_seeded_bit_of_a_real_tensor_between_steps_and_journal
     assert bitflip.choose(sizes, 99) == bitflip.choose(sizes, 99)
     assert len({bitflip.choose(sizes, s) for s in range(20)}) > 15
     assert make_fault("bitflip", where="optimizer").where == "optimizer"  # type: ignore[attr-defined]
+
+
+def test_a_non_finite_loss_on_weights_that_check_equal_is_the_datas_not_the_replicas() -> None:
+    """Every group checksums a step with a non-finite loss (Asks.nonfinite): equal checksums
+    blame the data and condemn nobody; differing ones heal the non-finite group."""
+    d = Divergence()
+    for r, loss in enumerate([2.0, float("nan"), 2.1]):
+        got = d.on_commit(replica=r, rank=0, step=7, checksum="a", loss=loss, participants=3,
+                          proc=f"p{r}")  # fmt: skip
+    assert got is not None
+    assert (got.cause, got.action, got.suspects, got.majority) == (
+        "nonfinite",
+        "data",
+        (1,),
+        (0, 2),
+    )
+    assert d.last_agreed == 7
+    # not condemned: its next non-finite loss is judged again
+    again = [
+        d.on_commit(
+            replica=r, rank=0, step=8, checksum="b", loss=loss, participants=3, proc=f"p{r}"
+        )
+        for r, loss in enumerate([2.0, float("nan"), 2.1])
+    ]
+    assert again[-1] is not None and again[-1].action == "data"
+    d2 = Divergence()
+    got2 = [
+        d2.on_commit(replica=r, rank=0, step=7, checksum=c, loss=loss, participants=3)
+        for r, (c, loss) in enumerate([("a", 2.0), ("x", float("nan")), ("a", 2.1)])
+    ]
+    assert got2[-1] is not None
+    assert (got2[-1].cause, got2[-1].action, got2[-1].suspects) == ("nonfinite", "heal", (1,))
