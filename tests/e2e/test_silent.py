@@ -63,3 +63,31 @@ def test_a_flipped_bit_is_found_within_a_checksum_period_and_healed_from_the_maj
     full = {s: v for s, v in sums.items() if len(v) == 3}
     assert full and all(len(set(v.values())) == 1 for v in full.values()), sums
     assert max(full) == 70
+
+
+def test_a_flip_that_makes_the_loss_non_finite_heals_at_once_and_blames_no_data(tmp_path):
+    """A high exponent bit: the group's loss turns non-finite. Every group checksums that step
+    (the non-finite flag crosses the groups), the suspect's checksum differs from the others',
+    so it is the replica that is healed, at that step, and no data is quarantined."""
+    cfg = tiny_cfg("steps=40", "checkpoint.every_steps=0", "recovery.quorum_every_steps=1")
+    flip = make_fault("bitflip", where="weights", bit=30)  # exponent MSB: a huge weight
+
+    def started(job):
+        def fire():
+            wait_until(lambda: job.faults.committed_step() >= 12, time.monotonic() + 60)
+            flip.fire(job.faults, Target(replica=1, rank=0), random.Random(1))  # an MLP weight
+
+        threading.Thread(target=fire, daemon=True).start()
+
+    out = run_job(cfg, tmp_path, quiet=True, on_started=started, timeout=100)
+    assert out["status"] == "ok", out["reason"]
+    records = events(tmp_path)
+    (flipped,) = [r for r in records if r["event"] == "fault.bitflip"]
+    assert flipped["replica"] == 1
+    (alarm,) = [r for r in records if r["event"] == "silent.divergence"]
+    assert (alarm["suspects"], alarm["action"], alarm["cause"]) == ([1], "heal", "nonfinite")
+    assert alarm["latency_steps"] <= 2  # the step after the flip, not the next checksum step
+    at_step = [r for r in records if r["event"] == "step.commit" and r["step"] == alarm["step"]]
+    assert len({r["checksum"] for r in at_step}) == 2 and all(r["checksum"] for r in at_step)
+    assert not [r for r in records if r["event"] == "data.quarantine"]
+    assert any(r["event"] == "trainer.healed" and r["replica"] == 1 for r in records)
