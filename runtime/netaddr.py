@@ -137,12 +137,3 @@ def worker_env(address: str) -> dict[str, str]:
         env["GLOO_SOCKET_IFNAME"] = ifname
         env["NCCL_SOCKET_IFNAME"] = ifname
     return env
-
-
-def hostname_reaches(address: str) -> bool:
-    """Whether this machine's hostname resolves to ``address`` (it often does not)."""
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None)
-    except OSError:
-        return False
-    return any(info[4][0] == address for info in infos)

@@ -63,17 +63,6 @@ def terminate_tree(pid: int, grace_s: float) -> None:
     psutil.wait_procs(alive, timeout=5.0)
 
 
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until none of ``pids`` is running (zombies count as gone); return the survivors."""
-    deadline = time.monotonic() + timeout_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _running(p)]
-        if alive:
-            time.sleep(0.02)
-    return alive
-
-
 def reap_within(pid: int, timeout_s: float, poll_s: float = 0.02) -> bool:
     """Reap child ``pid`` if it exits within ``timeout_s`` (polled every ``poll_s``); whether it
     did. A pid that is no child of ours (any more) counts as reaped: a loop of ours that waits
@@ -88,10 +77,3 @@ def reap_within(pid: int, timeout_s: float, poll_s: float = 0.02) -> bool:
             return True
         time.sleep(poll_s)
     return False
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

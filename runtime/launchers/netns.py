@@ -25,7 +25,6 @@ Only addresses inside namespaces this module created are ever used.
 from __future__ import annotations
 
 import contextlib
-import glob
 import ipaddress
 import os
 import secrets
@@ -228,26 +227,6 @@ class TestNetwork:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
-
-
-def remove_leftovers() -> list[str]:
-    """Delete namespaces, bridges and hosts files an earlier, crashed run of this module left
-    behind (everything named with the ``fth`` prefix and a 4-hex tag). Returns what it removed."""
-    removed = []
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}????-etc-*")):
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    for line in _ip("netns", "list", check=False).splitlines():
-        ns = line.split()[0] if line.strip() else ""
-        if ns.startswith(PREFIX) and "-" in ns:
-            _ip("netns", "del", ns, check=False)
-            removed.append(ns)
-    for line in _ip("-o", "link", "show", "type", "bridge", check=False).splitlines():
-        name = line.split(":")[1].strip() if ":" in line else ""
-        if name.startswith(PREFIX) and name.endswith("br"):
-            _ip("link", "del", name, check=False)
-            removed.append(name)
-    return removed
 
 
 class NetnsLauncher(LocalLauncher):
