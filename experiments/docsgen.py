@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from experiments import module_index
 from experiments import spec as experiment_spec
 from experiments.bench import publish
 from faults import fault as fault_module
@@ -412,13 +413,14 @@ def generated(docs: Path = DOCS) -> dict[Path, Callable[[], str]]:
     return {
         docs / CONFIG_PAGE: config_reference,
         docs / publish.PAGE: lambda: publish.render(docs),
+        docs / module_index.PAGE: lambda: module_index.render(_inline),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.docsgen",
-        description="Write the generated pages of docs/ (configuration reference, benchmarks).",
+        description="Write the generated pages of docs/ (configuration, modules, benchmarks).",
     )
     parser.add_argument("--docs", type=Path, default=DOCS, help="the docs folder (default: docs/)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")

@@ -173,3 +173,15 @@ def test_publish_refuses_a_failed_bench(tmp_path: Path, argv: list[str], why: st
     with pytest.raises(publish.RecordError, match=why):
         publish.record("telemetry", [], docs=tmp_path, argv=argv, out=lambda _: None)
     assert not (tmp_path / "benchmarks").exists()
+
+
+def test_every_module_is_in_the_module_index_with_its_own_description() -> None:
+    from experiments import module_index
+
+    page = (ROOT / "docs" / module_index.PAGE).read_text()
+    every = sorted(p for pkg in module_index.PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+    assert every
+    for p in every:
+        rel = p.relative_to(ROOT)
+        assert f"| `{rel}` |" in page, f"{rel} is not in {module_index.PAGE}"
+        assert module_index.summary(p), f"{rel} has no module docstring"
