@@ -67,7 +67,7 @@ def flip_between_steps(seed: int, where: str = "any", bit: int = -1) -> None:
         hit = flip_bit(tensors, seed, where, bit)
         emit(EVENT, {**hit, "step": step, "seed": seed})
 
-    inworker._trainer("between_steps").between_steps(flip)
+    inworker.between_steps(flip)
 
 
 def choose(sizes: list[tuple[str, int, int]], seed: int, bit: int = -1) -> tuple[str, int, int]:

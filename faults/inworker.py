@@ -83,3 +83,10 @@ def set_checkpoint_delay(seconds: float) -> None:
 def set_step_delay(seconds: float) -> None:
     """Make the trainer sleep ``seconds`` inside each step (0 restores normal speed)."""
     _trainer("set_step_delay").set_step_delay(float(seconds))
+
+
+def between_steps(fn: Callable[..., Any]) -> None:
+    """Run ``fn(tensors, step, emit)`` once on the trainer's training thread, between two steps
+    (never inside an optimizer step): ``tensors`` names its state (``model.*`` weights,
+    ``optim.*`` optimizer state), ``emit(event, fields)`` journals from the worker."""
+    _trainer("between_steps").between_steps(fn)
