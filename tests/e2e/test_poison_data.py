@@ -62,6 +62,11 @@ loss_finite = true
 committed_steps_rise = true
 replicas_equal_after_heal = true
 every_fault_recovered = true
+
+# 20 steps ahead (~0.6 s of this job's steps): the mark reaches every trainer by a system call
+# before any reads the data (3 steps, the default, is ~0.1 s here, and lost that race in CI).
+[faults.options.poison_data]
+steps_ahead = 20
 """
 
 
@@ -95,7 +100,7 @@ def test_a_poisoned_sequence_fails_two_groups_then_is_quarantined_and_training_g
 
 
 def test_a_sequence_with_a_nan_loss_is_quarantined_and_no_replica_is_condemned(tmp_path):
-    nonfinite = EXPERIMENT + '\n[faults.options.poison_data]\neffect = "nonfinite"\n'
+    nonfinite = EXPERIMENT + 'effect = "nonfinite"\n'
     (tmp_path / "exp.toml").write_text(nonfinite)
     done = subprocess.run(
         chaos_argv(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=280
