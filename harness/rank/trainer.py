@@ -60,7 +60,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -540,14 +540,7 @@ class Trainer:
                 "rank": self.rank,
                 "step": self.manager.current_step() + 1,
                 "what": f"{type(exc).__name__}: {exc}"[:300],
-                "sequences": [
-                    {
-                        "index": indices[j],
-                        "key": (k := self.data.key(indices[j])),
-                        **self.data.where(k),
-                    }
-                    for j in rows
-                ],
+                "sequences": self._sequences(indices, rows),
             },
         )
         raise BadData(
@@ -578,16 +571,17 @@ class Trainer:
                 "step": self.manager.current_step() + 1,
                 "found": "nonfinite",
                 "what": "non-finite loss",
-                "sequences": [
-                    {
-                        "index": indices[j],
-                        "key": (k := self.data.key(indices[j])),
-                        **self.data.where(k),
-                    }
-                    for j in (rows or range(len(indices)))
-                ],
+                "sequences": self._sequences(indices, rows or range(len(indices))),
             },
         )
+
+    def _sequences(self, indices: list[int], rows: Iterable[int]) -> list[dict[str, Any]]:
+        """Rows ``rows`` of a batch of ``indices`` as a ``data.suspect`` record names them."""
+        out = []
+        for j in rows:
+            key = self.data.key(indices[j])
+            out.append({"index": indices[j], "key": key, **self.data.where(key)})
+        return out
 
     def _raises(self, inputs: torch.Tensor) -> bool:
         try:
