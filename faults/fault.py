@@ -131,12 +131,15 @@ class FaultContext(Protocol):
 
     def committed_step(self) -> int: ...
 
-    def poison_data(self, steps_ahead: int, effect: str = "unreadable") -> dict[str, Any]:
+    def poison_data(
+        self, steps_ahead: int | None, effect: str = "unreadable", *, ahead_s: float = 1.0
+    ) -> dict[str, Any]:
         """Make the data the job reads ``steps_ahead`` steps after its last commit (that step's
-        first sequence) crash every step that reads it (``effect = "nonfinite"``: give it a NaN
-        loss), from now on and in every group; return
-        where it is (``index``, ``key`` and, for a token file, its ``chunk``, ``offset``,
-        ``document``, ``in_document``). ValueError where the job cannot (a program's data)."""
+        first sequence; None: as many steps as the job commits in ``ahead_s`` at its recent
+        rate, at least 3) crash every step that reads it (``effect = "nonfinite"``: give it a
+        NaN loss), from now on and in every group; return where it is (``index``, ``key``,
+        ``steps_ahead`` and, for a token file, its ``chunk``, ``offset``, ``document``,
+        ``in_document``). ValueError where the job cannot (a program's data)."""
         ...
 
     def partition_host(self, host: str) -> None:
@@ -293,6 +296,10 @@ def _wrong_type(hint: Any, value: Any) -> str | None:
     string or one of a Literal's values; bools are not numbers here); None if it fits or the
     annotation is one this does not check. Range checks stay with each fault's own
     ``__post_init__``."""
+    args = typing.get_args(hint)
+    if len(args) == 2 and type(None) in args:  # an optional option: what it holds when set
+        inner = args[0] if args[1] is type(None) else args[1]
+        return None if value is None else _wrong_type(inner, value)
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         return None if value in choices else "one of " + ", ".join(map(repr, choices))

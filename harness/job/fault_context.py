@@ -3,21 +3,25 @@
 Faults reach a job only through this adapter: which processes a target names, running a hook in
 a worker, killing a host, keeping a host out for a cooldown, crashing the quorum service. It
 reads the job's records and calls the job's own operations; it keeps no state of its own but
-where the job's data stands (the last committed step's ``seq_due``, for ``poison_data``).
+where the job's data stands (the last committed step's ``seq_due``, and the recent step rate,
+for ``poison_data``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from faults.data import MAX_STEPS_AHEAD
 from faults.fault import Target
 from harness.config import JobConfig
 from harness.job.groups import Groups
@@ -33,6 +37,11 @@ from runtime.journal import STEP_COMMIT, Journal, Record
 from runtime.mesh import ActorMesh, ProcMesh
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the project (for a helper process's imports)
+
+#: The fewest steps ahead ``poison_data`` aims when it aims by time.
+MIN_STEPS_AHEAD = 3
+#: How many of the job's latest new steps its step rate is read from.
+RATE_WINDOW = 32
 
 
 class RunningJob(Protocol):
@@ -70,14 +79,33 @@ class JobFaultContext:
         self.replicas: int = job.cfg.replicas
         self.ranks: int = job.cfg.ranks
         self._due = 0  # every sequence below it was due by the last committed step
+        self._progress: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (t, new step)
         self._stream: TokenStream | None = None
         job.journal.add_sink(self._on_record)
 
     def _on_record(self, r: Record) -> None:
-        if r.get("event") == STEP_COMMIT and isinstance(r.get("seq_due"), int):
+        if r.get("event") != STEP_COMMIT:
+            return
+        if isinstance(r.get("seq_due"), int):
             self._due = max(self._due, r["seq_due"])
+        step, t = r.get("step"), r.get("t")
+        new = isinstance(step, int) and (not self._progress or step > self._progress[-1][1])
+        if new and isinstance(t, int | float):
+            self._progress.append((float(t), step))
 
-    def poison_data(self, steps_ahead: int, effect: str = "unreadable") -> dict[str, Any]:
+    def steps_in(self, seconds: float) -> int:
+        """How many steps the job commits in ``seconds`` at its rate over its latest
+        ``RATE_WINDOW`` new steps, rounded up (0 before it has committed two)."""
+        if len(self._progress) < 2:
+            return 0
+        (t0, s0), (t1, s1) = self._progress[0], self._progress[-1]
+        return math.ceil(seconds * (s1 - s0) / max(t1 - t0, 1e-6) - 1e-9)
+
+    def poison_data(
+        self, steps_ahead: int | None, effect: str = "unreadable", *, ahead_s: float = 1.0
+    ) -> dict[str, Any]:
+        if steps_ahead is None:
+            steps_ahead = min(max(self.steps_in(ahead_s), MIN_STEPS_AHEAD), MAX_STEPS_AHEAD)
         data = self._job.cfg.data
         if self._stream is None:  # the map from a sequence to its data (a corpus chunk)
             n = self.replicas * self.ranks
@@ -86,7 +114,8 @@ class JobFaultContext:
         index = self._due + (steps_ahead - 1) * per_step
         key = self._stream.key(index)
         self._job.groups_kind.poison(key, effect)
-        return {"index": index, "key": key, "effect": effect, **self._stream.where(key)}
+        where = self._stream.where(key)
+        return {"index": index, "key": key, "effect": effect, "steps_ahead": steps_ahead, **where}
 
     @property
     def networked(self) -> bool:

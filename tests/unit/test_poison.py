@@ -199,3 +199,58 @@ def test_a_nonfinite_poison_makes_its_rows_nan_until_quarantined():
     assert s.poisoned_logits(None, logits) is logits
     with pytest.raises(ValueError, match="poison effect"):
         s.poison(3, "slow")
+
+
+class _Groups:
+    def __init__(self) -> None:
+        self.poisoned: list[tuple[int, str]] = []
+
+    def poison(self, key: int, effect: str) -> None:
+        self.poisoned.append((key, effect))
+
+
+def _fault_context(replicas: int = 3, batch_size: int = 4):
+    from types import SimpleNamespace
+
+    from harness.job.fault_context import JobFaultContext
+
+    data = DataConfig(batch_size=batch_size, seq_len=8, vocab_size=64)
+    job = SimpleNamespace(
+        journal=Journal(None, job="t"),
+        cfg=SimpleNamespace(replicas=replicas, ranks=1, data=data),
+        groups_kind=_Groups(),
+    )
+    return job, JobFaultContext(job)  # type: ignore[arg-type]
+
+
+def test_poison_data_is_aimed_a_time_ahead_at_the_jobs_step_rate():
+    job, ctx = _fault_context()
+    per_step = 3 * 4
+    # Before any rate: at least 3 steps past the last commit.
+    assert ctx.poison_data(None)["steps_ahead"] == 3
+    for step in range(1, 41):  # 50 steps a second, every group committing each step
+        for replica in range(3):
+            job.journal.emit(
+                "step.commit",
+                t=100 + step * 0.02,
+                replica=replica,
+                rank=0,
+                step=step,
+                seq_due=step * per_step,
+            )
+    assert ctx.steps_in(1.0) == 50
+    where = ctx.poison_data(None, "nonfinite", ahead_s=1.0)
+    assert where["steps_ahead"] == 50
+    assert where["index"] == 40 * per_step + 49 * per_step
+    assert job.groups_kind.poisoned[-1] == (where["key"], "nonfinite")
+    assert ctx.poison_data(7)["index"] == 40 * per_step + 6 * per_step  # a fixed count wins
+
+
+def test_poison_data_options_are_checked():
+    from faults.fault import make_fault
+
+    assert make_fault("poison_data", steps_ahead=20).steps_ahead == 20
+    with pytest.raises(ValueError, match=r"option .steps_ahead. must be an integer"):
+        make_fault("poison_data", steps_ahead="many")
+    with pytest.raises(ValueError, match="ahead_s must be above 0"):
+        make_fault("poison_data", ahead_s=0)
