@@ -198,6 +198,13 @@ class CrashLoop:
         if self.explained(d):
             self._run.clear()
             return None
+        return self.counted(d)
+
+    def counted(self, d: Death) -> list[Death] | None:
+        """Count ``d`` as a death no fault explains (as :meth:`died` does once it has checked;
+        a takeover replays the deaths its dead controller counted so)."""
+        if self.loop is not None:
+            return None
         if self._run and (
             self._run[-1].signature != d.signature or d.t - self._run[-1].t > self.window_s
         ):

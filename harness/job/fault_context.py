@@ -89,8 +89,9 @@ class JobFaultContext:
         if isinstance(r.get("seq_due"), int):
             self._due = max(self._due, r["seq_due"])
         step, t = r.get("step"), r.get("t")
-        new = isinstance(step, int) and (not self._progress or step > self._progress[-1][1])
-        if new and isinstance(t, int | float):
+        if not isinstance(step, int) or not isinstance(t, int | float):
+            return
+        if not self._progress or step > self._progress[-1][1]:  # the job's progress
             self._progress.append((float(t), step))
 
     def steps_in(self, seconds: float) -> int:

@@ -225,6 +225,7 @@ class Job:
             data.resume(self.how.history)  # what a dead controller had marked (a takeover)
             incarnation = lambda r: g.incarnation if (g := self.groups.get(r)) else None  # noqa: E731
             deaths = TrainerDeaths.attach(self.cfg, self.journal, incarnation, self.say, self.fail)
+            deaths.resume(self.how.history)  # a crash loop the dead controller was counting
             return TrainerGroups(
                 self.controller, self._cfg_dict, self.run_dir, self.quorum, self._check_done,
                 adopt=takeover.adopt, data=data, deaths=deaths,

@@ -17,6 +17,8 @@ own, a failure the data is to blame for (``BadData``: ``harness.job.poison`` qua
 data), and whatever an injected fault explains (:class:`harness.job.crash_loop.CrashLoop`).
 ``recovery.deterministic_max`` failures in a row with one signature, each within a minute of
 the one before, end the job with the diagnosis: on the console, in ``job.end`` and the report.
+A controller that takes a job over (``harness.job.takeover``) takes up the dead one's count from
+its journal (:meth:`TrainerDeaths.resume`): a loop under way does not start again from zero.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from harness.config import JobConfig
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
@@ -84,6 +86,26 @@ class TrainerDeaths:
         elif event == FAULT_INJECT:
             with self._lock:
                 self._loop.fault_record(r, self._incarnation)
+
+    def resume(self, records: Iterable[Record]) -> None:
+        """Take up a dead controller's count from its journal: the groups' last steps, the
+        injected faults (each ends a run of repeats) and the deaths it counted, in order;
+        nothing is journaled again. A loop it had two deaths into ends the job at the next."""
+        for r in records:
+            event = r.get("event")
+            if event == STEP_COMMIT:
+                self.on_record(r)
+            elif event == FAULT_INJECT:
+                with self._lock:
+                    self._loop.fault(float(r.get("t", 0.0)), None, None)
+            elif event == FAILURE_SIGNATURE and r.get("counted"):
+                death = Death(
+                    int(r.get("replica", -1)), int(r.get("rank", 0)), int(r.get("incarnation", -1)),
+                    str(r.get("what", "")), str(r.get("kind", "")), str(r.get("frame", "")),
+                    str(r.get("where", "")), float(r.get("t", 0.0)),
+                )  # fmt: skip
+                with self._lock:
+                    self._loop.counted(death)
 
     def seen(self, failure: Failure) -> bool:
         """Count ``failure`` (one a group's supervisor received), journaling what identifies it

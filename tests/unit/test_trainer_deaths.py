@@ -140,3 +140,32 @@ def test_faults_stops_bad_data_and_mixed_causes_never_make_a_loop():
         ]
         * 3
     )
+
+
+def test_a_takeover_takes_up_the_count_of_a_loop_under_way():
+    """The dead controller counted two deaths of a loop; the controller that takes the job over
+    reads them from its journal, and the third death ends the job (not three more)."""
+    oom = "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"
+    dead = _Job()
+    before = dead.deaths()
+    before.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    for i, t in enumerate((10.0, 12.0)):
+        dead.incarnations[2] = i
+        assert not before.seen(_rank_failure(2, t, oom))
+    history = [
+        {"event": STEP_COMMIT, "replica": 2, "step": 40, "t": 9.0},
+        *({**r, "t": 10.0 + 2 * i} for i, r in enumerate(dead.journaled)),
+    ]
+    job = _Job()
+    job.incarnations[2] = 2
+    deaths = job.deaths()
+    deaths.resume(history)
+    assert job.journaled == []  # nothing journaled again
+    assert deaths.seen(_rank_failure(2, 14.0, oom))
+    assert "3 deaths in a row" in job.failed[0] and "group 2 rank 0 after step 40" in job.failed[0]
+
+    # a fault injected after them (in the dead controller's journal) ended that run of repeats
+    job = _Job()
+    deaths = job.deaths()
+    deaths.resume([*history, {"event": FAULT_INJECT, "t": 13.0, "target": {"replica": 0}}])
+    assert not deaths.seen(_rank_failure(2, 30.0, oom)) and job.failed == []
