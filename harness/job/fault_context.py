@@ -31,7 +31,6 @@ from harness.job.site import Site
 from harness.quorum.service import QuorumService
 from harness.rank.data import TokenStream
 from harness.rank.token_data import make_stream
-from runtime.actor import wire_name
 from runtime.controller import Controller
 from runtime.journal import STEP_COMMIT, Journal, Record
 from runtime.mesh import ActorMesh, ProcMesh
@@ -50,6 +49,7 @@ class RunningJob(Protocol):
     cfg: JobConfig
     journal: Journal
     tracker: RecoveryTracker
+    survivable: bool  # whether a new controller may take the job over
 
     @property
     def controller(self) -> Controller: ...
@@ -151,12 +151,8 @@ class JobFaultContext:
     def run_in_worker(self, target: Target, func: Callable[..., Any], *args: Any) -> None:
         """``func(*args)`` in each worker of ``target``; in a program of the user's own, the
         program's hook keyed by ``func``'s wire name (``runtime.actor.wire_name``)."""
-        program = getattr(self._job, "program", None)  # a program of the user's own
         for proc_id in self._proc_ids(target):
-            if program is not None:
-                program.run_in_program(proc_id, wire_name(func), *args)
-            else:
-                self._job.controller.run_in_worker(proc_id, func, *args)
+            self._job.groups_kind.run_in_worker(proc_id, func, *args)
 
     def kill_host(self, host: str) -> None:
         h = self._job.controller.hosts.get(host)
@@ -272,9 +268,7 @@ class JobFaultContext:
         from harness.job.takeover import supported
 
         why = supported(self._job.cfg)
-        if why is None and not (
-            getattr(self._job, "survivable", False) and KEEPER_ENV in os.environ
-        ):
+        if why is None and not (self._job.survivable and KEEPER_ENV in os.environ):
             why = "its controller is the process that started it, not one run under a keeper"
         return why
 

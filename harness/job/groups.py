@@ -1,6 +1,7 @@
-"""Replica groups: the job's record of each (:class:`ReplicaGroup`), and spawn for the built-in
-trainer: each replica group's ranks forked on its host (warm spares
-adopted where there are), a ``TrainerActor`` built in each, and training started at once.
+"""Kinds of replica group (:class:`Groups`), and the built-in trainer's (:class:`TrainerGroups`):
+each replica group's ranks forked on its host (warm spares adopted where there are), a
+``TrainerActor`` built in each, and training started at once; after a takeover, a group still
+training adopted as it runs.
 
 A program of the user's own takes this module's place (``harness.job.programs``); both are a kind
 of replica group (:class:`Groups`), so the job never asks which it holds.
@@ -10,28 +11,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.job import takeover
 from harness.job.poison import DataMarks
+from harness.job.replica_group import ReplicaGroup
+from harness.job.takeover import GroupPlan, TakenOver
 from harness.job.trainer_deaths import TrainerDeaths
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
 from runtime.host_handle import HostAgentHandle
+from runtime.journal import CONTROLLER_TAKEOVER
 from runtime.mesh import ActorMesh, ProcMesh
-
-
-@dataclass
-class ReplicaGroup:
-    """One replica group's current incarnation. Replaced whole by every restart."""
-
-    replica: int
-    incarnation: int
-    host: str
-    mesh: ActorMesh | ProcMesh  # the group's ranks, dims {"replica": 1, "rank": ranks}
-    store: str | None  # its TCPStore's host:port (runtime.group_store); None: adopted
-    training: cf.Future  # rank 0's ``train`` call: done when the group stops training
 
 
 class Groups(Protocol):
@@ -60,9 +52,9 @@ class Groups(Protocol):
         restart pays)."""
         ...
 
-    def adopt(self, job: Any, plan: Any) -> ActorMesh | ProcMesh | None:
-        """After a takeover: adopt the group ``plan`` (a ``harness.job.takeover.GroupPlan``)
-        says runs, as it runs; None if it cannot be (the caller restarts it)."""
+    def adopt(self, job: TakenOver, plan: GroupPlan) -> ActorMesh | ProcMesh | None:
+        """After a takeover: adopt the group ``plan`` says runs, as it runs (``job.adopted``);
+        None if it cannot be (the caller restarts it)."""
         ...
 
     def member_ids(self, replica: int) -> tuple[str, ...]:
@@ -91,6 +83,12 @@ class Groups(Protocol):
         own)."""
         ...
 
+    def run_in_worker(self, proc_id: str, func: Callable[..., Any], *args: Any) -> None:
+        """An in-process fault: ``func(*args)`` (a function of ``harness.rank.actors``) in the
+        worker ``proc_id``; in a program of the user's own, the program's hook keyed by
+        ``func``'s wire name (``runtime.actor.wire_name``)."""
+        ...
+
     def stop(self) -> None:
         """The job is stopping: every group's training ends (before the job waits on it)."""
         ...
@@ -102,7 +100,7 @@ class Groups(Protocol):
 
 class TrainerGroups:
     """The built-in trainer's groups (:class:`Groups`); ``on_done()`` runs whenever a group's
-    training ends; ``adopt(job, plan)`` adopts one after a takeover."""
+    training ends."""
 
     def __init__(
         self,
@@ -111,12 +109,10 @@ class TrainerGroups:
         run_dir: Path,
         quorum: QuorumService,
         on_done: Callable[[], None],
-        adopt: Callable[[Any, Any], ActorMesh | None],
         data: DataMarks,
         deaths: TrainerDeaths,
     ) -> None:
         self.controller = controller
-        self._adopt = adopt  # harness.job.takeover.adopt (which imports this module)
         self.cfg_dict = cfg_dict
         self.run_dir = run_dir
         self.quorum = quorum
@@ -130,8 +126,43 @@ class TrainerGroups:
     def poison(self, key: int, effect: str = "unreadable") -> None:
         self.data.poison(key, effect)
 
-    def adopt(self, job: Any, plan: Any) -> ActorMesh | None:
-        return self._adopt(job, plan)
+    def adopt(self, job: TakenOver, plan: GroupPlan) -> ActorMesh | None:
+        """Its processes (every rank alive on its host, each with its running ``train`` call)
+        become this controller's, and its record the job's (``harness.job.takeover``). None
+        if any rank is gone: what is left of it is stopped (``takeover.not_adopted``)."""
+        from harness.rank.actors import TrainerActor
+        from runtime.mesh import ActorRef, ProcRef
+        from runtime.states import ProcState
+
+        c = job.controller
+        recs = [c.procs.get(p) for p in plan.procs]
+        calls = [
+            c.open_calls(p) if r is not None else {} for p, r in zip(plan.procs, recs, strict=True)
+        ]
+        alive = all(r is not None and r.state is ProcState.RUNNING for r in recs)
+        firsts = [
+            next((i for i, ep in cs.items() if ep == ("trainer", "train")), None) for cs in calls
+        ]
+        training_calls = [i for i in firsts if i is not None]  # each rank's, if it trains
+        if not alive or len(training_calls) != len(plan.procs) or len(plan.procs) != job.ranks:
+            takeover.not_adopted(job, plan, "a rank of the group is gone")
+            return None
+        c.adopt(list(plan.procs))
+        refs: dict[tuple[int, ...], ActorRef] = {
+            (0, rank): ActorRef(
+                ProcRef(p, plan.host, {"replica": plan.replica, "rank": rank}), "trainer"
+            )
+            for rank, p in enumerate(plan.procs)
+        }
+        mesh = ActorMesh(c, TrainerActor, {"replica": 1, "rank": job.ranks}, refs)
+        futures = [c.open_call(p, i) for p, i in zip(plan.procs, training_calls, strict=True)]
+        training = futures[0]  # rank 0's, as for a group this controller started
+        training.add_done_callback(lambda _: self.on_done())
+        job.adopted(ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, None, training))
+        job.journal.emit(
+            CONTROLLER_TAKEOVER, replica=plan.replica, adopted=True, procs=list(plan.procs)
+        )
+        return mesh
 
     def member_ids(self, replica: int) -> tuple[str, ...]:
         return ()  # its trainers ask the quorum service under the id it admitted
@@ -144,6 +175,9 @@ class TrainerGroups:
 
     def quorum_ids_reset(self) -> None:
         return None
+
+    def run_in_worker(self, proc_id: str, func: Callable[..., Any], *args: Any) -> None:
+        self.controller.run_in_worker(proc_id, func, *args)
 
     def stop(self) -> None:
         return None  # the job stops its trainers after a step (harness.rank.actors)

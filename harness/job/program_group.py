@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from harness.config import JobConfig
 from harness.job.program_admission import GroupAdmission
 from harness.job.recovery import RecoveryTracker
+from harness.job.takeover import Plan
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
 from runtime.journal import Journal
@@ -51,6 +52,10 @@ class ProgramJob(Protocol):
     cfg: JobConfig
     run_dir: Path
     journal: Journal
+    #: Whether a new controller may take the job over (its agents outlive this one).
+    survivable: bool
+    #: What this controller took over (``harness.job.takeover.Plan``), None for a fresh start.
+    plan: Plan | None
 
     @property
     def controller(self) -> Controller: ...

@@ -36,10 +36,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from harness.job.takeover import GroupPlan, TakeoverRefused, not_adopted
+from harness.job.takeover import GroupPlan, TakenOver, TakeoverRefused, not_adopted
 from runtime.journal import CONTROLLER_TAKEOVER, GROUP_START, HEALED, STEP_COMMIT
+
+if TYPE_CHECKING:
+    import concurrent.futures as cf
+
+    from runtime.mesh import ProcMesh
 
 #: The file in the run directory (mode 0600, like every control file of a run).
 STATE_FILE = "program.json"
@@ -152,17 +157,29 @@ def member_id(run_dir: Path, replica: int, incarnation: int) -> str | None:
     return rule.member_id(snap.secret, replica, incarnation)
 
 
-def adopt(job: Any, plan: GroupPlan) -> Any:
+class Readmits(Protocol):
+    """What adopting a program group needs of the program's groups
+    (``harness.job.programs.ProgramGroups`` is one)."""
+
+    durable: ProgramState | None
+
+    def readmit(
+        self, replica: int, incarnation: int, store: str, recs: list[Any], member_id: str,
+        last_step: int | None,
+    ) -> cf.Future: ...  # fmt: skip
+
+
+def adopt(job: TakenOver, program: Readmits, plan: GroupPlan) -> ProcMesh | None:
     """Adopt a program group the journal says runs (``harness.job.takeover.adopt`` for a
     ``[program]`` job): every rank's program alive, its store and member id known, the group is
     this controller's as it runs (same processes, same incarnation), its tap admissions and its
     last step restored. None if not: the rest of it is stopped here, and the caller restarts the
     group in place."""
-    from harness.job.groups import ReplicaGroup
+    from harness.job.replica_group import ReplicaGroup
     from runtime.mesh import ProcMesh
     from runtime.states import ProcState
 
-    c, program = job.controller, job.program
+    c = job.controller
     recs = [c.procs.get(p) for p in plan.procs]
     state = program.durable.groups.get(plan.replica) if program.durable else None
     why = None
@@ -177,16 +194,16 @@ def adopt(job: Any, plan: GroupPlan) -> Any:
     if why is not None:
         not_adopted(job, plan, why)
         return None
-    assert state is not None
+    live = [r for r in recs if r is not None]
+    assert state is not None and member is not None and len(live) == len(recs)
     c.adopt(list(plan.procs))
     mesh = ProcMesh(
-        c, {"replica": 1, "rank": len(recs)}, {(0, k): r.ref for k, r in enumerate(recs)}
+        c, {"replica": 1, "rank": len(live)}, {(0, k): r.ref for k, r in enumerate(live)}
     )
-    step = last_step(job.plan.records, plan.replica)
-    training = program.readmit(plan.replica, plan.incarnation, state.store, recs, member, step)
+    step = last_step(job.plan.records if job.plan is not None else [], plan.replica)
+    training = program.readmit(plan.replica, plan.incarnation, state.store, live, member, step)
     group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, state.store, training)
-    with job._lock:
-        job.groups[plan.replica] = group
+    job.adopted(group)
     job.journal.emit(
         CONTROLLER_TAKEOVER, replica=plan.replica, adopted=True, procs=list(plan.procs),
         step=step,

@@ -40,6 +40,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,12 @@ from harness.job.program_progress import (
 )
 from harness.job.program_unblock import RemoteUnblock
 from harness.job.site import wants_quorum_relay
+from harness.job.takeover import GroupPlan, TakenOver
 from harness.program_config import WARM_NEEDS, cold_reason
 from harness.quorum import rule
 from harness.quorum.tap import Admission, QuorumTap, Request, upstream_id
 from runtime import peer_process
+from runtime.actor import wire_name
 from runtime.failure import Failure
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 from runtime.mesh import ProcMesh
@@ -86,7 +89,7 @@ class ProgramGroups:
         self._stop = threading.Event()
         self.tap: QuorumTap | None = None
         # Where the job's controller can be taken over: RUN/program.json (program_takeover)
-        self.survivable: bool = getattr(job, "survivable", False)
+        self.survivable = job.survivable
         # Its programs reach the tap through their host agent's relay (harness.job.site)
         self.relayed = wants_quorum_relay(self.cfg)
         self.durable: program_takeover.ProgramState | None = None
@@ -102,7 +105,7 @@ class ProgramGroups:
                 port=port,
             )
 
-        takeover = getattr(self.job, "plan", None) is not None
+        takeover = self.job.plan is not None
         self.tap, self.durable = program_takeover.open_tap(
             tap, self.job.run_dir, takeover=takeover, survivable=self.survivable
         )
@@ -199,8 +202,8 @@ class ProgramGroups:
         cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
         return ProcMesh(c, {"replica": len(replicas), "rank": self.cfg.ranks}, items), training
 
-    def adopt(self, job: Any, plan: Any) -> ProcMesh | None:
-        return program_takeover.adopt(job, plan)
+    def adopt(self, job: TakenOver, plan: GroupPlan) -> ProcMesh | None:
+        return program_takeover.adopt(job, self, plan)
 
     def absorbs(self, failure: Failure) -> bool:
         return self._deaths_watch.after_finish(failure)
@@ -309,13 +312,12 @@ class ProgramGroups:
             return tuple(sorted(upstream_id(g.member_id, i) for i in g.ids)) if g else ()
 
     # -- faults ---------------------------------------------------------------------------------
-    def run_in_program(self, proc_id: str, func: str, *args: Any) -> None:
-        """An in-process fault for a program (``program_env.run_in_program``)."""
-        rec = self.job.controller.procs.get(proc_id)
+    def run_in_worker(self, proc_id: str, func: Callable[..., Any], *args: Any) -> None:
+        rec = self.job.controller.procs.get(proc_id)  # its hook: program_env.run_in_program
         if rec is None or rec.pid is None:
-            raise RuntimeError(f"{func}: {proc_id} has no process")
+            raise RuntimeError(f"{wire_name(func)}: {proc_id} has no process")
         hooks = Path(self.job.run_dir) / "hooks" if self.cfg.program.hooks else None
-        run_in_program(rec.pid, hooks, func, *args)
+        run_in_program(rec.pid, hooks, wire_name(func), *args)
 
     # -- the tap's observer ---------------------------------------------------------------------
     def admit(self, replica_id: str, peer: str, store_address: str | None) -> Admission | str:

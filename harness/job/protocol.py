@@ -74,11 +74,12 @@ from harness.config import config_to_dict
 from harness.job import takeover
 from harness.job.completion import Completion
 from harness.job.fault_context import JobFaultContext
-from harness.job.groups import Groups, ReplicaGroup, TrainerGroups
+from harness.job.groups import Groups, TrainerGroups
 from harness.job.hosts import HostPool
 from harness.job.poison import DataMarks
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
+from harness.job.replica_group import ReplicaGroup
 from harness.job.silent import SilentWatch
 from harness.job.site import Site, controller_spec, wants_quorum_relay
 from harness.job.stall import StallWatch
@@ -124,7 +125,7 @@ class Job:
     ) -> None:
         self.site = site
         self.cfg = cfg = site.cfg
-        self._cfg_dict = config_to_dict(cfg)  # as the journal and every rank get it
+        self.cfg_dict = config_to_dict(cfg)  # as the journal and every rank get it
         self.run_dir = Path(run_dir)
         self.journal = journal
         self.replicas = cfg.replicas
@@ -154,9 +155,8 @@ class Job:
         self.progress.aborts = self.stall.summary
         self.faults = JobFaultContext(self)
         # the kind of replica group (harness.job.groups.Groups): the built-in trainer's, or a
-        # program of the user's own (then also ``program``, its harness.job.programs.ProgramGroups)
+        # program of the user's own (harness.job.programs.ProgramGroups)
         self._kind: Groups | None = None
-        self.program: Any = None
         self.job_supervisor: Supervisor | None = None
         self.silent: SilentWatch | None = None
         # The controller can die and be replaced (harness.job.takeover): ``plan`` is what a new
@@ -227,14 +227,12 @@ class Job:
             deaths = TrainerDeaths.attach(self.cfg, self.journal, incarnation, self.say, self.fail)
             deaths.resume(self.how.history)  # a crash loop the dead controller was counting
             return TrainerGroups(
-                self.controller, self._cfg_dict, self.run_dir, self.quorum, self._check_done,
-                adopt=takeover.adopt, data=data, deaths=deaths,
+                self.controller, self.cfg_dict, self.run_dir, self.quorum, self._check_done,
+                data=data, deaths=deaths,
             )  # fmt: skip
         from harness.job.programs import ProgramGroups
 
-        kind: Groups = ProgramGroups(self)
-        self.program = kind
-        return kind
+        return ProgramGroups(self)
 
     @property
     def groups_kind(self) -> Groups:
@@ -405,6 +403,11 @@ class Job:
                 seq = self._group_seq
             takeover.journal_group(self, group, seq)
             self.tracker.replacement_started(r)
+
+    def adopted(self, group: ReplicaGroup) -> None:
+        """A takeover adopted ``group`` as it runs (``harness.job.takeover.TakenOver``)."""
+        with self._lock:
+            self.groups[group.replica] = group
 
     # -- what faults and reports read -----------------------------------------------------------
     def host_names(self) -> list[str]:

@@ -41,8 +41,9 @@ from typing import Any, Protocol
 
 from harness.config import JobConfig
 from harness.job.divergence import Divergence, Verdict
-from harness.job.groups import Groups, ReplicaGroup
+from harness.job.groups import Groups
 from harness.job.recovery import RecoveryTracker
+from harness.job.replica_group import ReplicaGroup
 from harness.job.stragglers import StragglerDetector, StragglerEvent
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller

@@ -17,8 +17,15 @@ from typing import Any, Protocol
 
 from harness.job import takeover
 from harness.job.preflight import check_network
-from harness.job.takeover import GroupPlan, Plan
+from harness.job.takeover import GroupPlan, Plan, TakenOver
 from runtime.journal import JOB_START, Record
+
+
+class Starting(TakenOver, Protocol):
+    """What a start reads of the job it starts (``harness.job.protocol.Job`` is one)."""
+
+    replicas: int
+    cfg_dict: dict[str, Any]  # the config as the journal and every rank get it
 
 
 class JobStart(Protocol):
@@ -38,15 +45,15 @@ class JobStart(Protocol):
         """The groups to adopt as they start, by replica: the dead controller's running ones."""
         ...
 
-    def before(self, job: Any) -> None:
+    def before(self, job: Starting) -> None:
         """Once the controller exists, before anything else is built."""
         ...
 
-    def bring_up(self, job: Any) -> None:
+    def bring_up(self, job: Starting) -> None:
         """Hosts and quorum service, once the kind of groups has started; before the tree."""
         ...
 
-    def after_tree(self, job: Any) -> None:
+    def after_tree(self, job: Starting) -> None:
         """Once the supervision tree is built (and its groups started or adopted)."""
         ...
 
@@ -61,17 +68,17 @@ class FreshStart:
     def adopting(self) -> dict[int, GroupPlan]:
         return {}
 
-    def before(self, job: Any) -> None:
+    def before(self, job: Starting) -> None:
         return None
 
-    def bring_up(self, job: Any) -> None:
-        job.journal.emit(JOB_START, config=job._cfg_dict, replicas=job.replicas, ranks=job.ranks)
+    def bring_up(self, job: Starting) -> None:
+        job.journal.emit(JOB_START, config=job.cfg_dict, replicas=job.replicas, ranks=job.ranks)
         job.hosts.start()
         job.quorum.start()
         job.relay_quorum()
         check_network(job)  # every host reaches every other, or no group starts
 
-    def after_tree(self, job: Any) -> None:
+    def after_tree(self, job: Starting) -> None:
         return None
 
 
@@ -86,14 +93,14 @@ class TakeoverStart:
     def adopting(self) -> dict[int, GroupPlan]:
         return dict(self._plan.groups)
 
-    def before(self, job: Any) -> None:
+    def before(self, job: Starting) -> None:
         job.tracker.resume(self._plan.records)
         job.tracker.controller_replaced(time.time())
 
-    def bring_up(self, job: Any) -> None:
+    def bring_up(self, job: Starting) -> None:
         takeover.reattach(job)  # the agents re-dial (or are lost), the quorum goes on
 
-    def after_tree(self, job: Any) -> None:
+    def after_tree(self, job: Starting) -> None:
         takeover.release_unclaimed(job)
 
 

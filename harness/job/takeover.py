@@ -41,9 +41,10 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.config import JobConfig
+from harness.job.replica_group import ReplicaGroup
 from runtime.journal import (
     CONTROLLER_TAKEOVER,
     GROUP_START,
@@ -52,6 +53,13 @@ from runtime.journal import (
     Record,
     read_journal,
 )
+
+if TYPE_CHECKING:
+    from harness.job.hosts import HostPool
+    from harness.job.recovery import RecoveryTracker
+    from harness.quorum.service import QuorumService
+    from runtime.controller import Controller
+    from runtime.journal import Journal
 
 
 class TakeoverRefused(RuntimeError):
@@ -168,7 +176,37 @@ def read_run(run_dir: Path, secret: bytes, epoch: int) -> Plan:
 
 
 # -- the job's side (harness.job.protocol.Job calls these) ------------------------------------
-def controller_kwargs(job: Any) -> dict[str, Any]:
+class TakenOver(Protocol):
+    """What a takeover reads of the job it continues, and the one thing it tells it (a group
+    adopted): ``harness.job.protocol.Job`` is one. Nothing here writes the job's attributes."""
+
+    cfg: JobConfig
+    run_dir: Path
+    journal: Journal
+    tracker: RecoveryTracker
+    ranks: int
+    plan: Plan | None
+
+    @property
+    def controller(self) -> Controller: ...
+
+    @property
+    def hosts(self) -> HostPool: ...
+
+    @property
+    def quorum(self) -> QuorumService: ...
+
+    def say(self, text: str) -> None: ...
+
+    def host_names(self) -> list[str]: ...
+
+    def relay_quorum(self) -> None: ...
+
+    def adopted(self, group: ReplicaGroup) -> None:
+        """``group`` runs, adopted as it runs: it is the job's now."""
+
+
+def controller_kwargs(job: TakenOver) -> dict[str, Any]:
     """What makes ``job``'s controller one that can be replaced: the job secret kept in the run
     directory (a new controller needs it), the control file agents re-dial, and the epoch;
     for a takeover, the journal's last event of each process (its workers send the rest
@@ -191,10 +229,10 @@ def controller_kwargs(job: Any) -> dict[str, Any]:
     }
 
 
-def journal_group(job: Any, group: Any, seq: int) -> None:
+def journal_group(job: TakenOver, group: ReplicaGroup, seq: int) -> None:
     """Journal a group's start as a takeover reads it (signed and numbered: :func:`read_run`)."""
     controller = job.controller
-    fields = {
+    fields: dict[str, Any] = {
         "replica": group.replica,
         "incarnation": group.incarnation,
         "host": group.host,
@@ -205,7 +243,7 @@ def journal_group(job: Any, group: Any, seq: int) -> None:
     job.journal.emit(GROUP_START, **fields, mac=sign(controller.secret, fields))
 
 
-def reattach(job: Any) -> None:
+def reattach(job: TakenOver) -> None:
     """After a takeover: serve the quorum where it was (its members' next requests reach it
     while the agents re-dial), then wait for the agents (those that do not re-dial are lost
     hosts, which the host pool restarts)."""
@@ -229,62 +267,20 @@ def reattach(job: Any) -> None:
         hosts=sorted(reports),
         lost=lost,
         reattach_s=round(t_reattached - t0, 4),
-        groups=sorted(job.plan.groups),
+        groups=sorted(job.plan.groups) if job.plan is not None else [],
     )
     if lost:
         job.say(f"takeover: no agent re-dialed from {', '.join(lost)}: restarting it")
 
 
-def adopt(job: Any, plan: GroupPlan) -> Any:
-    """Adopt a group the journal says runs, under the supervisor child starting it now: its
-    processes (every rank alive on its host, each with its running ``train`` call) become this
-    controller's, and its record the job's. None if any rank is gone: the caller restarts the
-    group in place (the rest of it is stopped here), as after any failure."""
-    from harness.job.groups import ReplicaGroup
-    from harness.rank.actors import TrainerActor
-    from runtime.mesh import ActorMesh, ActorRef, ProcRef
-    from runtime.states import ProcState
-
-    c = job.controller
-    recs = [c.procs.get(p) for p in plan.procs]
-    calls = [
-        c.open_calls(p) if r is not None else {} for p, r in zip(plan.procs, recs, strict=True)
-    ]
-    alive = all(r is not None and r.state is ProcState.RUNNING for r in recs)
-    training_calls = [
-        next((cid for cid, ep in cs.items() if ep == ("trainer", "train")), None) for cs in calls
-    ]
-    if not alive or None in training_calls or len(plan.procs) != job.ranks:
-        not_adopted(job, plan, "a rank of the group is gone")
-        return None
-    c.adopt(list(plan.procs))
-    refs: dict[tuple[int, ...], ActorRef] = {
-        (0, rank): ActorRef(
-            ProcRef(p, plan.host, {"replica": plan.replica, "rank": rank}), "trainer"
-        )
-        for rank, p in enumerate(plan.procs)
-    }
-    mesh = ActorMesh(c, TrainerActor, {"replica": 1, "rank": job.ranks}, refs)
-    futures = [c.open_call(p, cid) for p, cid in zip(plan.procs, training_calls, strict=True)]
-    training = futures[0]  # rank 0's, as for a group this controller started
-    training.add_done_callback(lambda _: job._check_done())
-    group = ReplicaGroup(plan.replica, plan.incarnation, plan.host, mesh, None, training)
-    with job._lock:
-        job.groups[plan.replica] = group
-    job.journal.emit(
-        CONTROLLER_TAKEOVER, replica=plan.replica, adopted=True, procs=list(plan.procs)
-    )
-    return mesh
-
-
-def next_incarnation(job: Any, plan: GroupPlan) -> int:
+def next_incarnation(job: TakenOver, plan: GroupPlan) -> int:
     """The incarnation a group that could not be adopted restarts as: past the journal's and
     past any the quorum service admitted (the dead controller may have admitted a replacement
     it did not live to journal)."""
     return max(plan.incarnation, job.quorum.admitted().get(plan.replica, -1)) + 1
 
 
-def not_adopted(job: Any, plan: GroupPlan, why: str) -> None:
+def not_adopted(job: TakenOver, plan: GroupPlan, why: str) -> None:
     """``plan``'s group cannot be adopted (``why``): what is left of it stops, and the caller
     restarts it in place, as a recovery like any other. A rank no agent reported (its host's
     agent did not re-dial: the host, the controller's own node with ``slurm.controller_node =
@@ -316,7 +312,7 @@ def not_adopted(job: Any, plan: GroupPlan, why: str) -> None:
         job.tracker.failed_by_controller(plan.replica, NOT_ADOPTED, time.time())
 
 
-def release_unclaimed(job: Any) -> None:
+def release_unclaimed(job: TakenOver) -> None:
     """After the groups were adopted: stop every inherited process that no group claimed (a
     rank of a group the journal no longer names, say), so that nothing runs unsupervised.
     Idle warm spares stay: they went back to their host's pool."""

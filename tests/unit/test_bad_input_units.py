@@ -368,7 +368,14 @@ def test_a_programs_log_is_created_0600(tmp_path: Path) -> None:
             return SimpleNamespace(ref=ref, ready=done, finished=Future())
 
     (tmp_path / "logs").mkdir(mode=0o700)
-    job = SimpleNamespace(cfg=cfg, run_dir=tmp_path, journal=None, controller=FakeController())
+    job = SimpleNamespace(
+        survivable=False,
+        plan=None,
+        cfg=cfg,
+        run_dir=tmp_path,
+        journal=None,
+        controller=FakeController(),
+    )
     groups = ProgramGroups(job)  # type: ignore[arg-type]
     groups.tap = SimpleNamespace(address="127.0.0.1:1")  # type: ignore[assignment]
     old = os.umask(0o022)  # the usual umask: open(..., "a") would create 0644

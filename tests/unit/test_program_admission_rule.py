@@ -196,6 +196,8 @@ def test_the_observer_binds_each_manager_to_its_group_and_forgets_replaced_incar
     from harness.quorum.tap import Admission
 
     job = SimpleNamespace(
+        survivable=False,
+        plan=None,
         cfg=JobConfig(name="admission"),
         controller=SimpleNamespace(spec=SimpleNamespace(spawn_timeout_s=5)),
     )

@@ -77,7 +77,12 @@ def _one_group(*overrides: str):
     registered, its Manager "m:u" admitted."""
     said: list[str] = []
     job = SimpleNamespace(
-        cfg=cfg(*overrides), journal=_Journal(), say=said.append, finished=lambda: None
+        survivable=False,
+        plan=None,
+        cfg=cfg(*overrides),
+        journal=_Journal(),
+        say=said.append,
+        finished=lambda: None,
     )
     groups = ProgramGroups(job)
     rec = SimpleNamespace(host=SimpleNamespace(name="h0"), finished=cf.Future())
@@ -162,6 +167,8 @@ def test_a_group_that_fails_after_every_other_finished_the_last_step_ends_the_jo
     ended: list[bool] = []
     said: list[str] = []
     job = SimpleNamespace(
+        survivable=False,
+        plan=None,
         cfg=cfg("replicas=3", "steps=100"),
         journal=_Journal(),
         say=said.append,
@@ -214,6 +221,8 @@ def test_a_group_still_rejoining_when_the_others_finish_the_last_step_is_overtak
     said: list[str] = []
     journal = _Journal()
     job = SimpleNamespace(
+        survivable=False,
+        plan=None,
         cfg=cfg("replicas=3", "steps=100"),
         journal=journal,
         say=said.append,

@@ -122,7 +122,7 @@ class _Journal:
 def test_an_adopted_group_s_repeated_request_is_no_abort_and_its_steps_go_on(tmp_path: Path):
     job = SimpleNamespace(
         cfg=cfg("steps=40"), journal=_Journal(), say=lambda s: None, finished=lambda: None,
-        run_dir=tmp_path,
+        run_dir=tmp_path, survivable=False, plan=None,
     )  # fmt: skip
     groups = ProgramGroups(job)
     rec = SimpleNamespace(
@@ -155,7 +155,6 @@ class _Controller:
 
 
 def _takeover_job(tmp_path: Path, procs: dict, admitted: int):
-    import threading
 
     from harness.quorum import durable
     from runtime.states import ProcState
@@ -183,9 +182,10 @@ def _takeover_job(tmp_path: Path, procs: dict, admitted: int):
     }
     job = SimpleNamespace(
         controller=_Controller(running), program=program, ranks=1, run_dir=tmp_path,
-        journal=_Journal(), plan=SimpleNamespace(records=[]), groups={}, _lock=threading.Lock(),
+        journal=_Journal(), plan=SimpleNamespace(records=[]), groups={},
         tracker=SimpleNamespace(failures=[], opened=[]),
     )  # fmt: skip
+    job.adopted = lambda group: job.groups.__setitem__(group.replica, group)
     job.tracker.on_failure = job.tracker.failures.append
     job.tracker.failed_by_controller = lambda *a: job.tracker.opened.append(a[:2])
     return job, adopted
@@ -196,14 +196,14 @@ def test_a_running_program_group_is_adopted_and_one_that_cannot_be_is_stopped(tm
 
     plan = GroupPlan(replica=0, incarnation=2, host="h0", procs=("h0/p1",))
     job, adopted = _takeover_job(tmp_path, {"h0/p1": 1}, admitted=2)
-    mesh = pt.adopt(job, plan)
+    mesh = pt.adopt(job, job.program, plan)
     assert mesh is not None and mesh.proc_ids == ["h0/p1"] and job.controller.adopted == ["h0/p1"]
     ((replica, inc, store, _, member, step),) = adopted
     assert (replica, inc, store, step) == (0, 2, "127.0.0.1:9", None)
     assert member.startswith("replica_0.2.") and job.groups[0].incarnation == 2
 
     job, adopted = _takeover_job(tmp_path, {}, admitted=2)  # no agent reported its program
-    assert pt.adopt(job, plan) is None and not adopted
+    assert pt.adopt(job, job.program, plan) is None and not adopted
     (fields,) = [f for e, f in job.journal.records if e == CONTROLLER_TAKEOVER]
     assert fields["adopted"] is False and "a rank of the group is gone" in fields["reason"]
     # its host was lost with the controller: a failure of its own, so its restart is a recovery
@@ -213,7 +213,7 @@ def test_a_running_program_group_is_adopted_and_one_that_cannot_be_is_stopped(tm
     assert lost["cause"] == "lost_host" and lost["host"] == "h0" and lost["replica"] == 0
 
     job, adopted = _takeover_job(tmp_path, {"h0/p1": 1}, admitted=3)  # a later one admitted
-    assert pt.adopt(job, plan) is None and not adopted
+    assert pt.adopt(job, job.program, plan) is None and not adopted
     assert job.controller.stopped == ["h0/p1"]
     assert "admitted a later incarnation" in job.journal.records[-1][1]["reason"]
     # its program ran: stopped here, and its restart is a recovery of its own
