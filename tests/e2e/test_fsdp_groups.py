@@ -356,10 +356,11 @@ def test_a_sharded_job_resumes_from_its_dcp_checkpoints_then_a_job_of_another_sh
         "checkpoint.format=dcp", f"checkpoint.dir={ckpts}",
     )  # fmt: skip
     records = run_ok(cfg, second, timeout=120)
-    loads = [r for r in records if r["event"] == "checkpoint.load"]
-    assert [(r["replica"], r["step"]) for r in sorted(loads, key=lambda r: r["replica"])] == [
-        (0, 60), (1, 60),
-    ]  # fmt: skip
+    loads = sorted((r for r in records if r["event"] == "checkpoint.load"), key=lambda r: r["t"])
+    assert {r["replica"] for r in loads} == {0, 1} and all(r["format"] == "dcp" for r in loads)
+    # The first group loads the first job's last step; a group that starts after the other has
+    # trained on to the next checkpoint (10 tiny steps: a few tenths of a second) loads that one.
+    assert loads[0]["step"] == 60 and all(r["step"] in (60, 70) for r in loads)
     commits = sorted(r["step"] for r in records if r["event"] == "step.commit")
     assert commits[0] == 61 and commits[-1] == 70
 
