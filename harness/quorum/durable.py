@@ -20,7 +20,7 @@ reads and writes it):
   That is safe because a resumed service treats no saved step as the truth: a member may have
   committed steps past what it last reported (between quorums, and after the last save), so
   until each saved member joins again and reports its step, no quorum is issued
-  (``TreeQuorum(resumed=True)``); only a member that neither joins nor heartbeats within the
+  (``Continuation.resumed``); only a member that neither joins nor heartbeats within the
   join timeout (dead, awaiting its fence) falls back to its saved step, as a dead member's last
   step always counted (``harness.quorum.rule._behind``). Too high a saved step could stall the
   job, too low one let members behind it re-commit steps; neither is ever used while a live
@@ -118,6 +118,25 @@ class QuorumSnapshot:
     highest_step: int
     reported: Mapping[str, int]
     seq: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What a tree quorum continues from: a live service restarted (its ``TreeQuorum.secret``,
+    ``incarnations``, ``highest_step``, ``reported``, next ``quorum_id`` and lease), or one resumed
+    from its durable state by a new controller (a :class:`QuorumSnapshot`: also ``fenced``,
+    ``last_quorum``, ``quorum_id`` = the saved lease, and ``resumed``). A fresh service has none
+    and a new random secret."""
+
+    secret: bytes
+    incarnations: Mapping[int, int] = field(default_factory=dict)
+    highest_step: int = -1
+    reported: Mapping[str, int] = field(default_factory=dict)
+    quorum_id: int = 0
+    quorum_id_lease: int = 1
+    fenced: frozenset[str] = frozenset()
+    last_quorum: tuple[str, ...] = ()
+    resumed: bool = False  # from saved state: the saved steps are only lower bounds (class doc)
 
 
 def _digest(doc: Mapping[str, Any]) -> str:

@@ -26,10 +26,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from harness.config import JobConfig
 from harness.quorum import durable
+from harness.quorum.durable import Continuation
 
 if TYPE_CHECKING:
     from harness.quorum.tree import TreeQuorum
@@ -121,7 +122,7 @@ class TreeQuorumService:
     have committed steps past the last one it reported (between quorums, after the last save),
     so the saved steps are lower bounds only, and the resumed service issues no quorum until
     every member it knew has joined and reported its step, or been fenced, or, past the join
-    timeout, shown no sign of life (``TreeQuorum(resumed=True)``). Then a quorum's highest step,
+    timeout, shown no sign of life (``Continuation.resumed``). Then a quorum's highest step,
     the one torchft heals everyone to, is never below a step any live member has committed.
     """
 
@@ -168,9 +169,9 @@ class TreeQuorumService:
         fresh_writer = self.state_path is not None and self._writer is None
         if self.state_path is not None and self._writer is None:
             self._writer = durable.StateWriter(self.state_path, self._snapshot)
-        host, state = self.cfg.bind_host, {}
+        host, state = self.cfg.bind_host, None
         if old is not None:
-            state = dict(
+            state = Continuation(
                 secret=old.secret,
                 incarnations=old.incarnations,
                 highest_step=old.highest_step,
@@ -188,7 +189,7 @@ class TreeQuorumService:
             saved = self._saved
             if saved.host != host and _can_bind(saved.host):
                 host = saved.host
-            state = dict(
+            state = Continuation(
                 secret=saved.secret,
                 incarnations=saved.incarnations,
                 fenced=saved.fenced,
@@ -209,8 +210,8 @@ class TreeQuorumService:
         if self._writer is not None:
             self._writer.flush()  # the file names this service before anyone learns its address
 
-    def _bind(self, host: str, state: dict[str, Any]) -> TreeQuorum:
-        """A TreeQuorum on a free port of ``host``."""
+    def _bind(self, host: str, state: Continuation | None) -> TreeQuorum:
+        """A TreeQuorum on a free port of ``host``, continuing from ``state`` (None: fresh)."""
         from harness.quorum.tree import TreeQuorum
 
         cfg, t, writer = self.cfg, self.cfg.timeouts, self._writer
@@ -233,7 +234,7 @@ class TreeQuorumService:
             on_lease=writer.save if writer is not None else None,
             on_change=writer.changed if writer is not None else None,
             caller_refusal=self._caller_refusal,
-            **state,
+            continues=state,
         )
 
     def _snapshot(self) -> durable.QuorumSnapshot | None:

@@ -39,13 +39,13 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 
 from harness.quorum import rule
-from harness.quorum.durable import QuorumSnapshot, next_lease, next_seq
+from harness.quorum.durable import Continuation, QuorumSnapshot, next_lease, next_seq
 from harness.quorum.wire import (
     WireError,
     decode_heartbeat_request,
@@ -67,9 +67,9 @@ class TreeQuorum:
     is thread-safe. ``max_requests`` bounds concurrent RPCs (each waiting quorum request holds a
     thread): keep it above twice the number of replica groups.
 
-    Admission (module doc): ``secret`` is the job's (default: a fresh random one; pass the old
-    service's :attr:`secret`, :attr:`incarnations` and :attr:`highest_step` to a restarted one so
-    the running members stay admitted and committed steps still never go back).
+    Admission (module doc): :attr:`secret` is the job's (a fresh random one; a restarted service
+    ``continues`` from the old one's (:class:`Continuation`), so the running members stay
+    admitted and committed steps still never go back).
     Only tagged ids are let in. ``max_step``: the job's last
     step (a higher one is absurd); ``max_step_lead``: how far past the highest step seen a
     member may claim to be. ``on_newcomer(replica_id)``: called (lock held: it must not block)
@@ -82,7 +82,7 @@ class TreeQuorum:
     changed (an admission, a fence, an issued quorum); ``on_lease(snapshot)`` (lock held) must
     make the snapshot durable before the quorum id that reached ``quorum_id_lease`` is issued
     (if it raises, the quorum is not issued and the next tick tries again). A service resumed
-    from saved state (``resumed=True``, with the saved ``fenced``, ``last_quorum`` and
+    from saved state (``Continuation.resumed``, with the saved ``fenced``, ``last_quorum`` and
     ``quorum_id`` = the saved lease) issues no quorum until every member it knows a step of
     (``reported``) has joined and said its step, been fenced, or, past the join timeout, shown
     no sign of life (no heartbeat): those saved steps are no more than lower bounds.
@@ -98,20 +98,12 @@ class TreeQuorum:
         heartbeat_timeout_s: float = 5.0,
         quorum_tick_s: float = 0.01,
         max_requests: int = 64,
-        secret: bytes | None = None,
-        incarnations: Mapping[int, int] | None = None,
-        highest_step: int = -1,
-        reported: Mapping[str, int] | None = None,
-        quorum_id: int = 0,
         max_step: int | None = None,
         max_step_lead: int | None = 1_000_000,
         on_newcomer: Callable[[str], None] | None = None,
         first_quorum_replicas: int = 0,
         first_quorum_timeout_s: float = 0.0,
-        fenced: Iterable[str] = (),
-        last_quorum: Sequence[str] = (),
-        resumed: bool = False,
-        quorum_id_lease: int = 1,
+        continues: Continuation | None = None,
         on_lease: Callable[[QuorumSnapshot], None] | None = None,
         on_change: Callable[[], None] | None = None,
         caller_refusal: Callable[[str], str | None] | None = None,
@@ -129,8 +121,9 @@ class TreeQuorum:
             first_quorum_replicas=first_quorum_replicas,
             first_quorum_timeout_s=first_quorum_timeout_s,
         )
+        was = continues if continues is not None else Continuation(secrets.token_bytes(32))
         #: The job's secret: whoever holds it can name members (keep it in the controller).
-        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        self.secret = was.secret
         self._tick_s = quorum_tick_s
         self._on_newcomer = on_newcomer
         lock = threading.RLock()
@@ -142,25 +135,26 @@ class TreeQuorum:
         # A restarted service continues the quorum ids: torchft keys each quorum's rendezvous
         # in the group stores by its id, and a reused id would meet the old quorum's addresses.
         prev = rule.Quorum(
-            quorum_id=quorum_id, members=tuple(rule.Member(replica_id=r) for r in last_quorum)
+            quorum_id=was.quorum_id,
+            members=tuple(rule.Member(replica_id=r) for r in was.last_quorum),
         )
         self._state = rule.QuorumState(
-            highest_step=highest_step,
-            reported=rule._frozen(dict(reported or {})),
-            quorum_id=quorum_id,
-            fenced=frozenset(fenced),
-            prev_quorum=prev if last_quorum else None,
+            highest_step=was.highest_step,
+            reported=rule._frozen(dict(was.reported)),
+            quorum_id=was.quorum_id,
+            fenced=frozenset(was.fenced),
+            prev_quorum=prev if was.last_quorum else None,
         )
-        for replica, incarnation in (incarnations or {}).items():
+        for replica, incarnation in was.incarnations.items():
             self._state, _ = rule.admit(self._state, replica, incarnation)
         # Durable state (class doc): every id issued is below the lease the file holds.
-        self._lease = quorum_id_lease
+        self._lease = was.quorum_id_lease
         self._on_lease = on_lease
         self._on_change = on_change
         self._lease_failing = False
         # After a resume: members whose saved step is only a lower bound, and until when one
         # that shows no sign of life still holds the quorum up.
-        self._unheard = set(self._state.reported) if resumed else set()
+        self._unheard = set(self._state.reported) if was.resumed else set()
         self._unheard_until = time.monotonic() + join_timeout_s
         self._veto_wake: float | None = None  # when the ticker must look at them again
         # Issued quorums, newest last, with a sequence number so a waiter sees each one once,

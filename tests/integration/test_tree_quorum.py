@@ -26,6 +26,7 @@ import pytest
 from trainer_procs import commits, start_trainer
 
 from harness.config import CheckpointConfig, JobConfig, TimeoutConfig, config_to_dict
+from harness.quorum.durable import Continuation
 from harness.quorum.tree import TreeQuorum
 from runtime.journal import read_journal
 
@@ -238,7 +239,9 @@ def test_a_restarted_service_keeps_what_the_job_admitted() -> None:
     secret, incarnations = tq.secret, tq.incarnations
     tq.shutdown()
     tq = TreeQuorum(
-        min_replicas=1, heartbeat_timeout_s=60.0, secret=secret, incarnations=incarnations
+        min_replicas=1,
+        heartbeat_timeout_s=60.0,
+        continues=Continuation(secret=secret, incarnations=incarnations),
     )
     try:
         out = _ask_all(tq.address, [current], 5.0, step=4, world_size=1)
