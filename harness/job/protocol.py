@@ -164,9 +164,7 @@ class Job:
         self.how = job_start(plan)  # fresh, or a takeover (harness.job.start)
         self.plan = plan
         self.survivable = survivable or plan is not None
-        self._adopting = self.how.adopting()
         self._group_seq = 0  # numbers this controller's group.start records
-        self._next_incarnation: dict[int, int] = {}  # a group a takeover could not adopt
 
     @property
     def controller(self) -> Controller:
@@ -336,12 +334,8 @@ class Job:
         Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
         host to become ready) hold up only these groups. After a takeover, a group that still
         runs is adopted instead, the first time (``harness.job.takeover.adopt``)."""
-        if len(replicas) == 1 and replicas[0] in self._adopting:
-            plan = self._adopting.pop(replicas[0])
-            adopted = self.groups_kind.adopt(self, plan)
-            if adopted is not None:
-                return adopted
-            self._next_incarnation[plan.replica] = takeover.next_incarnation(self, plan)
+        if len(replicas) == 1 and (adopted := self.how.adopt(self, replicas[0])) is not None:
+            return adopted
 
         cold = self.policy == "full_restart" and self._started
         if cold:
@@ -360,7 +354,7 @@ class Job:
             incarnation = {
                 r: self.groups[r].incarnation + 1
                 if r in self.groups
-                else self._next_incarnation.get(r, 0)
+                else self.how.first_incarnation(r)
                 for r in replicas
             }
         # A fresh store per incarnation (keys from a dead incarnation must not leak into it),

@@ -13,12 +13,16 @@ which it holds.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.job import takeover
 from harness.job.preflight import check_network
 from harness.job.takeover import GroupPlan, Plan, TakenOver
 from runtime.journal import JOB_START, Record
+
+if TYPE_CHECKING:
+    from harness.job.groups import Groups
+    from runtime.mesh import ActorMesh, ProcMesh
 
 
 class Starting(TakenOver, Protocol):
@@ -26,6 +30,9 @@ class Starting(TakenOver, Protocol):
 
     replicas: int
     cfg_dict: dict[str, Any]  # the config as the journal and every rank get it
+
+    @property
+    def groups_kind(self) -> Groups: ...
 
 
 class JobStart(Protocol):
@@ -41,8 +48,14 @@ class JobStart(Protocol):
         """Whether the quorum service continues from its durable state."""
         ...
 
-    def adopting(self) -> dict[int, GroupPlan]:
-        """The groups to adopt as they start, by replica: the dead controller's running ones."""
+    def adopt(self, job: Starting, replica: int) -> ActorMesh | ProcMesh | None:
+        """The first start of ``replica``: the dead controller's group still running, adopted
+        (``job.groups_kind.adopt``), or None: start it (another time, or it could not be)."""
+        ...
+
+    def first_incarnation(self, replica: int) -> int:
+        """The incarnation a group this controller starts first is: 0, or past a group of the
+        dead controller's that could not be adopted."""
         ...
 
     def before(self, job: Starting) -> None:
@@ -65,8 +78,11 @@ class FreshStart:
     def __init__(self) -> None:
         self.history: list[Record] = []
 
-    def adopting(self) -> dict[int, GroupPlan]:
-        return {}
+    def adopt(self, job: Starting, replica: int) -> ActorMesh | ProcMesh | None:
+        return None
+
+    def first_incarnation(self, replica: int) -> int:
+        return 0
 
     def before(self, job: Starting) -> None:
         return None
@@ -89,9 +105,20 @@ class TakeoverStart:
         self.plan: Plan | None = plan
         self._plan = plan
         self.history = plan.records
+        self._adopting: dict[int, GroupPlan] = dict(plan.groups)  # not yet started again
+        self._incarnations: dict[int, int] = {}  # of a group that could not be adopted
 
-    def adopting(self) -> dict[int, GroupPlan]:
-        return dict(self._plan.groups)
+    def adopt(self, job: Starting, replica: int) -> ActorMesh | ProcMesh | None:
+        plan = self._adopting.pop(replica, None)
+        if plan is None:
+            return None
+        adopted = job.groups_kind.adopt(job, plan)
+        if adopted is None:
+            self._incarnations[replica] = takeover.next_incarnation(job, plan)
+        return adopted
+
+    def first_incarnation(self, replica: int) -> int:
+        return self._incarnations.get(replica, 0)
 
     def before(self, job: Starting) -> None:
         job.tracker.resume(self._plan.records)
