@@ -12,13 +12,11 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 from faults.data import MAX_STEPS_AHEAD
@@ -34,8 +32,6 @@ from harness.rank.token_data import make_stream
 from runtime.controller import Controller
 from runtime.journal import STEP_COMMIT, Journal, Record
 from runtime.mesh import ActorMesh, ProcMesh
-
-_ROOT = str(Path(__file__).resolve().parents[2])  # the project (for a helper process's imports)
 
 #: The fewest steps ahead ``poison_data`` aims when it aims by time.
 MIN_STEPS_AHEAD = 3
@@ -212,7 +208,7 @@ class JobFaultContext:
         the run over; the journal fsync'd first (the ``fault.inject`` before it is durable), then
         the node killed by a process outside it (one inside would freeze itself with the node:
         ``fail_node`` freezes every process of it first). Returns only if that failed."""
-        from runtime.launchers.slurm_testcluster import node_namespace
+        from runtime.launchers.slurm_testcluster import fail_from_outside
 
         why = self.takeover
         if why is None and not self._standby_elsewhere():
@@ -222,21 +218,13 @@ class JobFaultContext:
             )
         if why is not None:
             raise ValueError(f"the loss of the controller's node {host} would end this job: {why}")
-        argv = _outside(node_namespace(host), host)  # SlurmError: not a bin/test-cluster node
         self._job.journal.sync()
         print(
             f"[ftharness] controller_node_failure: failing this node, {host} (pid {os.getpid()})",
             file=sys.stderr,
             flush=True,
         )
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
-        helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        try:  # the node (this process with it) is frozen and killed well before this returns
-            code = helper.wait(timeout=OWN_NODE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            raise ValueError(f"node {host} was not failed within {OWN_NODE_WAIT_S:g} s") from None
-        raise ValueError(f"node {host} was not failed: its killer exited with status {code}")
+        fail_from_outside(host)  # frozen and killed with the node; SlurmError if it was not
 
     def _standby_elsewhere(self) -> bool:
         """Whether this run's keeper serves beats to a standby on another node, waiting up to
@@ -328,35 +316,8 @@ class JobFaultContext:
         return [r for r in range(self.replicas) if r not in busy]
 
 
-#: How long the controller waits for its own node to be failed before it calls the fault failed.
-OWN_NODE_WAIT_S = 10.0
 #: How long the fault waits for the keeper's standby on another node to be connected.
 STANDBY_WAIT_S = 60.0
-#: The killer of the controller's own node: mounts the cgroup v1 freezer (a node's mount
-#: namespace has none: ``ip netns exec`` remounts /sys) and runs ``fail_node`` ($0 -c $1 $2).
-_KILLER = (
-    "mount -t tmpfs none /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/freezer && "
-    "mount -t cgroup -o freezer none /sys/fs/cgroup/freezer || true; "
-    'exec "$0" -c "$1" "$2"'
-)
-_FAIL_NODE = (
-    "import sys; from runtime.launchers.slurm_testcluster import fail_node; fail_node(sys.argv[1])"
-)
-
-
-def _outside(own_ns: str, host: str) -> list[str]:
-    """The command that fails ``host`` (network namespace ``own_ns``) from outside it: in
-    another node's network namespace (it reaches slurmctld, for ``scontrol``; the machine's own
-    is out of a node's reach), in a mount namespace of its own (:data:`_KILLER`)."""
-    from runtime.launchers.slurm_testcluster import namespaces
-
-    others = [ns for ns in namespaces() if ns != own_ns]
-    if not others:
-        raise ValueError(f"no network namespace but node {host}'s to fail it from")
-    return [
-        "nsenter", f"--net=/run/netns/{others[0]}", "--", "unshare", "--mount", "--",
-        "sh", "-c", _KILLER, sys.executable, _FAIL_NODE, host,
-    ]  # fmt: skip
 
 
 def _kill_self() -> None:

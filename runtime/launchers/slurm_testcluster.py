@@ -1,16 +1,33 @@
 """The nodes of the SLURM test cluster (``bin/test-cluster``): network namespaces on this machine,
-and the node failure the ``node_failure`` fault and the tests cause there."""
+and the node failure the ``node_failure`` fault and the tests cause there, of another node
+(:func:`fail_node`) or of the node the caller runs on (:func:`fail_from_outside`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from runtime.launchers.slurm import SlurmError, _run, node_address
+
+#: How long a node failed from outside may take before the caller is told it was not.
+OUTSIDE_WAIT_S = 10.0
+_ROOT = str(Path(__file__).resolve().parents[2])  # the project (for the helper's imports)
+#: The killer run outside the node: mounts the cgroup v1 freezer (a node's mount namespace has
+#: none: ``ip netns exec`` remounts /sys) and runs :data:`_FAIL_NODE` ($0 -c $1 $2).
+_KILLER = (
+    "mount -t tmpfs none /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/freezer && "
+    "mount -t cgroup -o freezer none /sys/fs/cgroup/freezer || true; "
+    'exec "$0" -c "$1" "$2"'
+)
+_FAIL_NODE = (
+    "import sys; from runtime.launchers.slurm_testcluster import fail_node; fail_node(sys.argv[1])"
+)
 
 
 def namespaces() -> list[str]:
@@ -103,3 +120,29 @@ def _frozen(node: str) -> Iterator[Callable[[list[int]], None]]:
             time.sleep(0.02)
         with contextlib.suppress(OSError):
             group.rmdir()
+
+
+def fail_from_outside(node: str) -> None:
+    """Fail ``node`` when the caller runs on it: by a process outside it (one inside would
+    freeze itself with the node: :func:`fail_node` freezes every process of it first), in
+    another node's network namespace (it reaches slurmctld, for ``scontrol``; the machine's own
+    is out of a node's reach) and a mount namespace of its own (:data:`_KILLER`). The caller is
+    frozen and killed with the node well before this returns; it returns only by raising
+    SlurmError (not a test-cluster node, no other node to act from, the killer failed or took
+    more than :data:`OUTSIDE_WAIT_S`)."""
+    own = node_namespace(node)
+    others = [ns for ns in namespaces() if ns != own]
+    if not others:
+        raise SlurmError(f"no network namespace but node {node}'s to fail it from")
+    argv = [
+        "nsenter", f"--net=/run/netns/{others[0]}", "--", "unshare", "--mount", "--",
+        "sh", "-c", _KILLER, sys.executable, _FAIL_NODE, node,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    try:
+        code = helper.wait(timeout=OUTSIDE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"node {node} was not failed within {OUTSIDE_WAIT_S:g} s") from None
+    raise SlurmError(f"node {node} was not failed: its killer exited with status {code}")
