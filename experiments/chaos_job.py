@@ -7,11 +7,12 @@ writes the job, and what the controller needs of the experiment, to ``RUN/job.js
 under a :class:`harness.job.keeper.Keeper` in its own process, which hands the run to a new
 controller each time one dies (docs/controller.md).
 
-In the controller, :class:`ChaosHook` starts the fault injector once training is under way, as
-the in-process runner does; a controller that takes over resumes it from the journal (the plan
-is there, as ``fault.plan``: no fault fired twice, held faults healed at their time), and its
-run lasts what the first controller's duration left. The runner then reads the outcome from the
-journal's ``job.end``; processes the keeper had to stop at the end count as orphans.
+In the controller, :class:`ChaosHook` starts the fault injector once training is under way with
+:func:`start_faults`, as the in-process runner does; a controller that takes over resumes it
+from the journal (the plan is there, as ``fault.plan``: no fault fired twice, held faults healed
+at their time), and its run lasts what the first controller's duration left. The runner then
+reads the outcome from the journal's ``job.end``; processes the keeper had to stop at the end
+count as orphans.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from experiments.spec import ExperimentSpec, Run, load_experiment
 from harness.job.recovery import completed
-from runtime.journal import FAULT_INJECT, JOB_END, JOB_START, Record, read_journal
+from runtime.journal import JOB_END, JOB_START, Record, read_journal
 
 
 def run_under_keeper(
@@ -55,10 +56,8 @@ def run_under_keeper(
     rc = keeper.run()
     if rc == 130:  # Ctrl-C: the controller stopped the job; the experiment stops too
         raise KeyboardInterrupt
-    records = read_journal(run_dir / "journal.jsonl")
-    outcome = outcome_of(records, rc)
+    outcome = outcome_of(read_journal(run_dir / "journal.jsonl"), rc)
     outcome["left_behind"] = keeper.left_behind
-    outcome["faults_fired"] = sum(1 for r in records if r.get("event") == FAULT_INJECT)
     return outcome
 
 
@@ -108,26 +107,35 @@ class ChaosHook:
         return max(0.1, self.duration_s - (time.time() - t0))
 
     def on_started(self, job: Any) -> Callable[[], None]:
-        """Start the injector (``run_job``'s ``on_started``); a controller that takes over
-        (``job.plan``) resumes its predecessor's. Returns what stops it."""
-        from faults.injector import plan_record
-        from faults.targets import Topology
-
+        """:func:`start_faults` (``run_job``'s ``on_started``); a controller that takes over
+        (``job.plan``) resumes its predecessor's plan."""
         records = job.plan.records if job.plan is not None else None
-        found = plan_record(records) if records is not None else None
-        spec = self.spec
-        plan = found[1] if found is not None else spec.plan(Topology.from_context(job.faults))
-        injector = spec.injector(plan, job.faults)
-        if found is not None and records is not None:
-            injector.resume(records)
-            job.progress.say(
-                f"{self.policy}: the fault plan resumed ({len(injector.fired)} of {len(plan)} "
-                "faults fired before the takeover)"
-            )
-        else:
-            job.progress.say(
-                f"{self.policy}: {len(plan)} faults planned over {spec.duration_s} s "
-                f"(seed {spec.seed}), the controller run under a keeper"
-            )
-        injector.start_thread()
-        return injector.close
+        return start_faults(self.spec, self.policy, job, records, where="under a keeper")
+
+
+def start_faults(
+    spec: ExperimentSpec, policy: str, job: Any, records: list[Record] | None, *, where: str
+) -> Callable[[], None]:
+    """Start a faulted run's injector once its job trains, in the controller's process, whether
+    the runner's own (``experiments.runner``) or one under a keeper (:class:`ChaosHook`): the
+    plan drawn for the job's topology, or, from ``records`` (the journal a dead controller
+    left), resumed where it was (no fault fired twice). Returns what stops it."""
+    from faults.injector import plan_record
+    from faults.targets import Topology
+
+    found = plan_record(records) if records is not None else None
+    plan = found[1] if found is not None else spec.plan(Topology.from_context(job.faults))
+    injector = spec.injector(plan, job.faults)
+    if found is not None and records is not None:
+        injector.resume(records)
+        job.progress.say(
+            f"{policy}: the fault plan resumed ({len(injector.fired)} of {len(plan)} "
+            "faults fired before the takeover)"
+        )
+    else:
+        job.progress.say(
+            f"{policy}: {len(plan)} faults planned over {spec.duration_s} s "
+            f"(seed {spec.seed}), the controller {where}"
+        )
+    injector.start_thread()
+    return injector.close

@@ -18,6 +18,7 @@ import argparse
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from dashboards.html import write_dashboard
 from experiments import postrun
 from experiments.spec import CONTROL, ExperimentError, ExperimentSpec, Run, load_experiment
 from harness.job.rundir import LEFT_BEHIND_FILE, make_private_dir, read_json, run_dir_for
-from runtime.journal import Journal, read_journal
+from runtime.journal import FAULT_INJECT, JOB_END, JOB_START, Journal, Record, read_journal
 
 
 def job_config(spec: ExperimentSpec, policy: str) -> Any:
@@ -42,9 +43,6 @@ def run_policy(
     limit: Any = None,
     extra_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    from faults.targets import Topology
-    from harness.job.launch import attach_telemetry, run_job
-
     policy = run.policy
     cfg = job_config(spec, policy)
     # ``out`` was new or empty (choose_run_dir), so this run's folder is fresh: nothing to
@@ -60,29 +58,43 @@ def run_policy(
         cfg = dataclasses.replace(
             cfg, telemetry=dataclasses.replace(cfg.telemetry, prometheus_port=prometheus_port)
         )
-    if spec.kills_controller and policy != CONTROL:
-        return _run_under_keeper(spec, run, run_dir, cfg, quiet=quiet, extra=extra_overrides)
+    before = postrun.snapshot()
+    if spec.kills_controller and policy != CONTROL:  # its controller in a process of its own
+        from experiments.chaos_job import run_under_keeper
+
+        outcome = run_under_keeper(
+            spec, run, run_dir, cfg, quiet=quiet, extra_overrides=extra_overrides
+        )
+    else:
+        outcome = _run_here(spec, run, run_dir, cfg, journal, quiet=quiet, limit=limit)
+    records = _check_after(run_dir, before, policy, outcome.pop("left_behind", ()))
+    return {**outcome, "faults_fired": _fired(records)}
+
+
+def _fired(records: list[Record]) -> int:
+    return sum(1 for r in records if r.get("event") == FAULT_INJECT)
+
+
+def _run_here(
+    spec: ExperimentSpec, run: Run, run_dir: Path, cfg: Any, journal: Journal, *, quiet: bool,
+    limit: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`run_policy`'s job with its controller in this process."""
+    from experiments.chaos_job import start_faults
+    from harness.job.launch import attach_telemetry, run_job
+
     telemetry = attach_telemetry(cfg, journal, quiet=quiet)
-    injectors: list[Any] = []
 
     def on_started(job: Any) -> Any:
         if limit is not None:
             limit.on_started(job)
-        if policy == CONTROL:
+        if run.policy == CONTROL:
             job.progress.say(f"{run.folder}: no faults, {run.duration_s} s (goodput's baseline)")
             return None
-        plan = spec.plan(Topology.from_context(job.faults))
-        injector = spec.injector(plan, job.faults)
-        injectors.append(injector)
-        job.progress.say(
-            f"{policy}: {len(plan)} faults planned over {spec.duration_s} s (seed {spec.seed})"
-        )
-        injector.start_thread()
-        return injector.close
+        return start_faults(spec, run.policy, job, None, where="in this process")
 
-    before = postrun.snapshot()
     try:
-        outcome = run_job(
+        return run_job(
             cfg,
             run_dir,
             journal=journal,
@@ -95,36 +107,27 @@ def run_policy(
         if telemetry is not None:
             telemetry.shutdown()
         journal.close()
-    # After the job stopped: the orphan and /dev/shm checks (no_orphans, no_shm_left).
-    checked = postrun.check(
-        before,
-        read_journal(run_dir / "journal.jsonl"),
-        policy=policy,
-        run_end=time.time(),
-    )
-    postrun.write(run_dir, checked)
-    outcome["faults_fired"] = len(injectors[0].fired) if injectors else 0
-    return outcome
 
 
-def _run_under_keeper(
-    spec: ExperimentSpec, run: Run, run_dir: Path, cfg: Any, *, quiet: bool, extra: tuple[str, ...]
-) -> dict[str, Any]:
-    """:func:`run_policy` for a run whose controller may be killed (experiments.chaos_job);
-    a process the keeper had to stop at the end is an orphan in ``postrun.json``."""
-    from experiments.chaos_job import run_under_keeper
-
-    before = postrun.snapshot()
-    outcome = run_under_keeper(spec, run, run_dir, cfg, quiet=quiet, extra_overrides=extra)
-    checked = postrun.check(
-        before, read_journal(run_dir / "journal.jsonl"), policy=run.policy, run_end=time.time()
-    )
+def _check_after(
+    run_dir: Path,
+    before: postrun.Before,
+    policy: str,
+    left_behind: Iterable[dict[str, Any]] = (),
+    stopped_by: str = "the keeper",
+    run_end: float | None = None,
+) -> list[Record]:
+    """After a run's job stopped: the orphan and /dev/shm checks (``no_orphans``,
+    ``no_shm_left``) into ``postrun.json``; a process a keeper had to stop at the end
+    (``left_behind``) is an orphan too. Returns the run's journal."""
+    records = read_journal(run_dir / "journal.jsonl")
+    end = time.time() if run_end is None else run_end
+    checked = postrun.check(before, records, policy=policy, run_end=end)
     checked["orphans"] += [
-        {**left, "source": "stopped by the keeper when the run ended"}
-        for left in outcome["left_behind"]
+        {**left, "source": f"stopped by {stopped_by} when the run ended"} for left in left_behind
     ]
     postrun.write(run_dir, checked)
-    return outcome
+    return records
 
 
 def _resumable(out: str | None) -> Path | None:
@@ -146,24 +149,19 @@ def _ended(run_dir: Path, policy: str) -> dict[str, Any]:
     no post-run check yet: it is done now, by the journal's processes alone (no snapshot of what
     ran before it exists)."""
     from experiments.chaos_job import outcome_of
-    from runtime.journal import FAULT_INJECT, JOB_END, JOB_START
 
     records = read_journal(run_dir / "journal.jsonl")
-    outcome = outcome_of(records, 0)
-    outcome["faults_fired"] = sum(1 for r in records if r.get("event") == FAULT_INJECT)
+    outcome = {**outcome_of(records, 0), "faults_fired": _fired(records)}
     if not (run_dir / postrun.POSTRUN_FILE).exists():
         starts = [r["t"] for r in records if r.get("event") == JOB_START]
         ends = [r["t"] for r in records if r.get("event") == JOB_END]
         before = postrun.Before(
             t=starts[0] if starts else time.time(), descendants=frozenset(), shm=frozenset()
         )
-        run_end = ends[-1] if ends else time.time()
-        checked = postrun.check(before, records, policy=policy, run_end=run_end)
-        checked["orphans"] += [
-            {**left, "source": "stopped by the standby's keeper when the run ended"}
-            for left in (read_json(run_dir / LEFT_BEHIND_FILE) or {}).get("left_behind", [])
-        ]
-        postrun.write(run_dir, checked)
+        left = (read_json(run_dir / LEFT_BEHIND_FILE) or {}).get("left_behind", [])
+        _check_after(
+            run_dir, before, policy, left, "the standby's keeper", ends[-1] if ends else None
+        )
     return outcome
 
 
@@ -189,10 +187,11 @@ def main(args: argparse.Namespace) -> int:
     from harness.job.progress import say
     from harness.job.slurm import TimeLimit, check_allocation
 
+    first = spec.job_config(spec.policies[0])  # the checks below hold for every run's config
     try:
-        problem = check_allocation(job_config(spec, spec.policies[0]))
+        problem = check_allocation(first)
         # the corpus prepared (first use) and checked before the first run, not during it
-        resolve_data(job_config(spec, spec.policies[0]), None if args.quiet else say)
+        resolve_data(first, None if args.quiet else say)
     except ConfigError as exc:
         problem = str(exc)
     if problem is not None:
@@ -205,10 +204,10 @@ def main(args: argparse.Namespace) -> int:
     if out is None:
         return 2
     # SLURM's time-limit signal: checkpoint, stop, skip the remaining policies, write the report
-    limit = TimeLimit() if job_config(spec, spec.policies[0]).launcher == "slurm" else None
+    limit = TimeLimit() if first.launcher == "slurm" else None
     if spec.source is not None and not (out / "experiment.toml").exists():
         shutil.copyfile(spec.source, out / "experiment.toml")  # `ftharness report` reads it
-    outcomes = {}
+    outcomes: dict[str, dict[str, Any]] = {}
     for run in spec.runs():
         if getattr(args, "resume", False) and (out / run.folder / "journal.jsonl").exists():
             outcomes[run.folder] = _ended(out / run.folder, run.policy)
