@@ -190,7 +190,7 @@ class JobFaultContext:
 
     def controller_host(self) -> str:
         """The node (host) this process, the job's controller, runs on."""
-        from harness.job.rundir import this_host
+        from harness.rundir import this_host
 
         return this_host()
 
@@ -224,13 +224,13 @@ class JobFaultContext:
             file=sys.stderr,
             flush=True,
         )
-        fail_from_outside(host)  # frozen and killed with the node; SlurmError if it was not
+        fail_from_outside(host)  # frozen and killed with the node; raises if it was not
 
     def _standby_elsewhere(self) -> bool:
         """Whether this run's keeper serves beats to a standby on another node, waiting up to
         :data:`STANDBY_WAIT_S` for the standby to connect (its job step starts with the run: a
         fault early in the run would otherwise kill the node before anyone watches it)."""
-        from harness.job.rundir import KEEPER_FILE, read_json
+        from harness.rundir import KEEPER_FILE, read_json
 
         path = self._job.journal.path
         if path is None:
@@ -252,8 +252,8 @@ class JobFaultContext:
     @property
     def takeover(self) -> str | None:
         """Why a new controller could not take this job over (None: it could)."""
-        from harness.job.keeper import KEEPER_ENV
         from harness.job.takeover import supported
+        from harness.keeper.keeper import KEEPER_ENV
 
         why = supported(self._job.cfg)
         if why is None and not (self._job.survivable and KEEPER_ENV in os.environ):

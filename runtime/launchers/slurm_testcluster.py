@@ -127,13 +127,13 @@ def fail_from_outside(node: str) -> None:
     freeze itself with the node: :func:`fail_node` freezes every process of it first), in
     another node's network namespace (it reaches slurmctld, for ``scontrol``; the machine's own
     is out of a node's reach) and a mount namespace of its own (:data:`_KILLER`). The caller is
-    frozen and killed with the node well before this returns; it returns only by raising
-    SlurmError (not a test-cluster node, no other node to act from, the killer failed or took
-    more than :data:`OUTSIDE_WAIT_S`)."""
+    frozen and killed with the node well before this returns; it returns only by raising:
+    SlurmError where the node is not a test-cluster node, ValueError where there is no other
+    node to act from or the killer failed or took more than :data:`OUTSIDE_WAIT_S`."""
     own = node_namespace(node)
     others = [ns for ns in namespaces() if ns != own]
     if not others:
-        raise SlurmError(f"no network namespace but node {node}'s to fail it from")
+        raise ValueError(f"no network namespace but node {node}'s to fail it from")
     argv = [
         "nsenter", f"--net=/run/netns/{others[0]}", "--", "unshare", "--mount", "--",
         "sh", "-c", _KILLER, sys.executable, _FAIL_NODE, node,
@@ -144,5 +144,5 @@ def fail_from_outside(node: str) -> None:
     try:
         code = helper.wait(timeout=OUTSIDE_WAIT_S)
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"node {node} was not failed within {OUTSIDE_WAIT_S:g} s") from None
-    raise SlurmError(f"node {node} was not failed: its killer exited with status {code}")
+        raise ValueError(f"node {node} was not failed within {OUTSIDE_WAIT_S:g} s") from None
+    raise ValueError(f"node {node} was not failed: its killer exited with status {code}")
