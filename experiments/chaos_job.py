@@ -4,7 +4,7 @@
 controller (``ExperimentSpec.kills_controller``). Then it does what ``ftharness run`` does: it
 writes the job, and what the controller needs of the experiment, to ``RUN/job.json``
 (:func:`run_under_keeper`), and keeps the controller (``harness.job.controller_proc``) running
-under a :class:`harness.job.keeper.Keeper` in its own process, which hands the run to a new
+under a :class:`harness.keeper.keeper.Keeper` in its own process, which hands the run to a new
 controller each time one dies (docs/controller.md).
 
 In the controller, :class:`ChaosHook` starts the fault injector once training is under way with
@@ -39,8 +39,8 @@ def run_under_keeper(
     """Run ``run`` of ``spec`` (``cfg``, its job config) in ``run_dir`` with its controller in a
     process of its own under a keeper; returns the runner's outcome dict, with ``left_behind``
     (what the keeper had to stop)."""
-    from harness.job.keeper import Keeper
-    from harness.job.rundir import write_job_file
+    from harness.keeper.keeper import Keeper
+    from harness.rundir import write_job_file
 
     if spec.source is None:
         raise ValueError("an experiment that kills its controller must come from a file")

@@ -14,7 +14,8 @@ PAGE = Path("reference/modules.md")
 #: Each package in the order the page lists them, with the process that runs its code
 #: (docs/architecture.md explains the processes).
 PACKAGES = {
-    "harness/job": "the controller's process (the keeper's or the CLI's where a module says so)",
+    "harness/job": "the controller's process (the CLI's where a module says so)",
+    "harness/keeper": "a keeper's process (it outlives the run's controllers)",
     "harness/quorum": "the controller (or a worker, for torchft's Lighthouse)",
     "harness/rank": "a worker process",
     "harness/corpus": "the command line (`ftharness data`) and a worker reading the corpus",

@@ -25,7 +25,7 @@ from typing import Any
 from dashboards.html import write_dashboard
 from experiments import postrun
 from experiments.spec import CONTROL, ExperimentError, ExperimentSpec, Run, load_experiment
-from harness.job.rundir import LEFT_BEHIND_FILE, make_private_dir, read_json, run_dir_for
+from harness.rundir import LEFT_BEHIND_FILE, make_private_dir, read_json, run_dir_for
 from runtime.journal import FAULT_INJECT, JOB_END, JOB_START, Journal, Record, read_journal
 
 

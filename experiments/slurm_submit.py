@@ -156,7 +156,7 @@ def _name_of(data: dict[str, Any], source: Path, experiment: bool) -> str:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from harness.job.rundir import run_dir_for
+    from harness.rundir import run_dir_for
 
     source = Path(args.config)
     if not source.exists():

@@ -1,7 +1,7 @@
 """The controller itself dies, or wedges: ``controller_crash``.
 
 The job's root is a process too (``harness.job.controller_proc``), run under a keeper that hands
-the run to a new controller when it dies (``harness.job.keeper``, ``harness.job.takeover``,
+the run to a new controller when it dies (``harness.keeper.keeper``, ``harness.job.takeover``,
 docs/controller.md). This fault SIGKILLs it (``how = "kill"``), with no warning and nothing
 flushed beyond what the journal already holds, or wedges it (``how = "wedge"``: a thread takes
 the control plane's lock and never gives it back, a deadlock the process does not notice; its

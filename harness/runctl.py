@@ -2,7 +2,7 @@
 and ``ftharness run --detach``'s start of that keeper (:func:`start_detached`).
 
 A run started by ``ftharness run`` (in the foreground or with ``--detach``) is found through its
-directory (docs/controller.md): ``keeper.json`` names the keeper (``harness.job.keeper``),
+directory (docs/controller.md): ``keeper.json`` names the keeper (``harness.keeper.keeper``),
 ``controller.json`` the controller serving now, ``console.log`` a detached run's output, and the
 journal what runs where and how far it got. RUN is a run directory or a run's name under
 ``runs/``.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.job.rundir import (
+from harness.rundir import (
     CONSOLE_FILE,
     KEEPER_FILE,
     find_job_end,
@@ -39,7 +39,7 @@ from runtime.journal import Record
 def _open_run(command: str, name: str) -> tuple[Path, dict[str, Any]] | int:
     """The run directory ``name`` and its keeper.json, if the run is ours and running; else the
     reason on stderr and status 2 (bad input: nothing was changed)."""
-    from harness.job.rundir import RunDirError, find_run, read_json
+    from harness.rundir import RunDirError, find_run, read_json
 
     try:
         run_dir = find_run(name)
@@ -230,7 +230,7 @@ def status(args: argparse.Namespace) -> int:
     if isinstance(opened, int):
         return opened
     run_dir, info = opened
-    from harness.job.rundir import CONTROLLER_FILE
+    from harness.rundir import CONTROLLER_FILE
     from runtime.control_file import ControlFileError, read_control
     from runtime.journal import read_journal
 
@@ -319,7 +319,7 @@ def start_detached(run_dir: Path, *, wait_s: float = 30.0) -> int | None:
     console = os.open(run_dir / CONSOLE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.job.keeper", str(run_dir)],
+            [sys.executable, "-m", "harness.keeper.keeper", str(run_dir)],
             stdin=subprocess.DEVNULL,
             stdout=console,
             stderr=console,

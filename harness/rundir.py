@@ -108,11 +108,11 @@ def run_dir_for(command: str, out: str | os.PathLike[str] | None, name: str) -> 
 #: What the controller process needs to run the job: the config as resolved by ``ftharness run``
 #: (overrides applied) and the run options (harness.job.launch).
 JOB_FILE = "job.json"
-#: The keeper's pid, uid and start (harness.job.keeper): whom ``ftharness stop`` signals.
+#: The keeper's pid, uid and start (harness.keeper.keeper): whom ``ftharness stop`` signals.
 KEEPER_FILE = "keeper.json"
 #: The serving controller's address, epoch and pid (runtime.control_file).
 CONTROLLER_FILE = "controller.json"
-#: What a standby's keeper had to stop when the run ended (harness.job.standby_node).
+#: What a standby's keeper had to stop when the run ended (harness.keeper.standby_node).
 LEFT_BEHIND_FILE = "left_behind.json"
 #: A detached run's output (what the terminal shows for a run in the foreground).
 CONSOLE_FILE = "console.log"

@@ -181,7 +181,7 @@ class Journal:
         self._torn = False  # the file ends mid-line: end it before the next record
         if self.path is not None:
             # 0700 applies to the last folder only; the run directory above it is made private
-            # by whoever creates it (harness.job.rundir).
+            # by whoever creates it (harness.rundir).
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._torn = _ends_mid_line(self.path)

@@ -5,7 +5,7 @@ of 3 nodes submitted with ``ftharness slurm submit`` and ``slurm.controller_node
 (the first node runs the keeper and the controller only; two groups train on the other two, the
 keeper's standby waits on the last). Once it has committed 60 steps, the first node fails
 (``runtime.launchers.slurm_testcluster.fail_node``: its slurmd and every process on it killed);
-the standby takes the run over (``harness.job.standby_node``) and the run trains to its last
+the standby takes the run over (``harness.keeper.standby_node``) and the run trains to its last
 step. Figures per crash, and their median and max:
 
 * ``no_commit_s``: the longest time with no committed step across the node's death (from the

@@ -1,8 +1,8 @@
 """The controller in a process of its own: ``python -m harness.job.controller_proc RUN_DIR``.
 
 ``ftharness run`` no longer runs the job in its own process: it checks the config, writes it to
-``RUN/job.json`` (``harness.job.rundir.write_job_file``), and becomes (or detaches) a keeper
-(``harness.job.keeper``) that starts this module as its child. The controller can then die (a
+``RUN/job.json`` (``harness.rundir.write_job_file``), and becomes (or detaches) a keeper
+(``harness.keeper.keeper``) that starts this module as its child. The controller can then die (a
 bug, an OOM kill, a SIGKILL) without taking the run's record of what to run with it: the keeper
 starts this module again with ``--takeover``, which hands the run to
 ``harness.job.launch.take_over`` (docs/controller.md).
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import JobConfig
-from harness.job.keeper import BEAT_ENV, BEAT_INTERVAL_S, KEEPER_ENV
-from harness.job.rundir import job_file_or_say
+from harness.keeper.keeper import BEAT_ENV, BEAT_INTERVAL_S, KEEPER_ENV
+from harness.rundir import job_file_or_say
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,7 +102,7 @@ def beat_to_keeper() -> None:
     """Write a byte to the keeper's beat pipe (``FTHARNESS_KEEPER_BEAT_FD``) every
     ``BEAT_INTERVAL_S`` from a thread of its own, while every probe in ``_PROBES`` answers: a
     controller that stops beating (SIGSTOPped, its interpreter wedged, its control plane
-    deadlocked) is killed by the keeper and replaced (``harness.job.keeper``)."""
+    deadlocked) is killed by the keeper and replaced (``harness.keeper.keeper``)."""
     fd = os.environ.get(BEAT_ENV, "")
     if not fd.isdigit():
         return
@@ -126,7 +126,7 @@ def beat_to_keeper() -> None:
 
 
 def _stand_by() -> bool:
-    """A standby controller (``harness.job.keeper``): everything a takeover imports, imported
+    """A standby controller (``harness.keeper.keeper``): everything a takeover imports, imported
     now (torch, the job, the quorum service: about a second here), then wait for the keeper's
     word on stdin. True: take over now; False: the run ended (end of file). Ctrl-C is the
     serving controller's business until then."""
@@ -244,7 +244,7 @@ def _take_over(
 
 
 def _cannot_take_over(run_dir: Path, journal: Any, why: str) -> dict[str, Any]:
-    from harness.job.rundir import run_totals
+    from harness.rundir import run_totals
     from runtime.journal import JOB_END, read_journal
 
     totals = run_totals(read_journal(run_dir / "journal.jsonl"))

@@ -1,7 +1,7 @@
 """``ftharness run``: run a job config to completion on the supervision tree, with telemetry.
 
 :func:`main` checks the config and hands the run to a keeper, which runs :func:`run_job` in a
-controller process of its own (``harness.job.controller_proc``, ``harness.job.keeper``). The job
+controller process of its own (``harness.job.controller_proc``, ``harness.keeper.keeper``). The job
 itself (the tree per policy, placement, the recovery protocol) is ``harness.job.protocol``.
 """
 
@@ -58,7 +58,7 @@ def run_job(
     is called before the job stops. ``survivable``: the job outlives this controller (its
     agents and workers wait for a new one: ``harness.job.takeover``); ``plan``: this
     controller takes over the job a dead one ran (``harness.job.takeover.take_over``)."""
-    from harness.job.rundir import make_private_dir
+    from harness.rundir import make_private_dir
 
     run_dir = make_private_dir(run_dir)  # weights, logs, tracebacks: the user's alone
     make_private_dir(run_dir / "logs")
@@ -167,7 +167,7 @@ def take_over(
 def main(args: argparse.Namespace) -> int:
     """``ftharness run``: check the config (bad input is refused before anything starts), write
     it to ``RUN/job.json``, and keep the run's controller running in a process of its own
-    (harness.job.keeper, docs/controller.md): here, or with ``--detach`` in the background."""
+    (harness.keeper.keeper, docs/controller.md): here, or with ``--detach`` in the background."""
     overrides = list(args.overrides)
     if args.prometheus_port is not None:
         overrides.append(f"telemetry.prometheus_port={args.prometheus_port}")
@@ -185,9 +185,9 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"ftharness run: {problem}", file=sys.stderr)
         return 2
-    from harness.job.keeper import Keeper
-    from harness.job.runctl import start_detached
-    from harness.job.rundir import CONSOLE_FILE, run_dir_for, write_job_file
+    from harness.keeper.keeper import Keeper
+    from harness.runctl import start_detached
+    from harness.rundir import CONSOLE_FILE, run_dir_for, write_job_file
 
     run_dir = run_dir_for("run", args.out, cfg.name)
     if run_dir is None:

@@ -92,14 +92,14 @@ def decode(doc: Mapping[str, Any], where: str = STATE_FILE) -> ProgramState:
 
 def save(run_dir: Path, state: ProgramState) -> None:
     """Write ``RUN/program.json`` whole and durably (a reader sees the old file or the new)."""
-    from harness.job.rundir import write_json_atomic
+    from harness.rundir import write_json_atomic
 
     write_json_atomic(Path(run_dir) / STATE_FILE, state.to_json())
 
 
 def load(run_dir: Path) -> ProgramState:
     """``RUN/program.json``; TakeoverRefused if it is missing or damaged."""
-    from harness.job.rundir import read_json
+    from harness.rundir import read_json
 
     path = Path(run_dir) / STATE_FILE
     try:

@@ -1,7 +1,7 @@
 """A new controller takes over a running job: what it reads, what it refuses, what it adopts.
 
 The controller is a process that can die (``issues show 26``, ``docs/controller.md``). When it
-does, its keeper (``harness.job.keeper``) starts a new one with ``--takeover``, and the host
+does, its keeper (``harness.keeper.keeper``) starts a new one with ``--takeover``, and the host
 agents and workers keep training for ``recovery.controller_grace_s`` meanwhile (``runtime``).
 The new controller knows nothing it cannot read from the run directory or hear from the agents:
 
@@ -25,7 +25,7 @@ within the grace window is lost, as a host is. The takeover is a recovery in the
 once it serves, ``participating`` at the first commit after it.
 
 It supports the built-in trainer on the local and SLURM launchers with the tree quorum (under
-SLURM the new controller may run on another node: ``harness.job.standby_node``), and a
+SLURM the new controller may run on another node: ``harness.keeper.standby_node``), and a
 ``[program]`` job running torchft's Manager (``harness.job.program_takeover``; under SLURM its
 programs reach the quorum tap through their host agent's relay, ``runtime.relay``): any other
 job (another launcher or quorum service, torchtitan's program) is refused with the reason (the

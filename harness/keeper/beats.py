@@ -1,4 +1,4 @@
-"""The keeper's beats to a standby on another node (``harness.job.standby_node`` says why and
+"""The keeper's beats to a standby on another node (``harness.keeper.standby_node`` says why and
 what the standby does with them): a TCP port named in ``keeper.json``, a byte every
 ``BEAT_INTERVAL_S`` to each standby connected, ``E`` when the keeper ends on purpose; and the
 standby's job step, which the keeper starts.
@@ -71,7 +71,7 @@ class Remote:
             "srun", "--nodes=1", "--ntasks=1", "-w", self.node, "--kill-on-bad-exit=0",
             "--overlap", f"--job-name=ftharness-standby-{self.node}", f"--chdir={os.getcwd()}",
             "--input=none", *to_file(str(logs / f"standby-{self.node}.out")),
-            sys.executable, "-m", "harness.job.standby_node", str(self.run_dir),
+            sys.executable, "-m", "harness.keeper.standby_node", str(self.run_dir),
         ]  # fmt: skip
         with open(logs / f"srun-standby-{self.node}.log", "ab") as log:
             self._step = subprocess.Popen(

@@ -23,7 +23,7 @@ SIGKILL. Its agents and workers keep training for ``recovery.controller_grace_s`
   waits for it. SIGTERM (``ftharness stop``) and SIGUSR1 (SLURM's time-limit warning) are passed
   on to the controller; after a SIGTERM a controller that dies is not replaced.
 
-``ftharness attach | stop | status`` (``harness.job.runctl``) find the keeper through
+``ftharness attach | stop | status`` (``harness.runctl``) find the keeper through
 ``keeper.json``.
 
 A controller beats into a pipe the keeper gave it (``FTHARNESS_KEEPER_BEAT_FD``, every
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import JobConfig
-from harness.job.rundir import (
+from harness.rundir import (
     CONSOLE_FILE,
     KEEPER_FILE,
     end_failed,
@@ -160,7 +160,7 @@ class Keeper:
         # orphans: a run should not need it): pid, name, cmdline, create_time of each.
         self.left_behind: list[dict[str, Any]] = []
         # Beats to a standby on another node, which takes the run over if this node is lost
-        # (``harness.job.beats.Remote``, ``harness.job.standby_node``; SLURM only).
+        # (``harness.keeper.beats.Remote``, ``harness.keeper.standby_node``; SLURM only).
         self.remote = remote
         self._started_at = time.time()
         self._watched = False  # a standby on another node is connected to the beats
@@ -173,8 +173,8 @@ class Keeper:
     ) -> Keeper:
         """The keeper of ``cfg``'s run: its restart intensity and silence from the config, a
         standby controller when a new controller could take the job over."""
-        from harness.job.beats import for_job
         from harness.job.takeover import supported
+        from harness.keeper.beats import for_job
 
         r, standby = cfg.recovery, supported(cfg) is None
         return cls(
@@ -189,7 +189,7 @@ class Keeper:
 
     def run(self, takeover_first: bool = False) -> int:
         """Keep a controller running until the run ends; returns the run's exit status.
-        ``takeover_first``: the run's keeper elsewhere is lost (``harness.job.standby_node``)."""
+        ``takeover_first``: the run's keeper elsewhere is lost (``harness.keeper.standby_node``)."""
         from runtime.proctree import become_subreaper
 
         become_subreaper()
@@ -478,9 +478,9 @@ def wait_for_end(run_dir: Path, say: Any) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m harness.job.keeper RUN``: the detached keeper of a run ``ftharness run
+    """``python -m harness.keeper.keeper RUN``: the detached keeper of a run ``ftharness run
     --detach`` prepared (its restart intensity from ``RUN/job.json``)."""
-    job = job_from_argv("python -m harness.job.keeper", list(argv) if argv is not None else None)
+    job = job_from_argv("python -m harness.keeper.keeper", list(argv) if argv is not None else None)
     if job is None:
         return 2
     run_dir, cfg = job

@@ -1,6 +1,6 @@
 """A standby keeper on another node: a SLURM run whose controller's node is lost goes on.
 
-The keeper (``harness.job.keeper``) replaces a controller that dies, but it runs on the same
+The keeper (``harness.keeper.keeper``) replaces a controller that dies, but it runs on the same
 node: under SLURM, the allocation's first node, where the batch script runs. When that node
 is lost (power, kernel, hardware), the keeper goes with it. With ``--no-kill`` SLURM keeps the
 job and its steps on the other nodes running (measured on the test cluster: the batch host
@@ -9,19 +9,19 @@ something on another node takes the keeper's place. That is this module:
 
 * **Beats.** The keeper of a run that can move (:func:`for_job`: ``launcher = "slurm"``, a job a
   new controller can take over, another node in the allocation) serves beats on a TCP port
-  (``harness.job.beats.Remote``), named in ``keeper.json`` (``"beat": "HOST:PORT"``): a byte every
-  ``BEAT_INTERVAL_S`` to each standby connected, and ``E`` when the keeper ends on purpose
+  (``harness.keeper.beats.Remote``), named in ``keeper.json`` (``"beat": "HOST:PORT"``): a byte
+  every ``BEAT_INTERVAL_S`` to each standby connected, and ``E`` when the keeper ends on purpose
   (the run ended, or it gave up on a controller that kept dying).
 * **The standby** is a job step on another node (the allocation's last node other than the
   keeper's), started by the keeper: ``srun -w NODE --overlap ... python -m
-  harness.job.standby_node RUN``, its output in ``RUN/logs/standby-NODE.out``. It dials the
+  harness.keeper.standby_node RUN``, its output in ``RUN/logs/standby-NODE.out``. It dials the
   beats and reads them. When they stop (the connection ends without ``E``, or is silent for
   ``timeouts.controller_silence``) and the journal has no ``job.end``, it makes sure the
   controller is gone too: its address (``controller.json``) refuses a connection, or answers
   none within a second. A controller that still answers (the keeper alone was killed: the
   controller then stops the run itself) is given ``controller_silence`` more to end the run.
 * **Takeover.** Then the standby becomes the run's keeper here: it writes ``keeper.json``
-  naming itself (node, pid, beat port) and runs :class:`~harness.job.keeper.Keeper` with a
+  naming itself (node, pid, beat port) and runs :class:`~harness.keeper.keeper.Keeper` with a
   takeover as its first controller (``controller_proc RUN --takeover``: a new epoch; the
   agents re-dial it through ``controller.json``; each host agent's quorum relay follows it,
   ``runtime.relay``). Its keeper starts a standby of its own on another node in turn.
@@ -49,8 +49,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.job.beats import END, job_env
-from harness.job.rundir import (
+from harness.keeper.beats import END, job_env
+from harness.rundir import (
     JOB_FILE,
     KEEPER_FILE,
     LEFT_BEHIND_FILE,
@@ -61,7 +61,7 @@ from harness.job.rundir import (
 )
 
 if TYPE_CHECKING:
-    from harness.job.keeper import Keeper
+    from harness.keeper.keeper import Keeper
 
 #: How long the standby waits for a probe of the controller's address to answer.
 PROBE_S = 1.0
@@ -131,11 +131,11 @@ def watch(run_dir: Path, beat: tuple[str, int], key: bytes, silence_s: float, sa
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.job.standby_node RUN`` (a job step the keeper starts)."""
-    from harness.job.keeper import Keeper, _say
-    from harness.job.rundir import job_from_argv
+    """``python -m harness.keeper.standby_node RUN`` (a job step the keeper starts)."""
+    from harness.keeper.keeper import Keeper, _say
+    from harness.rundir import job_from_argv
 
-    job = job_from_argv("python -m harness.job.standby_node", argv)
+    job = job_from_argv("python -m harness.keeper.standby_node", argv)
     if job is None:
         return 2
     run_dir, cfg = job

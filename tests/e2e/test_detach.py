@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.job.runctl import keeper_alive
-from harness.job.rundir import find_job_end, read_json
+from harness.runctl import keeper_alive
+from harness.rundir import find_job_end, read_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

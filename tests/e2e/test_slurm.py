@@ -451,7 +451,7 @@ def test_the_controllers_node_lost_the_run_goes_on_from_another_node(cluster, tm
     and the controller, n2 and n3 a group each, and the keeper's standby waits on n3. n1 fails
     (its slurmd and every process of the node killed): the standby takes the run over on n3,
     the agents re-dial it and their quorum relays follow it; no group restarts, no committed
-    step is lost, and the run ends ok with its report (harness.job.standby_node)."""
+    step is lost, and the run ends ok with its report (harness.keeper.standby_node)."""
     from runtime.launchers.slurm_testcluster import fail_node
 
     config = _tiny_toml(tmp_path, "moved", name="moved", steps=400, replicas=2)

@@ -1,4 +1,4 @@
-"""The keeper (harness.job.keeper) as a real process, over a stand-in controller
+"""The keeper (harness.keeper.keeper) as a real process, over a stand-in controller
 (keeper_stand_in.py): a controller that dies is replaced with ``--takeover``, the run ends with
 the controller's status, past the restart intensity it ends 1 with nothing left running, SIGTERM
 is passed on and SIGINT is not the keeper's to act on."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.job.runctl import keeper_alive
-from harness.job.rundir import find_job_end, read_json
+from harness.runctl import keeper_alive
+from harness.rundir import find_job_end, read_json
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,7 +27,7 @@ STAND_IN = Path(__file__).with_name("keeper_stand_in.py")
 KEEPER = """
 import sys
 from pathlib import Path
-from harness.job import keeper as k
+from harness.keeper import keeper as k
 run_dir, max_restarts, stand_in = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 k.STANDBY_DELAY_S = 0.2
 keeper = k.Keeper(run_dir, max_restarts=max_restarts, within_s=600.0,

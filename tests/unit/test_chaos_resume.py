@@ -1,5 +1,5 @@
 """``ftharness chaos --resume``: an experiment whose ``ftharness chaos`` process died with its
-node (its run finished by a standby on another node, ``harness.job.standby_node``) is finished
+node (its run finished by a standby on another node, ``harness.keeper.standby_node``) is finished
 from its directory: runs that ended are kept, the rest run, then the experiment's report. And
 the standby's command for it."""
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.job.standby_node import _finish_command
+from harness.keeper.standby_node import _finish_command
 
 ROOT = Path(__file__).resolve().parents[2]
 

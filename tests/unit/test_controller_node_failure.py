@@ -209,7 +209,7 @@ def _job(tmp_path: Path, *, survivable: bool) -> Any:
 
 
 def test_the_controllers_own_node_is_failed_only_with_a_standby_elsewhere(tmp_path, monkeypatch):
-    from harness.job.keeper import KEEPER_ENV
+    from harness.keeper.keeper import KEEPER_ENV
 
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
     started: list[list[str]] = []

@@ -198,7 +198,7 @@ def test_out_holding_an_earlier_run_is_refused(tmp_path: Path, command: str) -> 
 def test_default_run_dir_moves_on_to_a_free_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from harness.job.rundir import choose_run_dir
+    from harness.rundir import choose_run_dir
 
     monkeypatch.chdir(tmp_path)
     first, note = choose_run_dir(None, "tiny")
@@ -218,7 +218,7 @@ def test_default_run_dir_moves_on_to_a_free_one(
 
 
 def test_a_private_dir_never_chmods_a_folder_that_holds_other_things(tmp_path: Path) -> None:
-    from harness.job.rundir import make_private_dir
+    from harness.rundir import make_private_dir
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)

@@ -1,4 +1,4 @@
-"""The keeper's beats to a standby on another node (``harness.job.beats``), on real sockets:
+"""The keeper's beats to a standby on another node (``harness.keeper.beats``), on real sockets:
 a connected standby gets a beat every interval and ``E`` when the keeper ends on purpose, the
 keeper's ``keeper.json`` says once a standby watches (a fault that fails the keeper's node
 waits for that: ``harness.job.fault_context``), and where the standby runs. Only a standby that
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.job import beats
-from harness.job.beats import BEAT, END, Remote, standby_node
-from harness.job.keeper import KEEPER_FILE, Keeper
+from harness.keeper import beats
+from harness.keeper.beats import BEAT, END, Remote, standby_node
+from harness.keeper.keeper import KEEPER_FILE, Keeper
 from runtime.channel import AuthError, client_handshake, new_secret
 
 

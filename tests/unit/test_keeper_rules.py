@@ -1,6 +1,6 @@
 """The keeper's rules, without processes: its restart intensity, how it reads the journal's end
 and a keeper's liveness, the run files it shares (job.json, keeper.json), and the run lookup of
-``ftharness attach | stop | status`` (harness.job.keeper, .runctl, .rundir)."""
+``ftharness attach | stop | status`` (harness.keeper.keeper, .runctl, .rundir)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import psutil
 import pytest
 
 from harness.config import load_config
-from harness.job.keeper import RestartIntensity, describe_exit
-from harness.job.runctl import _where, keeper_alive
-from harness.job.rundir import (
+from harness.keeper.keeper import RestartIntensity, describe_exit
+from harness.runctl import _where, keeper_alive
+from harness.rundir import (
     RunDirError,
     find_job_end,
     find_run,
@@ -134,7 +134,7 @@ def test_status_of_a_running_run_names_its_keeper_controller_and_groups(
 ) -> None:
     import argparse
 
-    from harness.job.runctl import status
+    from harness.runctl import status
     from runtime.control_file import write_control
 
     me = psutil.Process()
