@@ -32,11 +32,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.config import JobConfig
 from harness.keeper.keeper import BEAT_ENV, BEAT_INTERVAL_S, KEEPER_ENV
 from harness.rundir import job_file_or_say
+
+if TYPE_CHECKING:
+    from harness.job.protocol import Job
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,7 +176,7 @@ def _run(
             kwargs["duration_s"] = extra.duration_left(None)
     first = kwargs["on_started"]
 
-    def started(job: Any) -> Any:  # from now on, a deadlocked control plane stops the beat
+    def started(job: Job) -> Any:  # from now on, a deadlocked control plane stops the beat
         _PROBES.append(lambda: job.controller.stuck(BEAT_INTERVAL_S))
         return first(job) if first is not None else None
 

@@ -21,6 +21,7 @@ from harness.job.takeover import GroupPlan, TakenOver
 from harness.job.trainer_deaths import TrainerDeaths
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
+from runtime.failure import Failure
 from runtime.host_handle import HostAgentHandle
 from runtime.journal import CONTROLLER_TAKEOVER
 from runtime.mesh import ActorMesh, ProcMesh
@@ -62,7 +63,7 @@ class Groups(Protocol):
         (fenced with it), beyond the one the service admitted; () for none."""
         ...
 
-    def absorbs(self, failure: Any) -> bool:
+    def absorbs(self, failure: Failure) -> bool:
         """Whether ``failure`` is no fault to recover from (its group had finished): its
         supervisor then restarts nothing."""
         ...
@@ -167,7 +168,7 @@ class TrainerGroups:
     def member_ids(self, replica: int) -> tuple[str, ...]:
         return ()  # its trainers ask the quorum service under the id it admitted
 
-    def absorbs(self, failure: Any) -> bool:
+    def absorbs(self, failure: Failure) -> bool:
         return self.deaths.seen(failure)  # a crash loop: the job ends, nothing is restarted
 
     def quorum_upstream(self) -> str | None:

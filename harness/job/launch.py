@@ -45,7 +45,7 @@ def run_job(
     *,
     journal: Journal | None = None,
     quiet: bool = False,
-    on_started: Any = None,
+    on_started: Callable[[Job], Callable[[], None] | None] | None = None,
     timeout: float | None = None,
     duration_s: float | None = None,
     stop_event: threading.Event | None = None,

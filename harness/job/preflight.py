@@ -33,11 +33,39 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime.journal import PREFLIGHT
 from runtime.preflight import Outcome
 from runtime.preflight_matrix import Cell, run_matrix
+
+if TYPE_CHECKING:
+    from harness.config import JobConfig
+    from harness.job.hosts import HostPool
+    from harness.quorum.service import QuorumService
+    from runtime.controller import Controller
+    from runtime.journal import Journal
+
+
+class Checked(Protocol):
+    """What the preflight reads of the started job it checks (``harness.job.protocol.Job``)."""
+
+    cfg: JobConfig
+    journal: Journal
+
+    @property
+    def controller(self) -> Controller: ...
+
+    @property
+    def hosts(self) -> HostPool: ...
+
+    @property
+    def quorum(self) -> QuorumService: ...
+
+    def host_names(self) -> list[str]: ...
+
+    def say(self, text: str) -> None: ...
+
 
 #: What to look at, per outcome: printed under the table for the outcomes it holds.
 HINTS = {
@@ -75,7 +103,7 @@ def services(controller: Any, quorum_address: str) -> list[tuple[str, str, int]]
     return out
 
 
-def check_network(job: Any) -> None:
+def check_network(job: Checked) -> None:
     """Run the preflight for a started ``job`` (``harness.job.protocol.Job``: its hosts up, its
     quorum service serving) and journal it; :class:`PreflightFailed` if a path does not work."""
     cfg = job.cfg
@@ -113,7 +141,7 @@ def check_network(job: Any) -> None:
     job.hosts.arm_preflight(functools.partial(check_host, job), hosts)
 
 
-def check_host(job: Any, name: str, peers: Callable[[], Sequence[str]]) -> str | None:
+def check_host(job: Checked, name: str, peers: Callable[[], Sequence[str]]) -> str | None:
     """The round of ``name``, an agent that joined after the job's first round (module doc), with
     the live hosts ``peers()`` (already checked: asked as the round starts) of the started
     ``job``: journalled as ``preflight`` with ``host``, and said. None if every path from and to

@@ -7,8 +7,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
+from harness.config import JobConfig
 from harness.job.recovery import CONTROLLER_CRASH
 from runtime.journal import FAILURE, FAULT_INJECT, RECOVERY_PHASE, STEP_COMMIT, Record
 
@@ -18,8 +20,20 @@ def say(text: str) -> None:
     print(f"[ftharness] {text}", file=sys.stderr, flush=True)
 
 
+class Recoveries(Protocol):
+    """What the progress line counts of recoveries (``harness.job.recovery.RecoveryTracker``, or
+    ``ftharness attach``'s count from a journal)."""
+
+    completed: int
+
+    @property
+    def open_count(self) -> int: ...
+
+
 class Progress:
-    def __init__(self, cfg: Any, tracker: Any, *, quiet: bool = False, every_s: float = 1.0):
+    def __init__(
+        self, cfg: JobConfig, tracker: Recoveries, *, quiet: bool = False, every_s: float = 1.0
+    ):
         self.cfg = cfg
         self.tracker = tracker
         self.quiet = quiet
@@ -33,7 +47,7 @@ class Progress:
         self._steps_at_t0 = 0
         #: ``summary() -> "N aborted (last: ...)" | None``: aborted steps since the last commit
         #: (``harness.job.stall.StallWatch.summary``); None: not shown.
-        self.aborts: Any = None
+        self.aborts: Callable[[], str | None] | None = None  # a stall's summary (harness.job.stall)
 
     def say(self, text: str) -> None:
         if not self.quiet:
