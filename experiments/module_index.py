@@ -15,6 +15,7 @@ PAGE = Path("reference/modules.md")
 #: (docs/architecture.md explains the processes).
 PACKAGES = {
     "harness/job": "the controller's process (the CLI's where a module says so)",
+    "harness/job/program": "the controller's process (a program of the user's own)",
     "harness/keeper": "a keeper's process (it outlives the run's controllers)",
     "harness/quorum": "the controller (or a worker, for torchft's Lighthouse)",
     "harness/rank": "a worker process",

@@ -1,5 +1,5 @@
 """The ``[program]`` section of a job config: a training program of the user's own, run
-unmodified in place of the built-in trainer (``harness.job.programs`` runs it).
+unmodified in place of the built-in trainer (``harness.job.program.groups`` runs it).
 
     [program]
     kind = "torchft"                       # or "torchtitan"
@@ -35,7 +35,7 @@ TORCHFT_ENV = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
 )
-#: ... and as torchrun gives it (``harness.job.program_env.torchrun_env``): the group's store is
+#: ... and as torchrun gives it (``harness.job.program.env.torchrun_env``): the group's store is
 #: its host agent's, as torchrun's is its agent's.
 TORCHRUN_ENV = (
     "GROUP_RANK",
@@ -51,7 +51,7 @@ TORCHRUN_ENV = (
 )
 #: ``program.env`` may not set these.
 LAUNCHER_ENV = TORCHFT_ENV + TORCHRUN_ENV
-#: Where the group's store is (``harness.job.program_env.torchrun_env``): ftharness's alone.
+#: Where the group's store is (``harness.job.program.env.torchrun_env``): ftharness's alone.
 STORE_ENV = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 #: The flags ftharness adds to a torchtitan command (torchtitan does not read REPLICA_GROUP_ID).
 TORCHTITAN_FLAGS = (
@@ -106,7 +106,7 @@ class ProgramConfig:
 
     ``survivor_grace_s``: after another group dies, a group that asks for no quorum within this
     long (or three of its own usual gaps between requests, if longer) is blocked where nothing
-    from outside reaches it, and is restarted (``harness.job.program_progress.blocked_survivor``:
+    from outside reaches it, and is restarted (``harness.job.program.progress.blocked_survivor``:
     gloo loses the error of a send under way to the dead group, and the rank would wait out its
     process-group timeout, torchft's default 60 s). 2 s is 30 times what a healthy survivor
     takes here (0.05 s at p95, ``bench recovery``); 0 turns it off (a program whose own

@@ -583,7 +583,7 @@ class Agent:
                         os.kill(pid, signal.SIGKILL)
             silent = now - w.last_beat
             if w.hb is None:
-                continue  # a program: its liveness is its progress (harness.job.programs)
+                continue  # a program: its liveness is its progress (harness.job.program.groups)
             limit = self.hb_timeout if w.started else self.cfg.start_timeout_s
             if not w.hung_reported and w.kill_at is None and silent > limit:
                 w.hung_reported = True

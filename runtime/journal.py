@@ -129,7 +129,8 @@ DATA_QUARANTINE = "data.quarantine"  # two groups failed on a sequence: every gr
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")
 #: The phase that ends a recovery instead of ``participating``: every other group finished the
 #: job's last step while this one was still rejoining, so no peer was left to heal it from and
-#: the job ended (harness.job.programs). Not a failure to recover: there was nothing to rejoin.
+#: the job ended (harness.job.program.groups). Not a failure to recover: there was nothing to
+#: rejoin.
 OVERTAKEN = "overtaken"
 
 Record = dict[str, Any]

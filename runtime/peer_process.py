@@ -2,7 +2,7 @@
 
 The quorum tap (``harness.quorum.tap``) admits a request of a program's Manager only if the
 connection it came on belongs to the process the job started for that replica group
-(``harness.job.programs``): an address or a port proves nothing, since any local user can
+(``harness.job.program.groups``): an address or a port proves nothing, since any local user can
 connect from the same address and read every listening port. This module answers that
 question, and nothing else:
 
@@ -37,7 +37,7 @@ permission to read the root's ``fd`` directory (the same user, or root); it prov
 *process* holds the socket, not which code in it sent the request (a process the job started
 is trusted with everything that process can do). Pids of processes on another machine, or in
 another pid namespace, mean nothing here: the caller must know that the root is a process of
-this machine (``harness.job.programs`` proves that its host agent is, by the agent's own
+this machine (``harness.job.program.groups`` proves that its host agent is, by the agent's own
 control connection, with this same check).
 """
 

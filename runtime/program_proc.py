@@ -7,7 +7,7 @@ its per-rank log, in a session of its own (so a stop reaches its whole process g
 terminal's ^C does not), tied to the agent by PR_SET_PDEATHSIG. The agent reaps it like any
 worker (``waitpid`` on SIGCHLD), so its exit, a signal or a core dump reach the controller as
 the same ``Exited`` value. Its liveness is its training progress, watched by the controller
-(``harness.job.programs``), not here.
+(``harness.job.program.groups``), not here.
 """
 
 from __future__ import annotations

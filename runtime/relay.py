@@ -16,7 +16,7 @@ Who may use it: only the processes of the agent's own tree (its workers, its pro
 they start). The relay vouches for that, with :func:`from_this_tree` (the client's end of the
 connection held by one of them, read from ``/proc``: ``runtime.peer_process``); any other
 client's connection is closed before anything is forwarded. The quorum tap in front of a
-program's quorum service relies on it (``harness.job.program_admission``: a call relayed by a
+program's quorum service relies on it (``harness.job.program.admission``: a call relayed by a
 group's host agent is a call of one of the job's processes on that host).
 
 What a client sees is what it sees of a quorum port that is closed during a takeover: a failed

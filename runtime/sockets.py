@@ -38,7 +38,7 @@ ECONNRESET/EPIPE silently), so the rank's collective waits out the process group
 every gloo connection of it already closed: the survivor whose send to the dead group was under
 way, about one kill in 130 under CPU load. The other groups go on without it after the
 quorum's join timeout; only killing that rank ends its wait sooner, which the controller does
-for a program (``harness.job.program_progress.blocked_survivor``: a survivor that asks for no
+for a program (``harness.job.program.progress.blocked_survivor``: a survivor that asks for no
 quorum within 2 s of a death is restarted).
 """
 

@@ -29,9 +29,10 @@ the median time from the kill to it: where the replacement's time goes.
 A second row set runs the llama3 debug model (not with ``--quick``).
 
 More configurations run a program of the user's own instead of the built-in trainer
-(``tests/programs/train_ddp.py``, a plain torchft program; ``harness.job.programs``), under each
-quorum backend, started cold (a fresh interpreter: ``program/torchft``, ``program/tree``) and
-warm (``program.warm``: a fork of the agent's preloaded interpreter, ``program_warm/...``), and
+(``tests/programs/train_ddp.py``, a plain torchft program; ``harness.job.program.groups``),
+under each quorum backend, started cold (a fresh interpreter: ``program/torchft``,
+``program/tree``) and warm (``program.warm``: a fork of the agent's preloaded interpreter,
+``program_warm/...``), and
 the semi-synchronous ``train_diloco.py`` and ``train_localsgd.py`` (a sync every
 :data:`SYNC_EVERY` inner steps, warm: ``program_diloco/...``, ``program_localsgd/...``; their
 steps are inner steps), and a sharded one, ``train_hsdp.py`` (FSDP2 over each group's ranks,
@@ -40,10 +41,10 @@ its ``weights_match``: every group's rank r printed the same shard checksum at e
 program runs with torchft's default 60 s process-group timeout, and
 program rows kill ``--reps`` times, else 10 (even with ``--quick``: p95 needs them).
 Their figures come from what the quorum tap observed (commits one request late, see
-``harness.job.programs``), plus ``cold_start_to_first_commit_s``: from the program's first start to
-its group's first committed step, per group (same machine, same run). ``vs_builtin`` compares
-each program row's ``replacement_back_s`` to the cold row's cold start under the same backend
-(the same program from a cold start; goal: at most 1.5x) and its ``survivor_stall_s`` to the
+``harness.job.program.groups``), plus ``cold_start_to_first_commit_s``: from the program's first
+start to its group's first committed step, per group (same machine, same run). ``vs_builtin``
+compares each program row's ``replacement_back_s`` to the cold row's cold start under the same
+backend (the same program from a cold start; goal: at most 1.5x) and its ``survivor_stall_s`` to the
 built-in trainer's under the same backend (goal: within 1.2x).
 """
 
@@ -96,7 +97,7 @@ CONFIGS = {
         "recovery.quorum=tree",
     ],
 }
-#: A program of the user's own (harness.job.programs), run from a source checkout.
+#: A program of the user's own (harness.job.program.groups), run from a source checkout.
 PROGRAMS = Path(__file__).resolve().parents[2] / "tests" / "programs"
 PROGRAM = PROGRAMS / "train_ddp.py"
 #: The programs' trailing arguments: no extra time per step, and torchft's default 60 s

@@ -17,7 +17,7 @@ rank's log. This module tells the two apart from the deaths themselves:
   another, are a crash loop: the job ends with a diagnosis (the exception, its last frame, the
   log lines that show it, where it died, and a hint where the cause is known: :data:`HINTS`).
 
-Pure: ``harness.job.program_deaths`` feeds it the deaths and the injected faults.
+Pure: ``harness.job.program.deaths`` feeds it the deaths and the injected faults.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ each replica group's ranks forked on its host (warm spares adopted where there a
 ``TrainerActor`` built in each, and training started at once; after a takeover, a group still
 training adopted as it runs.
 
-A program of the user's own takes this module's place (``harness.job.programs``); both are a kind
-of replica group (:class:`Groups`), so the job never asks which it holds.
+A program of the user's own takes this module's place (``harness.job.program.groups``); both are
+a kind of replica group (:class:`Groups`), so the job never asks which it holds.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from runtime.mesh import ActorMesh, ProcMesh
 class Groups(Protocol):
     """A kind of replica group: what the job (``harness.job.protocol.Job``) calls, never asking
     which kind it holds. :class:`TrainerGroups` (the built-in trainer) and
-    ``harness.job.programs.ProgramGroups`` (a program of the user's own) are the two."""
+    ``harness.job.program.groups.ProgramGroups`` (a program of the user's own) are the two."""
 
     def start(self) -> None:
         """Once, before any group starts (a program's quorum tap, its watches)."""

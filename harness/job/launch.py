@@ -156,7 +156,7 @@ def take_over(
     secret = control_file.read_secret(run_dir / "secret")
     plan = takeover.read_run(run_dir, secret, info.epoch)
     if cfg.program.enabled:  # the programs' tap and stores, read (and checked) before anything
-        from harness.job import program_takeover
+        from harness.job.program import takeover as program_takeover
 
         program_takeover.load(run_dir)
     if duration_for is not None:

@@ -29,8 +29,8 @@ What happens after a group dies, step by step, and where:
 5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
    spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
    trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
-   user's own takes the trainers' place (``harness.job.programs``: started by the agents as plain
-   processes, its progress and liveness read from its quorum requests).
+   user's own takes the trainers' place (``harness.job.program.groups``: started by the agents as
+   plain processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``). Groups that skip
    quorums (``recovery.quorum_every_steps``) are asked for one (:meth:`Job.ask_for_quorum`).
@@ -155,7 +155,7 @@ class Job:
         self.progress.aborts = self.stall.summary
         self.faults = JobFaultContext(self)
         # the kind of replica group (harness.job.groups.Groups): the built-in trainer's, or a
-        # program of the user's own (harness.job.programs.ProgramGroups)
+        # program of the user's own (harness.job.program.groups.ProgramGroups)
         self._kind: Groups | None = None
         self.job_supervisor: Supervisor | None = None
         self.silent: SilentWatch | None = None
@@ -228,7 +228,7 @@ class Job:
                 self.controller, self.cfg_dict, self.run_dir, self.quorum, self._check_done,
                 data=data, deaths=deaths,
             )  # fmt: skip
-        from harness.job.programs import ProgramGroups
+        from harness.job.program.groups import ProgramGroups
 
         return ProgramGroups(self)
 

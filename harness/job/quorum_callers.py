@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from harness.job.program_admission import REFUSAL_MEMORY_S, _addresses, host_is_local
+from harness.job.program.admission import REFUSAL_MEMORY_S, _addresses, host_is_local
 from runtime import peer_process
 from runtime.relay import parse_address
 

@@ -12,7 +12,7 @@ One recovery per failed replica group (or per aborted step, or per quorum-servic
 within ``link_window_s``: a fault targeting that group, or the host the group failed on (a host
 fault takes down every group on that host, so it explains each of their recoveries), or, for the
 quorum service, a fault with no target; a program's survivor restarted because it asked for no
-quorum after another group's death (cause ``blocked_survivor``, ``harness.job.program_progress``)
+quorum after another group's death (cause ``blocked_survivor``, ``harness.job.program.progress``)
 by the fault that explained that death; a takeover (cause ``controller_crash``, the job's root:
 ``replica`` null like the quorum service's) is explained by the latest fault on the controller
 not yet linked (a ``controller_crash``, however long it waited for its phase, or a
@@ -161,7 +161,7 @@ class RecoveryTracker:
 
     def failed_as_survivor(self, replica: int, dead: int, t: float) -> None:
         """The controller fails ``replica``, a survivor ``dead``'s death left blocked (it asked
-        for no quorum since: ``harness.job.program_progress.blocked_survivor``): its recovery
+        for no quorum since: ``harness.job.program.progress.blocked_survivor``): its recovery
         opens with cause ``blocked_survivor``, explained by the fault that explained ``dead``'s,
         before the kill's failure arrives, which then belongs to it."""
         with self._lock:

@@ -1,6 +1,6 @@
 """The job's record of one replica group's current incarnation (:class:`ReplicaGroup`): what
 the job (``harness.job.protocol``), its kinds of groups (``harness.job.groups``,
-``harness.job.programs``) and a takeover (``harness.job.takeover``) all hold of a group."""
+``harness.job.program.groups``) and a takeover (``harness.job.takeover``) all hold of a group."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A group that cannot rendezvous with its peers (the process group's store advertised at an address
 they do not reach, a firewalled port, a dead NIC) does not die: every attempt at a step aborts
 (``step.abort``, from the built-in trainer's ``should_commit`` or failed quorum, or from a
-program's quorum requests, ``harness.job.programs``), nothing restarts, and the job would wait
+program's quorum requests, ``harness.job.program.groups``), nothing restarts, and the job would wait
 forever. :class:`StallWatch` reads those records from the journal and:
 
 * keeps the console honest: the progress line shows the aborted steps since the last commit and

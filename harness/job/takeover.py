@@ -26,7 +26,7 @@ once it serves, ``participating`` at the first commit after it.
 
 It supports the built-in trainer on the local and SLURM launchers with the tree quorum (under
 SLURM the new controller may run on another node: ``harness.keeper.standby_node``), and a
-``[program]`` job running torchft's Manager (``harness.job.program_takeover``; under SLURM its
+``[program]`` job running torchft's Manager (``harness.job.program.takeover``; under SLURM its
 programs reach the quorum tap through their host agent's relay, ``runtime.relay``): any other
 job (another launcher or quorum service, torchtitan's program) is refused with the reason (the
 run then ends as it would have without a keeper).
@@ -115,7 +115,7 @@ def supported(cfg: JobConfig) -> str | None:
 
 
 def _program_refusal(cfg: JobConfig) -> str | None:
-    """Why a ``[program]`` job cannot be taken over (``harness.job.program_takeover``)."""
+    """Why a ``[program]`` job cannot be taken over (``harness.job.program.takeover``)."""
     if cfg.program.kind == "torchtitan":
         return (
             'program.kind = "torchtitan" cannot be taken over yet: torchtitan does not train on '

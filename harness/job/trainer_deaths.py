@@ -1,5 +1,5 @@
 """The built-in trainer's failures, read by the crash-loop rule (``harness.job.crash_loop``):
-the same classifier a program's deaths go through (``harness.job.program_deaths``).
+the same classifier a program's deaths go through (``harness.job.program.deaths``).
 
 A failure of the trainer that comes back the same way (a missing or changed corpus file, a bug
 at a given step, an out-of-memory on every start) was restarted until the restart intensity

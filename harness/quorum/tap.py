@@ -1,9 +1,9 @@
 """A pass-through in front of the quorum service that admits a program's Managers and watches
 their progress.
 
-A program of the user's own (``harness.job.programs``) tells ftharness nothing, but every one of its
-replica groups asks the quorum service for a quorum once per step: torchft's Manager sends its
-``QuorumMember`` (replica id, step, store address, commit failures) to
+A program of the user's own (``harness.job.program.groups``) tells ftharness nothing, but every
+one of its replica groups asks the quorum service for a quorum once per step: torchft's Manager
+sends its ``QuorumMember`` (replica id, step, store address, commit failures) to
 ``/torchft.LighthouseService/Quorum`` and heartbeats to ``.../Heartbeat``. Programs get this
 tap's address as ``TORCHFT_LIGHTHOUSE``; it decodes each request and reply (the protobuf codec of
 ``harness.quorum.wire``), asks an observer whether the caller may take part, tells it what it
@@ -13,8 +13,8 @@ job runs. So both backends are observed the same way, and neither needs to know 
 Admission: every quorum request and heartbeat goes through :meth:`Observer.admit` first, which
 names the replica group incarnation the caller belongs to, or refuses it; a refused call ends
 with PERMISSION_DENIED and is **never forwarded** (so a heartbeat of an id the job did not admit
-reaches no quorum service). ``harness.job.programs`` admits a call by the process that holds its
-connection (the group's rank 0, started by the job), not by anything the caller sends.
+reaches no quorum service). ``harness.job.program.groups`` admits a call by the process that holds
+its connection (the group's rank 0, started by the job), not by anything the caller sends.
 
 Ids: a program's Manager picks its own ``replica_id`` (``{its id}:{uuid4}``), which cannot carry
 the tag the tree quorum admits members by (``harness.quorum.rule.member_id``). The observer

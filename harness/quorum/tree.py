@@ -237,7 +237,8 @@ class TreeQuorum:
         ids and re-run the rule at once, so the survivors' pending quorum is issued without it.
         Returns the ids fenced (empty if the group had not registered yet). Call it before
         starting the group's replacement (whose Manager gets a fresh id). ``ids``: the group's
-        ids that do not follow our naming (a program's own Managers', ``harness.job.programs``)."""
+        ids that do not follow our naming (a program's own Managers',
+        ``harness.job.program.groups``)."""
         with self._cond:
             prefixes = rule.ids_of_replica(replica) + tuple(ids)
             self._state, dropped = rule.drop_failed(self._state, prefixes)

@@ -192,7 +192,7 @@ def no_leftover_namespaces() -> Iterator[None]:
 def fault_recoveries(run_dir, recs: list[dict]) -> list[dict]:
     """A program job's recoveries (``recs``: the report's) but those of survivors the controller
     restarted because they asked for no quorum after a death (cause ``blocked_survivor``,
-    ``harness.job.program_progress``: gloo lost the error of a send to the dead group, a few
+    ``harness.job.program.progress``: gloo lost the error of a send to the dead group, a few
     kills in a hundred here), the intended recovery rather than a fault of the test's; each of
     those must have its failure in the journal (:func:`blocked_survivors`)."""
     blocked = blocked_survivors(run_dir)

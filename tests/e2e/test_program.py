@@ -49,7 +49,7 @@ def test_unmodified_program_recovers_from_kill_segfault_and_hang(tmp_path, quoru
 
     # every group reached the last step: its last incarnation's log says so, and the quorum
     # service saw it ask for a quorum after committing the step before (the last commit
-    # itself is followed by no request: see harness/job/programs.py)
+    # itself is followed by no request: see harness/job/program/groups.py)
     for r in range(data["job"]["replicas"]):
         log = (run / "logs" / f"replica{r}-rank0.log").read_text()
         last = log.rsplit("=== ftharness:", 1)[1]

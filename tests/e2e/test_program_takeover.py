@@ -1,4 +1,4 @@
-"""A ``[program]`` job survives its controller's SIGKILL (``harness.job.program_takeover``), end
+"""A ``[program]`` job survives its controller's SIGKILL (``harness.job.program.takeover``), end
 to end: a real ``ftharness run`` of tests/programs/train_ddp.py (a plain torchft program) under
 its keeper, its controller SIGKILLed mid-run and then its successor, and the run reaches its
 last step with rc 0, no program restarted, no committed step lost. Two groups of two ranks: each

@@ -97,7 +97,7 @@ def test_a_program_whose_log_cannot_be_opened_is_reported_not_started(ctl, tmp_p
 
 def test_a_stopped_program_is_not_hung_by_heartbeat_and_stop_takes_its_whole_group(ctl, tmp_path):
     """No heartbeat is expected of a program (its liveness is its progress, watched by
-    harness.job.programs); a stop reaches its children too (its own session)."""
+    harness.job.program.groups); a stop reaches its children too (its own session)."""
     rec, _ = start(ctl, tmp_path, "sleep 100 & sleep 100; wait")
     pid = rec.ready.result(timeout=15)
     child = wait_for(lambda: psutil.Process(pid).children(), what="the child")[0]
@@ -284,7 +284,7 @@ BEATING = "import sys, time\nfor i in range(600):\n    print(i, flush=True)\n   
 
 def _hooked(ctl, tmp_path):
     """A Python program that prints a line every 50 ms, with ftharness's hook on its path."""
-    from harness.job.program_env import HOOKS_DIR
+    from harness.job.program.env import HOOKS_DIR
 
     host = ctl.hosts.get("h0") or ctl.spawn_host("h0")
     log = tmp_path / "replica0-rank0.log"
@@ -296,7 +296,7 @@ def _hooked(ctl, tmp_path):
 
 
 def _command(tmp_path, pid: int, func: str, *args) -> None:
-    from harness.job.program_env import HOOK_SIGNAL
+    from harness.job.program.env import HOOK_SIGNAL
 
     (tmp_path / f"{pid}.json").write_text(json.dumps({"func": func, "args": list(args)}))
     os.kill(pid, HOOK_SIGNAL)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness.config import load_config
-from harness.job.program_env import HOOKS_DIR, SITE_DIR, launcher_env
+from harness.job.program.env import HOOKS_DIR, SITE_DIR, launcher_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ADDRESS = "127.0.0.2"  # local (all of 127/8 is, on Linux), and not what the hostname resolves to

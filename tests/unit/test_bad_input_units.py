@@ -346,14 +346,14 @@ def test_a_control_character_is_refused_not_written_into_the_script() -> None:
         sbatch_script(**args, extra=["--comment=a\ntouch pwned"])  # type: ignore[arg-type]
 
 
-# -- harness.job.programs: a program's log is private ----------------------------------------------
+# -- harness.job.program.groups: a program's log is private -----------------------------------
 
 
 def test_a_programs_log_is_created_0600(tmp_path: Path) -> None:
     """``ProgramGroups.start_groups`` writes each rank's log header before the agent appends the
     program's output; the file it creates is 0600 whatever the umask lets through."""
-    from harness.job.program_env import log_name
-    from harness.job.programs import ProgramGroups
+    from harness.job.program.env import log_name
+    from harness.job.program.groups import ProgramGroups
     from runtime.mesh import ProcRef
 
     cfg = load_config(TINY, ['program.command=["python", "train.py"]', "replicas=1"])

@@ -1,4 +1,4 @@
-"""The quorum tap's admission rule for a program's replica group (harness/job/program_admission.py)
+"""The quorum tap's admission rule for a program's replica group (harness/job/program/admission.py)
 on real sockets and processes: a call is the group's only if rank 0 (or a process it started)
 holds its connection; on another machine, the weaker fallback by address."""
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.job import program_admission as pa
+from harness.job.program import admission as pa
 from runtime import peer_process as pp
 
 pytestmark = [
@@ -192,7 +192,7 @@ def test_the_observer_binds_each_manager_to_its_group_and_forgets_replaced_incar
     from types import SimpleNamespace
 
     from harness.config import JobConfig
-    from harness.job.programs import ProgramGroups
+    from harness.job.program.groups import ProgramGroups
     from harness.quorum.tap import Admission
 
     job = SimpleNamespace(

@@ -1,9 +1,9 @@
 """A survivor that asks for no quorum after another group's death is failed once it is past its
-grace (harness.job.program_progress.blocked_survivor); nothing else is."""
+grace (harness.job.program.progress.blocked_survivor); nothing else is."""
 
 from __future__ import annotations
 
-from harness.job.program_progress import blocked_survivor, survivor_grace
+from harness.job.program.progress import blocked_survivor, survivor_grace
 from harness.program_config import ProgramConfig
 
 SURVIVOR_GRACE_S = ProgramConfig().survivor_grace_s  # the default, 2 s

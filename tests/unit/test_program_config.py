@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness.config import ConfigError, load_config
-from harness.job.program_env import launcher_env, log_name, program_argv
-from harness.job.program_progress import hung_for, read_tail, step_events
+from harness.job.program.env import launcher_env, log_name, program_argv
+from harness.job.program.progress import hung_for, read_tail, step_events
 from harness.program_config import LAUNCHER_ENV, TORCHFT_ENV, cold_reason
 
 ROOT = Path(__file__).resolve().parents[2]

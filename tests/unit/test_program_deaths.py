@@ -1,5 +1,5 @@
 """A program rank's death after its group finished is the group's end, not a fault to recover
-from (``harness.job.program_deaths.DeathWatch.after_finish``)."""
+from (``harness.job.program.deaths.DeathWatch.after_finish``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from harness.config import load_config
-from harness.job.program_deaths import DeathWatch
-from harness.job.program_group import ProgramGroup
+from harness.job.program.deaths import DeathWatch
+from harness.job.program.group import ProgramGroup
 from runtime.failure import Cause, Failure
 
 

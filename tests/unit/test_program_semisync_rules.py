@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from harness.config import ConfigError, load_config
-from harness.job.program_progress import ended_early, gap_warning, hung_detail, past_last_step
-from harness.job.programs import ProgramGroups
+from harness.job.program.groups import ProgramGroups
+from harness.job.program.progress import ended_early, gap_warning, hung_detail, past_last_step
 from harness.quorum.tap import Request
 from runtime.journal import HEALED, STEP_ABORT, STEP_COMMIT
 

@@ -1,4 +1,4 @@
-"""A ``[program]`` job across a controller's takeover (``harness.job.program_takeover``): which
+"""A ``[program]`` job across a controller's takeover (``harness.job.program.takeover``): which
 jobs are taken over, the durable program state, binding the tap's port again, the last step
 read from the journal, the retries a program gets, and an adopted group's first request."""
 
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from harness.config import load_config
-from harness.job import program_takeover as pt
-from harness.job.program_env import launcher_env, program_quorum_retries
-from harness.job.programs import ProgramGroups
+from harness.job.program import takeover as pt
+from harness.job.program.env import launcher_env, program_quorum_retries
+from harness.job.program.groups import ProgramGroups
 from harness.job.takeover import TakeoverRefused, supported
 from harness.quorum.tap import Request
 from runtime.journal import (

@@ -1,4 +1,4 @@
-"""The controller's half of unblocking a program's survivors (harness/job/program_unblock.py):
+"""The controller's half of unblocking a program's survivors (harness/job/program/unblock.py):
 every other live host's agent is told once per death of a group incarnation."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.job.program_unblock import RemoteUnblock
+from harness.job.program.unblock import RemoteUnblock
 from runtime.failure import Cause, Failure
 from runtime.messages import UnblockPeers
 

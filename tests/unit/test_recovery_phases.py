@@ -176,7 +176,7 @@ def test_the_stop_step_is_ahead_by_the_skew_at_the_recent_rate() -> None:
 
 
 def test_a_survivor_restarted_for_asking_for_no_quorum_is_explained_by_the_deaths_fault() -> None:
-    """A program's survivor that a death left blocked (harness.job.program_progress): its
+    """A program's survivor that a death left blocked (harness.job.program.progress): its
     recovery has cause blocked_survivor and the fault of the death, and the controller's kill of
     it that follows belongs to it."""
     journal, tracker, phases = _tracker()

@@ -13,7 +13,7 @@ of torchft's changes it, and the program is the user's: ftharness may not edit i
 
 Why here, and always on. The patch must be in place before the program creates its Manager,
 in a process ftharness does not write: Python's start-up hook ``sitecustomize``, which
-``harness.job.program_env.launcher_env`` puts first on every program's ``PYTHONPATH``. The fault
+``harness.job.program.env.launcher_env`` puts first on every program's ``PYTHONPATH``. The fault
 hooks (``harness/rank/program_hooks``) stay opt-in (``program.hooks``): they handle a signal and
 run faults, which a program must agree to; this changes nothing but the address torchft names,
 to the one the agent advertises (``$FTHARNESS_ADVERTISE``, ``runtime.netaddr``), and is what

@@ -1,5 +1,5 @@
 """What a program's quorum requests say about its progress, and its log's tail: the pure part of
-``harness.job.programs`` (kept apart so that module stays the supervision's I/O)."""
+``harness.job.program.groups`` (kept apart so that module stays the supervision's I/O)."""
 
 from __future__ import annotations
 

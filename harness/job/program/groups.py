@@ -5,11 +5,10 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
 
 * **Spawn.** Each rank of each replica group is started by its host agent as a plain process
   (``runtime.program_proc``) with the environment a torchft launcher gives
-  (``harness.job.program_env``): the group's id and count, the quorum service, the group's own
+  (``harness.job.program.env``): the group's id and count, the quorum service, the group's own
   store (a fresh one per incarnation), rank and world size; for torchtitan also its
-  ``--fault_tolerance.*`` flags; warm (a fork of the agent's interpreter) where
-  ``program.warm`` allows. Output goes to ``RUN/logs/replica<r>-rank<k>.log``; on a failure the
-  console shows its tail.
+  ``--fault_tolerance.*`` flags; warm (a fork of the agent's interpreter) where ``program.warm``
+  allows. Output goes to ``RUN/logs/replica<r>-rank<k>.log``; a failure shows its tail.
 * **Detect.** An exit or a signal is reaped by the agent as for any worker. A program sends no
   heartbeat: its liveness is its progress. Every group's Manager asks for a quorum once per step
   through a tap in front of the quorum service (``harness.quorum.tap``), and a group with no
@@ -17,21 +16,21 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
   started) is hung: rank 0 is failed like a missed heartbeat and killed.
 * **Unblock.** A dead or stopped group's peers are unblocked from outside (``runtime.sockets``).
   A survivor that then asks for no quorum within ``program.survivor_grace_s`` (or three of its
-  steps) is blocked where that cannot reach, and is failed as hung (``program_progress``).
+  steps) is blocked where that cannot reach, and is failed as hung (``.progress``).
 * **Admit.** The tap lets in a call only from a group's rank-0 process, read from ``/proc``
-  (``harness.job.program_admission``), under the tagged id of the group's incarnation.
+  (``harness.job.program.admission``), under the tagged id of the group's incarnation.
 * **Observe.** The tap's view is journalled as the group's progress, so every report works
   unchanged: a request at a higher step than the group's last is a ``step.commit`` (at the time
   of the request: a few milliseconds after the real commit), a jump of more than one step is a
   heal (``trainer.healed``: the group loaded a peer's state, seen when it next asks; so it is
   late by one step's time), a request at the same step is a ``step.abort``. Steps are journaled
   as inner steps, the Manager's step x ``program.sync_every`` (a LocalSGD or DiLoCo program asks
-  once per sync: ``harness.program_config``), so steps lost count inner steps too. Rank 0 stands for
-  the group (only rank 0's Manager talks to the quorum service). Not observed: loss, samples,
-  checksums, data positions (the records carry ``observed = "quorum"``).
-* **Stop, place, restart**: exactly as for the built-in trainer: the processes are supervised
-  procs of the group's supervisor. A program that exits with code 0 has finished (not a
-  failure); the job is done when every group has.
+  once per sync), so steps lost count inner steps too. Rank 0 stands for the group (only rank
+  0's Manager talks to the quorum service). Not observed: loss, samples, checksums, data
+  positions (the records carry ``observed = "quorum"``).
+* **Stop, place, restart**: as for the built-in trainer: the processes are supervised procs of
+  the group's supervisor. A program that exits with code 0 has finished (not a failure); the
+  job is done when every group has.
 """
 
 from __future__ import annotations
@@ -44,12 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.job import program_admission, program_env, program_takeover
-from harness.job.program_deaths import DeathWatch
-from harness.job.program_env import launcher_env, program_argv, run_in_program
-from harness.job.program_group import ProgramGroup as _Group
-from harness.job.program_group import ProgramJob
-from harness.job.program_progress import (
+from harness.job.program import admission as program_admission
+from harness.job.program import env as program_env
+from harness.job.program import takeover as program_takeover
+from harness.job.program.deaths import DeathWatch
+from harness.job.program.env import launcher_env, program_argv, run_in_program
+from harness.job.program.group import ProgramGroup as _Group
+from harness.job.program.group import ProgramJob
+from harness.job.program.progress import (
     blocked_survivor,
     ended_early,
     gap_warning,
@@ -58,7 +59,7 @@ from harness.job.program_progress import (
     past_last_step,
     step_events,
 )
-from harness.job.program_unblock import RemoteUnblock
+from harness.job.program.unblock import RemoteUnblock
 from harness.job.site import wants_quorum_relay
 from harness.job.takeover import GroupPlan, TakenOver
 from harness.program_config import WARM_NEEDS, cold_reason
@@ -197,8 +198,7 @@ class ProgramGroups:
                 items[(i, k)] = rec.ref
                 recs.append(rec)
             training[r] = self._track(g)
-        # Wait for the pids (faults need them); a program that failed to start is a failure
-        # its supervisor handles like any other.
+        # Wait for the pids (faults need them); a failed start is its supervisor's to handle.
         cf.wait([x.ready for x in self._all_recs(replicas)], timeout=c.spec.spawn_timeout_s)
         return ProcMesh(c, {"replica": len(replicas), "rank": self.cfg.ranks}, items), training
 
@@ -322,7 +322,7 @@ class ProgramGroups:
     # -- the tap's observer ---------------------------------------------------------------------
     def admit(self, replica_id: str, peer: str, store_address: str | None) -> Admission | str:
         """The tap's question (``harness.quorum.tap.Observer``): by the process that holds the
-        call's connection, the group's rank 0 (``harness.job.program_admission``)."""
+        call's connection, the group's rank 0 (``harness.job.program.admission``)."""
         assert self.tap is not None
         return program_admission.admit(
             replica_id,

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
-from harness.job.program_env import LOG_HEADER, error_file, log_name
-from harness.job.program_group import ProgramGroup, ProgramJob
-from harness.job.program_progress import TAIL_LINES, ended_early, read_tail
+from harness.job.program.env import LOG_HEADER, error_file, log_name
+from harness.job.program.group import ProgramGroup, ProgramJob
+from harness.job.program.progress import TAIL_LINES, ended_early, read_tail
 from runtime.failure import Failure
 from runtime.journal import FAULT_INJECT, HEALED, Record
 

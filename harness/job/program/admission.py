@@ -1,5 +1,6 @@
 """Who may take part in the quorum as a replica group of a user's own program: the rule the
-quorum tap (``harness.quorum.tap``) applies, through ``harness.job.programs.ProgramGroups.admit``.
+quorum tap (``harness.quorum.tap``) applies, through
+``harness.job.program.groups.ProgramGroups.admit``.
 
 A program's Managers pick their own replica ids and know no secret, so a call is admitted by
 *who makes it*: the group's rank-0 process, which the job started (its host agent forked it).
@@ -79,7 +80,7 @@ class GroupAdmission:
 
 
 class Group(Protocol):
-    """One incarnation of a program's replica group (``harness.job.programs._Group``)."""
+    """One incarnation of a program's replica group (``harness.job.program.groups._Group``)."""
 
     replica: int
     incarnation: int

@@ -1,5 +1,5 @@
 """A program's process: its environment (what a torchft launcher gives, and ftharness's own),
-its command line and its log, computed from the job's config (``harness.job.programs`` spawns
+its command line and its log, computed from the job's config (``harness.job.program.groups`` spawns
 it), and how an in-process fault reaches it."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def launcher_env(
     holds for the program too; the quorum timeout outlasts a hung group's fencing:
     :func:`program_quorum_timeout`), then ``program.env``; first on ``PYTHONPATH``
     :data:`SITE_DIR`, then with ``program.hooks`` the fault hook (commands in ``hook_dir``).
-    ``survivable``: the job's controller can be taken over (``harness.job.program_takeover``):
+    ``survivable``: the job's controller can be taken over (``harness.job.program.takeover``):
     a quorum request is retried while no controller serves the tap
     (:func:`program_quorum_retries`)."""
     host, port = store_addr.rsplit(":", 1)

@@ -1,5 +1,5 @@
 """One incarnation of a program's replica group as the quorum tap sees it, and what the
-program's groups need of their job (``harness.job.programs`` runs them)."""
+program's groups need of their job (``harness.job.program.groups`` runs them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.config import JobConfig
-from harness.job.program_admission import GroupAdmission
+from harness.job.program.admission import GroupAdmission
 from harness.job.recovery import RecoveryTracker
 from harness.job.takeover import Plan
 from harness.quorum.service import QuorumService
@@ -40,7 +40,7 @@ class ProgramGroup:
     gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # answer to next request, s
     survived: tuple[int, float] | None = None  # (dead replica, monotonic t): watched since
     survived_asks: int = 0  # its requests since that death (watched until the second)
-    # Adopted from a dead controller (harness.job.program_takeover) at ``last_step``, the
+    # Adopted from a dead controller (harness.job.program.takeover) at ``last_step``, the
     # journal's: its next request at that step is the one the dead controller saw, asked
     # again (torchft's quorum retries), not an abort.
     resumed: bool = False

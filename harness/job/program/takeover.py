@@ -11,12 +11,12 @@ store (``MASTER_ADDR``/``MASTER_PORT``) once, in its environment, and keeps them
   fresh port and points every relay at it (never its predecessor's port, which anyone on the
   machine may have taken meanwhile: issue #49).
 * **A quorum request waits.** The programs of a job that can be taken over get
-  ``TORCHFT_QUORUM_RETRIES`` (``harness.job.program_env.program_quorum_retries``): a request
+  ``TORCHFT_QUORUM_RETRIES`` (``harness.job.program.env.program_quorum_retries``): a request
   in flight when the controller died, or made while none serves, fails and is asked again
   every ~0.25 s until the new tap answers.
 * **The tap admits the adopted groups again.** ``program.json`` also keeps each group's
   current incarnation and store address (a quorum request names its group by it:
-  ``harness.job.program_admission``); the processes, their pids and rank 0's host agent come
+  ``harness.job.program.admission``); the processes, their pids and rank 0's host agent come
   from the agents' reports (``runtime.takeover.Inheritance``); the tagged member id the quorum
   service admitted, from ``quorum.json`` (``harness.quorum.durable``); the group's last step,
   from the journal (:func:`last_step`).
@@ -159,7 +159,7 @@ def member_id(run_dir: Path, replica: int, incarnation: int) -> str | None:
 
 class Readmits(Protocol):
     """What adopting a program group needs of the program's groups
-    (``harness.job.programs.ProgramGroups`` is one)."""
+    (``harness.job.program.groups.ProgramGroups`` is one)."""
 
     durable: ProgramState | None
 
