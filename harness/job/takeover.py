@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.config import JobConfig
+from harness.job.preflight import Checked
 from harness.job.replica_group import ReplicaGroup
 from runtime.journal import (
     CONTROLLER_TAKEOVER,
@@ -55,11 +56,7 @@ from runtime.journal import (
 )
 
 if TYPE_CHECKING:
-    from harness.job.hosts import HostPool
     from harness.job.recovery import RecoveryTracker
-    from harness.quorum.service import QuorumService
-    from runtime.controller import Controller
-    from runtime.journal import Journal
 
 
 class TakeoverRefused(RuntimeError):
@@ -176,29 +173,15 @@ def read_run(run_dir: Path, secret: bytes, epoch: int) -> Plan:
 
 
 # -- the job's side (harness.job.protocol.Job calls these) ------------------------------------
-class TakenOver(Protocol):
-    """What a takeover reads of the job it continues, and the one thing it tells it (a group
-    adopted): ``harness.job.protocol.Job`` is one. Nothing here writes the job's attributes."""
+class TakenOver(Checked, Protocol):
+    """What a takeover reads of the job it continues (what the preflight reads, and more), and
+    the one thing it tells it (a group adopted): ``harness.job.protocol.Job`` is one. Nothing
+    here writes the job's attributes."""
 
-    cfg: JobConfig
     run_dir: Path
-    journal: Journal
     tracker: RecoveryTracker
     ranks: int
     plan: Plan | None
-
-    @property
-    def controller(self) -> Controller: ...
-
-    @property
-    def hosts(self) -> HostPool: ...
-
-    @property
-    def quorum(self) -> QuorumService: ...
-
-    def say(self, text: str) -> None: ...
-
-    def host_names(self) -> list[str]: ...
 
     def relay_quorum(self) -> None: ...
 
