@@ -135,10 +135,34 @@ class TrainerDeaths:
         if not loop:
             return False
         text = diagnosis(loop, who="the trainer")
+        if (alone := self._alone(loop)) is not None:
+            first, _, rest = text.partition("\n")
+            text = f"{first}\n{alone}" + (f"\n{rest}" if rest else "")
         for line in text.splitlines():
             self._say(line)
         self._fail(text)
         return True
+
+    def _alone(self, loop: list[Death]) -> str | None:
+        """What tells a crash loop of one group's own apart from one of every group: each death
+        is of that group, none while its trainers were being built, and meanwhile another group
+        committed past that group's last step. The code and the data are every group's, so what
+        fails in one group only is that group's (its host, its device, its share of the data);
+        a bug or a corpus problem fails every group that meets it. None where it is not so."""
+        replicas = {d.replica for d in loop}
+        if len(replicas) != 1 or any(d.where.startswith("while starting") for d in loop):
+            return None
+        (replica,) = replicas
+        with self._lock:
+            mine = self._steps.get(replica, 0)
+            past = sorted(r for r, step in self._steps.items() if r != replica and step > mine)
+        if replica < 0 or not past:
+            return None
+        return (
+            f"only group {replica} fails: group(s) {', '.join(map(str, past))} committed past its "
+            f"step {mine} meanwhile, so the cause is in group {replica} alone (its host, its "
+            "device or its share of the data), not in the code or the corpus"
+        )
 
     def _death(self, failure: Failure) -> tuple[Death | None, str | None]:
         """The death ``failure`` is, or None and why it is none."""

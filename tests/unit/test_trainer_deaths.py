@@ -169,3 +169,33 @@ def test_a_takeover_takes_up_the_count_of_a_loop_under_way():
     deaths = job.deaths()
     deaths.resume([*history, {"event": FAULT_INJECT, "t": 13.0, "target": {"replica": 0}}])
     assert not deaths.seen(_rank_failure(2, 30.0, oom)) and job.failed == []
+
+
+def test_a_loop_of_one_group_while_the_others_commit_on_is_named_the_groups_own():
+    """Group 2 dies the same way three times while group 0 commits on past its last step: the
+    diagnosis says the cause is in group 2 alone. The same loop with no group moving on (the
+    test above) says nothing of the kind: every group may be stuck on it."""
+    oom = "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"
+    job = _Job()
+    deaths = job.deaths()
+    deaths.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    for i, t in enumerate((10.0, 12.0, 14.0)):
+        deaths.on_record({"event": STEP_COMMIT, "replica": 0, "step": 41 + 10 * i})
+        job.incarnations[2] = i
+        assert deaths.seen(_rank_failure(2, t, oom)) is (i == 2)
+    lines = job.failed[0].splitlines()
+    assert lines[0].startswith("the trainer fails the same way every time")
+    assert lines[1] == (
+        "only group 2 fails: group(s) 0 committed past its step 40 meanwhile, so the cause is in "
+        "group 2 alone (its host, its device or its share of the data), not in the code or the "
+        "corpus"
+    )
+
+    job = _Job()  # the same loop, but the others never moved past group 2's step
+    deaths = job.deaths()
+    deaths.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    deaths.on_record({"event": STEP_COMMIT, "replica": 0, "step": 40})
+    for i, t in enumerate((10.0, 12.0, 14.0)):
+        job.incarnations[2] = i
+        deaths.seen(_rank_failure(2, t, oom))
+    assert "only group" not in job.failed[0]
