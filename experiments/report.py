@@ -28,7 +28,7 @@ from typing import Any
 from dashboards import names as N
 from dashboards.metrics import CONTROL, split_by_policy, summarize
 from experiments import postrun as postrun_files
-from experiments.report_data import data_summary, render_data
+from experiments.report_data import data_summary, dropped_summary, render_data, render_dropped
 from experiments.report_outcome import outcome_summary, render_outcome
 from experiments.report_quality import heldout_hypothesis, heldout_summary, render_heldout
 from experiments.report_silent import render_silent, silent_summary, without_healed_divergence
@@ -587,6 +587,7 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
         ]
     lines += render_silent(summary.get("silent") or {})
     lines += render_data(summary.get("data") or {})
+    lines += render_dropped(summary.get("dropped") or {})
     lines += render_heldout(summary.get("heldout"))
     lines.append("Computed from the run's journal only (definitions: dashboards/metrics.py).")
     return "\n".join(lines) + "\n"
@@ -607,6 +608,7 @@ def write_report(
     summary = summarize(records)
     summary["silent"] = silent_summary(records)
     summary["data"] = data_summary(records)  # experiments/report_data.py
+    summary["dropped"] = dropped_summary(records)
     summary["heldout"] = heldout_summary(records)
     summary["outcome"] = outcome_summary(records)  # experiments/report_outcome.py
     results = evaluate_hypotheses(

@@ -1,7 +1,8 @@
-"""Poison data in the report, from the journal alone (``harness.job.poison``): per policy, the
-data the ``poison_data`` fault made bad (``fault.poison_data``), the sequences groups failed on
-(``data.suspect``) and those quarantined (``data.quarantine``), each with its document and offset
-for a token file."""
+"""Failures that come back, in the report, from the journal alone: poison data
+(``harness.job.poison``: per policy, the data the ``poison_data`` fault made bad,
+``fault.poison_data``; the sequences groups failed on, ``data.suspect``; those quarantined,
+``data.quarantine``, each with its document and offset for a token file) and the replica groups
+dropped for a crash loop of their own (``group.dropped``, ``harness.job.trainer_deaths``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dashboards.metrics import split_by_policy
-from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, POISON_DATA, Record
+from runtime.journal import DATA_QUARANTINE, DATA_SUSPECT, GROUP_DROPPED, POISON_DATA, Record
 
 _WHERE = ("key", "index", "chunk", "offset", "document", "in_document")
 
@@ -85,4 +86,30 @@ def render_data(summary: dict[str, Any]) -> list[str]:
                     f"{how} | {groups} | {steps} | {what} |"
                 )
             lines.append("")
+    return lines
+
+
+def dropped_summary(records: Sequence[Record]) -> dict[str, Any]:
+    """Per policy with any: the groups dropped (``replica``, ``t``, ``left``, ``reason``: the
+    crash loop's diagnosis, its signature and log lines)."""
+    out: dict[str, Any] = {}
+    for policy, recs in split_by_policy(records).items():
+        dropped = [
+            {k: r.get(k) for k in ("replica", "t", "left", "reason")}
+            for r in recs
+            if r.get("event") == GROUP_DROPPED
+        ]
+        if dropped:
+            out[policy] = dropped
+    return out
+
+
+def render_dropped(summary: dict[str, Any]) -> list[str]:
+    """Markdown lines for the report (none when no group was dropped)."""
+    lines: list[str] = []
+    for policy, dropped in summary.items():
+        lines += [f"## Groups dropped: `{policy}`", ""]
+        for d in dropped:
+            lines += [f"- group {d['replica']} ({d['left']} left to train on):", "", "```"]
+            lines += [*str(d.get("reason") or "").splitlines(), "```", ""]
     return lines

@@ -56,6 +56,7 @@ _CATALOGUE_MODULES = (
     "faults.slurm",
     "faults.controller",
     "faults.data",
+    "faults.device",
 )
 
 
@@ -140,6 +141,11 @@ class FaultContext(Protocol):
         NaN loss), from now on and in every group; return where it is (``index``, ``key``,
         ``steps_ahead`` and, for a token file, its ``chunk``, ``offset``, ``document``,
         ``in_document``). ValueError where the job cannot (a program's data)."""
+        ...
+
+    def break_device(self, replica: int) -> None:
+        """Make group ``replica`` fail every step from now on, in every incarnation (the
+        ``broken_device`` fault); ValueError where the job cannot (a program's devices)."""
         ...
 
     def partition_host(self, host: str) -> None:

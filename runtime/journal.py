@@ -124,6 +124,7 @@ DATA_SUSPECT = "data.suspect"  # a pass raised, and these sequences are its caus
 FAILURE_SIGNATURE = "failure.signature"  # what identifies a group's failure, and if it counts
 POISON_DATA = "fault.poison_data"  # where the poison_data fault made the data bad
 DATA_QUARANTINE = "data.quarantine"  # two groups failed on a sequence: every group skips it
+GROUP_DROPPED = "group.dropped"  # a crash loop of one group's own: the job goes on without it
 
 #: Recovery phases in the order they happen for one recovery.
 PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "participating")

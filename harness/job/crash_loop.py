@@ -200,6 +200,11 @@ class CrashLoop:
             return None
         return self.counted(d)
 
+    def reset(self) -> None:
+        """The loop found was acted on and the job goes on (its group dropped): count afresh."""
+        self.loop = None
+        self._run.clear()
+
     def counted(self, d: Death) -> list[Death] | None:
         """Count ``d`` as a death no fault explains (as :meth:`died` does once it has checked;
         a takeover replays the deaths its dead controller counted so)."""

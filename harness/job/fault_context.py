@@ -114,6 +114,9 @@ class JobFaultContext:
         where = self._stream.where(key)
         return {"index": index, "key": key, "effect": effect, "steps_ahead": steps_ahead, **where}
 
+    def break_device(self, replica: int) -> None:
+        self._job.groups_kind.break_device(replica)
+
     @property
     def networked(self) -> bool:
         return self._job.site.network is not None

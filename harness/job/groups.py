@@ -23,7 +23,7 @@ from harness.quorum.service import QuorumService
 from runtime.controller import Controller
 from runtime.failure import Failure
 from runtime.host_handle import HostAgentHandle
-from runtime.journal import CONTROLLER_TAKEOVER
+from runtime.journal import CONTROLLER_TAKEOVER, GROUP_DROPPED, Journal
 from runtime.mesh import ActorMesh, ProcMesh
 
 
@@ -84,6 +84,11 @@ class Groups(Protocol):
         own)."""
         ...
 
+    def break_device(self, replica: int) -> None:
+        """The ``broken_device`` fault: group ``replica`` fails every step from now on, in every
+        incarnation; ValueError where the kind cannot (a program's devices are its own)."""
+        ...
+
     def run_in_worker(self, proc_id: str, func: Callable[..., Any], *args: Any) -> None:
         """An in-process fault: ``func(*args)`` (a function of ``harness.rank.actors``) in the
         worker ``proc_id``; in a program of the user's own, the program's hook keyed by
@@ -101,7 +106,7 @@ class Groups(Protocol):
 
 class TrainerGroups:
     """The built-in trainer's groups (:class:`Groups`); ``on_done()`` runs whenever a group's
-    training ends."""
+    training ends; ``members(replica)``: the processes of the group's current incarnation."""
 
     def __init__(
         self,
@@ -112,6 +117,9 @@ class TrainerGroups:
         on_done: Callable[[], None],
         data: DataMarks,
         deaths: TrainerDeaths,
+        members: Callable[[int], list[str]],
+        journal: Journal,
+        say: Callable[[str], None],
     ) -> None:
         self.controller = controller
         self.cfg_dict = cfg_dict
@@ -120,6 +128,35 @@ class TrainerGroups:
         self.on_done = on_done
         self.data = data  # poisoned and quarantined data (harness.job.poison)
         self.deaths = deaths  # failures that come back the same way (harness.job.trainer_deaths)
+        deaths.drop = self.drop  # a crash loop of one group's own drops that group
+        self.members = members
+        self.journal = journal
+        self.say = say
+        self.broken: set[int] = set()  # groups with a broken device (faults.device)
+        self.dropped: set[int] = set()
+
+    def drop(self, replica: int, why: str) -> bool:
+        """Go on without group ``replica``, whose failures are its own (``why``, the crash
+        loop's diagnosis): it is fenced out of the quorum, what is left of it stopped, and it is
+        never restarted. False (nothing done) where fewer than ``min_replica_size`` groups
+        would be left: the job ends instead."""
+        left = self.cfg_dict["replicas"] - len(self.dropped) - 1
+        if left < self.cfg_dict["min_replica_size"]:
+            return False
+        self.dropped.add(replica)
+        self.quorum.fence(replica)
+        procs = [p for p in self.members(replica) if p in self.controller.procs]
+        self.controller.stop_procs(procs, grace_s=0.5, wait=False)
+        self.journal.emit(GROUP_DROPPED, replica=replica, left=left, reason=why)
+        self.say(f"group {replica} dropped, {left} group(s) train on: {why.splitlines()[0]}")
+        return True
+
+    def break_device(self, replica: int) -> None:
+        from harness.rank.actors import break_device
+
+        self.broken.add(replica)  # its next incarnations too
+        for proc in self.members(replica):
+            self.controller.run_in_worker(proc, break_device)
 
     def start(self) -> None:
         return None
@@ -169,7 +206,9 @@ class TrainerGroups:
         return ()  # its trainers ask the quorum service under the id it admitted
 
     def absorbs(self, failure: Failure) -> bool:
-        return self.deaths.seen(failure)  # a crash loop: the job ends, nothing is restarted
+        if failure.coords.get("replica") in self.dropped:
+            return True  # what is left of a dropped group, stopping
+        return self.deaths.seen(failure)  # a crash loop: the job ends or the group is dropped
 
     def quorum_upstream(self) -> str | None:
         return None
@@ -214,6 +253,7 @@ class TrainerGroups:
             str(self.run_dir),
             member_ids or {},
             self.data.marks(),
+            sorted(self.broken),
         )
         call = actors.train.call()
         training = {r: call.futures[(i, 0)] for i, r in enumerate(replicas)}

@@ -224,9 +224,10 @@ class Job:
             incarnation = lambda r: g.incarnation if (g := self.groups.get(r)) else None  # noqa: E731
             deaths = TrainerDeaths.attach(self.cfg, self.journal, incarnation, self.say, self.fail)
             deaths.resume(self.how.history)  # a crash loop the dead controller was counting
+            members = lambda r: list(g.mesh.proc_ids) if (g := self.groups.get(r)) else []  # noqa: E731
             return TrainerGroups(
                 self.controller, self.cfg_dict, self.run_dir, self.quorum, self._check_done,
-                data=data, deaths=deaths,
+                data=data, deaths=deaths, members=members, journal=self.journal, say=self.say,
             )  # fmt: skip
         from harness.job.program.groups import ProgramGroups
 

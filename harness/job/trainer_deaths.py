@@ -19,6 +19,11 @@ data), and whatever an injected fault explains (:class:`harness.job.crash_loop.C
 the one before, end the job with the diagnosis: on the console, in ``job.end`` and the report.
 A controller that takes a job over (``harness.job.takeover``) takes up the dead one's count from
 its journal (:meth:`TrainerDeaths.resume`): a loop under way does not start again from zero.
+
+A loop that is one group's own (``TrainerDeaths._alone``: every death that group's, none while
+its trainers were being built, another group committing past it meanwhile) drops only that
+group (``TrainerGroups.drop``: fenced, stopped, never restarted; ``group.dropped``) while at
+least ``min_replica_size`` groups are left, and the job goes on; else it ends the job too.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ class TrainerDeaths:
         self._lock = threading.Lock()
         self._steps: dict[int, int] = {}  # replica -> its last committed step
         self._starts = itertools.count(1)  # a failed start stands for an incarnation of its own
+        #: ``drop(replica, why)``: go on without a group whose crash loop is its own; False
+        #: where the job cannot (too few groups left): it ends (``TrainerGroups.drop``)
+        self.drop: Callable[[int, str], bool] = lambda replica, why: False
 
     @classmethod
     def attach(
@@ -83,7 +91,7 @@ class TrainerDeaths:
         if event == STEP_COMMIT and isinstance(replica := r.get("replica"), int):
             with self._lock:
                 self._steps[replica] = max(self._steps.get(replica, 0), int(r.get("step", 0)))
-        elif event == FAULT_INJECT:
+        elif event == FAULT_INJECT and not r.get("recurs"):  # a broken part is no one-off
             with self._lock:
                 self._loop.fault_record(r, self._incarnation)
 
@@ -95,7 +103,7 @@ class TrainerDeaths:
             event = r.get("event")
             if event == STEP_COMMIT:
                 self.on_record(r)
-            elif event == FAULT_INJECT:
+            elif event == FAULT_INJECT and not r.get("recurs"):
                 with self._lock:
                     self._loop.fault(float(r.get("t", 0.0)), None, None)
             elif event == FAILURE_SIGNATURE and r.get("counted"):
@@ -138,6 +146,10 @@ class TrainerDeaths:
         if (alone := self._alone(loop)) is not None:
             first, _, rest = text.partition("\n")
             text = f"{first}\n{alone}" + (f"\n{rest}" if rest else "")
+            if self.drop(loop[-1].replica, text):
+                with self._lock:
+                    self._loop.reset()
+                return True  # absorbed: the group is not restarted, and the job goes on
         for line in text.splitlines():
             self._say(line)
         self._fail(text)

@@ -53,9 +53,16 @@ class _ReportingTrainer(Trainer):
             self._between = collections.deque()
         self._between.append(fn)
 
+    broken = False  # the broken_device fault: every step fails from now on (faults.device)
+
     def train_step(self) -> tuple[bool, float]:
         while self._between:
             self._between.popleft()(self.named_tensors(), self.manager.current_step(), self._emit)
+        if self.broken:
+            raise RuntimeError(
+                "CUDA error: uncorrectable ECC error encountered (the broken_device fault: this "
+                "group's device is broken, in every incarnation)"
+            )
         return super().train_step()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -102,11 +109,13 @@ class TrainerActor(Actor):
         run_dir: str | None,
         member_ids: dict[int, str] | None = None,
         data_marks: dict[str, list[int]] | None = None,
+        broken: list[int] | None = None,
     ) -> None:
         """``store_addrs`` maps each replica group to its TCPStore, ``member_ids`` to the name
         the quorum service admitted for it (none: torchft's Lighthouse); this actor's group and
         rank are its mesh coordinates. ``data_marks``: the job's ``poisoned`` (unreadable),
-        ``poisoned_nonfinite`` and ``quarantined`` data so far (``harness.job.poison``)."""
+        ``poisoned_nonfinite`` and ``quarantined`` data so far (``harness.job.poison``).
+        ``broken``: the groups whose device is broken (``faults.device``)."""
         self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
         store_addr = store_addrs[replica_id]
@@ -128,6 +137,7 @@ class TrainerActor(Actor):
         for key in marks.get("poisoned_nonfinite", ()):
             self.trainer.poison_data(key, "nonfinite")
         self.trainer.quarantine_data(list(marks.get("quarantined", ())))
+        self.trainer.broken = replica_id in (broken or ())
 
     @endpoint(supervised=True)  # an exception escaping training is a failure of the group
     def train(self) -> dict[str, Any]:
@@ -185,6 +195,13 @@ def poison_data(key: int, effect: str = "unreadable") -> None:
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
             actor.trainer.poison_data(key, effect)
+
+
+def break_device() -> None:
+    """The ``broken_device`` fault, in a worker: its trainer fails every step from now on."""
+    for actor in current_actors().values():
+        if isinstance(actor, TrainerActor):
+            actor.trainer.broken = True
 
 
 def request_quorum() -> None:

@@ -199,3 +199,37 @@ def test_a_loop_of_one_group_while_the_others_commit_on_is_named_the_groups_own(
         job.incarnations[2] = i
         deaths.seen(_rank_failure(2, t, oom))
     assert "only group" not in job.failed[0]
+
+
+def test_a_loop_of_one_groups_own_drops_it_when_enough_groups_are_left_and_counting_goes_on():
+    """The rule asks to drop the group (``drop(replica, why)``); where that is done the failure
+    is absorbed and the job does not end, and a later loop is counted afresh. Where the drop is
+    refused (too few groups left) the job ends as before. A fault that recurs (``recurs``: a
+    broken device) explains no death: its deaths are the group's own."""
+    oom = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    dropped: list[tuple[int, str]] = []
+    job = _Job()
+    deaths = job.deaths()
+    deaths.drop = lambda replica, why: dropped.append((replica, why)) is None
+    deaths.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    deaths.on_record({"event": FAULT_INJECT, "t": 9.0, "recurs": True, "target": {"replica": 2}})
+    for i, t in enumerate((10.0, 12.0, 14.0)):
+        deaths.on_record({"event": STEP_COMMIT, "replica": 0, "step": 41 + 10 * i})
+        job.incarnations[2] = i
+        assert deaths.seen(_rank_failure(2, t, oom)) is (i == 2)
+    ((replica, why),) = dropped
+    assert replica == 2 and "only group 2 fails" in why.splitlines()[1]
+    assert job.failed == []  # the job goes on
+    for i, t in enumerate((20.0, 22.0, 24.0)):  # a later loop of the job's: counted afresh
+        assert deaths.seen(_rank_failure(0, t, oom.replace("ECC", "ABC"))) is (i == 2)
+    assert len(job.failed) == 1 and "only group" not in job.failed[0]
+
+    job = _Job()  # the drop refused: the job ends with the diagnosis
+    deaths = job.deaths()
+    deaths.drop = lambda replica, why: False
+    deaths.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    for i, t in enumerate((10.0, 12.0, 14.0)):
+        deaths.on_record({"event": STEP_COMMIT, "replica": 0, "step": 41 + 10 * i})
+        job.incarnations[2] = i
+        deaths.seen(_rank_failure(2, t, oom))
+    assert "only group 2 fails" in job.failed[0]

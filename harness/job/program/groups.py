@@ -14,20 +14,17 @@ How each piece of the job-level protocol (``harness.job.protocol``) applies to a
   through a tap in front of the quorum service (``harness.quorum.tap``), and a group with no
   request in flight and none for ``program.progress_timeout_s`` (``start_timeout_s`` after it
   started) is hung: rank 0 is failed like a missed heartbeat and killed.
-* **Unblock.** A dead or stopped group's peers are unblocked from outside (``runtime.sockets``).
-  A survivor that then asks for no quorum within ``program.survivor_grace_s`` (or three of its
-  steps) is blocked where that cannot reach, and is failed as hung (``.progress``).
-* **Admit.** The tap lets in a call only from a group's rank-0 process, read from ``/proc``
-  (``harness.job.program.admission``), under the tagged id of the group's incarnation.
+* **Unblock.** A dead or stopped group's peers are unblocked from outside (``runtime.sockets``);
+  one that asks for no quorum within ``program.survivor_grace_s`` then is failed as hung.
+* **Admit.** The tap lets in only a group's rank-0 process (``/proc``: ``.admission``).
 * **Observe.** The tap's view is journalled as the group's progress, so every report works
   unchanged: a request at a higher step than the group's last is a ``step.commit`` (at the time
   of the request: a few milliseconds after the real commit), a jump of more than one step is a
   heal (``trainer.healed``: the group loaded a peer's state, seen when it next asks; so it is
   late by one step's time), a request at the same step is a ``step.abort``. Steps are journaled
   as inner steps, the Manager's step x ``program.sync_every`` (a LocalSGD or DiLoCo program asks
-  once per sync), so steps lost count inner steps too. Rank 0 stands for the group (only rank
-  0's Manager talks to the quorum service). Not observed: loss, samples, checksums, data
-  positions (the records carry ``observed = "quorum"``).
+  once per sync), so steps lost count inner steps too. Rank 0 (whose Manager talks to the quorum
+  service) stands for the group. Not observed: loss, samples, checksums, data positions.
 * **Stop, place, restart**: as for the built-in trainer: the processes are supervised procs of
   the group's supervisor. A program that exits with code 0 has finished (not a failure); the
   job is done when every group has.
@@ -120,6 +117,9 @@ class ProgramGroups:
 
     def poison(self, key: int, effect: str = "unreadable") -> None:
         raise ValueError("poison_data needs the built-in trainer: a program reads its own data")
+
+    def break_device(self, replica: int) -> None:
+        raise ValueError("broken_device needs the built-in trainer: a program has its own device")
 
     def stop(self) -> None:
         """The job is stopping: no more hang reports, every group's training ends."""
