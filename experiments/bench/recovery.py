@@ -16,14 +16,18 @@ since. Configurations, all in the same run and on the same seed:
 * ``replicated_2ranks/tree`` — the same 3 x 2 shape, the model whole in every rank.
 
 ``sharded_vs_unsharded`` (per model) divides the sharded row's median ``replacement_back_s`` by
-the unsharded rows' (goal: at most 1.5x) and repeats its stall (goal: p50 <= 0.1 s, p95 <= 0.3 s).
+the unsharded rows' (goal: at most 1.5x) and repeats its stall (goal: p50 <= 0.1 s, p95 <= 0.3 s),
+also in the survivors' own steps (``stall_p50_steps``: see ``survivor_stall_steps``).
 
 Figures per configuration (median, p95, min, max over the kills; p95 is linear-interpolated,
 so with 10 kills it lies between the two slowest), computed from the journal by
-``dashboards.metrics`` (its docstring has the definitions): ``survivor_stall_s``,
-``replacement_back_s`` (kill -> the killed group commits again), ``steps_lost``; for
-full_restart also ``full_restart_back_s`` (kill -> the job commits its next step); and
-``weights_match`` (every step committed by several groups has one checksum, per incarnation);
+``dashboards.metrics`` (its docstring has the definitions): ``survivor_stall_s``;
+``survivor_stall_steps``, each recovery's stall in its stalled survivor's typical gaps between
+commits (how many of its own steps a survivor loses: the figure that carries to a machine whose
+steps are shorter or longer); ``replacement_back_s`` (kill -> the killed group commits again),
+``steps_lost``; for full_restart also ``full_restart_back_s`` (kill -> the job commits its next
+step); and ``weights_match`` (every step committed by several groups has one checksum, per
+incarnation);
 ``phases_s``: for each recovery phase (detected, replacement_started, healed, participating),
 the median time from the kill to it: where the replacement's time goes.
 A second row set runs the llama3 debug model (not with ``--quick``).
@@ -144,7 +148,16 @@ PROGRAM_CONFIGS = (
 )
 
 
-def _stats(xs: list[float]) -> dict[str, float] | None:
+def _stall_steps(rec: dict[str, Any]) -> float | None:
+    """A recovery's stall in its most stalled survivor's typical gaps (module doc)."""
+    gaps = [g for g in rec.get("survivor_gaps") or () if g.get("typical_gap_s")]
+    if not gaps:
+        return None
+    worst = max(gaps, key=lambda g: g["stall_s"])
+    return worst["stall_s"] / worst["typical_gap_s"]
+
+
+def _stats(xs: list[float | None]) -> dict[str, float] | None:
     xs = [x for x in xs if x is not None]
     if not xs:
         return None
@@ -239,6 +252,7 @@ def run_config(
         "kills": len([r for r in records if r["event"] == FAULT_INJECT]),
         "recovered": len([r for r in recs if r.get("participate_s") is not None]),
         "survivor_stall_s": _stats([r.get("stall_s") for r in recs]),
+        "survivor_stall_steps": _stats([_stall_steps(r) for r in recs]),
         "replacement_back_s": _stats([r.get("participate_s") for r in recs]),
         "steps_lost": _stats([r.get("steps_lost") for r in recs]),
         "step_time_s": _step_time(records),
@@ -437,6 +451,7 @@ def _sharded_vs(rows: dict[str, Any]) -> dict[str, float | None]:
         ),
         "stall_p50_s": stall.get("median"),
         "stall_p95_s": stall.get("p95"),
+        "stall_p50_steps": (sharded.get("survivor_stall_steps") or {}).get("median"),
     }
 
 

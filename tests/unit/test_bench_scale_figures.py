@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from experiments.bench.recovery import _stats, default_reps
+from experiments.bench.recovery import _stall_steps, _stats, default_reps
 from experiments.bench.scale import _check, _ms
 from experiments.bench.sim_members import Reply, digest, member_bytes, quorum_members
 from harness.quorum import rule
@@ -53,6 +53,16 @@ def test_recovery_figures_carry_p95_beside_median_min_max() -> None:
     s = _stats([float(x) for x in range(1, 11)] + [None])  # type: ignore[list-item]
     assert s == {"median": 5.5, "p95": 9.55, "min": 1.0, "max": 10.0}
     assert _stats([None]) is None  # type: ignore[list-item]
+
+
+def test_a_stall_in_steps_is_the_most_stalled_survivors_in_its_own_typical_gaps() -> None:
+    gaps = [
+        {"replica": 1, "typical_gap_s": 0.1, "stall_s": 0.12},  # 1.2 of its steps
+        {"replica": 2, "typical_gap_s": 0.02, "stall_s": 0.05},  # 2.5 of its own: less time
+        {"replica": 3, "typical_gap_s": 0.0, "stall_s": 1.0},  # no typical gap: not counted
+    ]
+    assert _stall_steps({"survivor_gaps": gaps}) == pytest.approx(1.2)
+    assert _stall_steps({"survivor_gaps": []}) is None and _stall_steps({}) is None
 
 
 def test_recovery_kills_ten_times_per_configuration_by_default() -> None:
