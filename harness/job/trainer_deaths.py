@@ -36,7 +36,14 @@ from collections.abc import Callable, Iterable
 from harness.config import JobConfig
 from harness.job.crash_loop import CrashLoop, Death, diagnosis, read_death
 from runtime.failure import Cause, Failure
-from runtime.journal import FAILURE_SIGNATURE, FAULT_INJECT, STEP_COMMIT, Journal, Record
+from runtime.journal import (
+    FAILURE_SIGNATURE,
+    FAULT_INJECT,
+    GROUP_DROPPED,
+    STEP_COMMIT,
+    Journal,
+    Record,
+)
 
 #: Exception types that say the data, not the trainer, failed (``harness.rank.data.BadData``).
 DATA_FAULTS = ("BadData", "harness.rank.data.BadData")
@@ -106,6 +113,9 @@ class TrainerDeaths:
             elif event == FAULT_INJECT and not r.get("recurs"):
                 with self._lock:
                     self._loop.fault(float(r.get("t", 0.0)), None, None)
+            elif event == GROUP_DROPPED:  # that loop was acted on: counted afresh after it
+                with self._lock:
+                    self._loop.reset()
             elif event == FAILURE_SIGNATURE and r.get("counted"):
                 death = Death(
                     int(r.get("replica", -1)), int(r.get("rank", 0)), int(r.get("incarnation", -1)),

@@ -233,3 +233,30 @@ def test_a_loop_of_one_groups_own_drops_it_when_enough_groups_are_left_and_count
         job.incarnations[2] = i
         deaths.seen(_rank_failure(2, t, oom))
     assert "only group 2 fails" in job.failed[0]
+
+
+def test_a_takeover_after_a_group_was_dropped_counts_afresh():
+    """The dead controller's journal holds a whole loop, then group.dropped: the loop was acted
+    on, so the controller that takes over counts from zero (it does not find that loop again
+    and stop counting)."""
+    oom = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    dead = _Job()
+    before = dead.deaths()
+    before.drop = lambda replica, why: True
+    before.on_record({"event": STEP_COMMIT, "replica": 2, "step": 40})
+    before.on_record({"event": STEP_COMMIT, "replica": 0, "step": 90})
+    for i, t in enumerate((10.0, 12.0, 14.0)):
+        dead.incarnations[2] = i
+        before.seen(_rank_failure(2, t, oom))
+    history = [
+        {"event": STEP_COMMIT, "replica": 2, "step": 40, "t": 9.0},
+        *({**r, "t": 10.0 + 2 * i} for i, r in enumerate(dead.journaled)),
+        {"event": "group.dropped", "replica": 2, "t": 14.1},
+    ]
+    job = _Job()
+    deaths = job.deaths()
+    deaths.resume(history)
+    other = "RuntimeError: boom"
+    assert [deaths.seen(_rank_failure(1, t, other)) for t in (20.0, 21.0, 22.0)] == [
+        False, False, True,
+    ]  # fmt: skip
