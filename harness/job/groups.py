@@ -132,7 +132,7 @@ class TrainerGroups:
         self.members = members
         self.journal = journal
         self.say = say
-        self.broken: set[int] = set()  # groups with a broken device (faults.device)
+        self.broken: frozenset[int] = frozenset()  # groups with a broken device (faults.device)
         self.dropped: set[int] = set()
 
     def drop(self, replica: int, why: str) -> bool:
@@ -154,7 +154,8 @@ class TrainerGroups:
     def break_device(self, replica: int) -> None:
         from harness.rank.actors import break_device
 
-        self.broken.add(replica)  # its next incarnations too
+        self.broken = self.broken | {replica}  # its next incarnations too (a new set: a spawn
+        # on another thread may be reading the old one)
         for proc in self.members(replica):
             self.controller.run_in_worker(proc, break_device)
 
