@@ -60,6 +60,21 @@ def test_launcher_env_is_what_a_torchft_launcher_gives():
     assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "36"
 
 
+def test_every_program_gets_the_start_up_patch_first_on_its_path_and_the_hooks_when_asked():
+    """The directories put on a program's PYTHONPATH hold the sitecustomize they name (a move
+    of harness/job/program/env.py once pointed them at a folder that does not exist, and
+    torchft's peers were named by the host's name again: tests/e2e/test_addresses.py)."""
+    from harness.job.program.env import HOOKS_DIR, SITE_DIR
+
+    assert (SITE_DIR / "sitecustomize.py").is_file() and (HOOKS_DIR / "sitecustomize.py").is_file()
+    env = launcher_env(cfg(), replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2")
+    assert env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
+    hooked = launcher_env(
+        cfg("program.hooks=true"), replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2"
+    )
+    assert str(HOOKS_DIR) in hooked["PYTHONPATH"].split(":")
+
+
 def test_program_quorum_timeout_is_kept_where_it_already_outlasts_fencing():
     c = cfg("program.progress_timeout_s=10", "timeouts.quorum_timeout=40")
     env = launcher_env(c, replica=0, rank=0, lighthouse="http://h:1", store_addr="h:2")

@@ -14,9 +14,9 @@ from typing import Any
 from harness.program_config import TORCHTITAN_FLAGS
 
 #: The directory put first on a program's PYTHONPATH with ``program.hooks`` (its sitecustomize).
-HOOKS_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_hooks"
+HOOKS_DIR = Path(__file__).resolve().parents[2] / "rank" / "program_hooks"
 #: First on every program's PYTHONPATH: its sitecustomize makes torchft advertise the host address.
-SITE_DIR = Path(__file__).resolve().parents[1] / "rank" / "program_site"
+SITE_DIR = Path(__file__).resolve().parents[2] / "rank" / "program_site"
 #: The signal that tells the hook a fault command is waiting (harness/rank/program_hooks).
 HOOK_SIGNAL = signal.SIGUSR2
 
