@@ -329,12 +329,12 @@ def test_the_quorum_tap_listens_on_bind_host_and_admits_only_the_ranks_the_job_s
                 if quorum is not None and len(quorum.members) == 2:
                     break
                 time.sleep(0.1)
-            tap = job.program.tap
+            tap = job.groups_kind.tap
             found["tap"] = (tap.bind_host, tap.port)
             found["tap_clients"] = _owners(_clients_of(tap.port))  # before the stranger calls
             found["agents"] = {h.pid for h in job.controller.hosts.values()}
             found["members"] = tree.last_quorum().replica_ids
-            group = job.program._groups[0]  # what a local user can learn: the store, the ids
+            group = job.groups_kind._groups[0]  # what a local user can learn: the store, the ids
             found["stranger"] = _stranger_calls(
                 tap.address, job.quorum.address, group.store, sorted(group.ids)[0]
             )

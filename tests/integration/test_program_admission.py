@@ -137,7 +137,7 @@ def test_strangers_are_refused_and_the_program_trains_and_recovers_from_a_kill(
         try:
             threading.Thread(target=sample_members, args=(job,), daemon=True).start()
             stranger = subprocess.Popen(
-                [sys.executable, "-c", STRANGER, job.quorum.address, job.program.tap.address],
+                [sys.executable, "-c", STRANGER, job.quorum.address, job.groups_kind.tap.address],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -148,7 +148,7 @@ def test_strangers_are_refused_and_the_program_trains_and_recovers_from_a_kill(
             # Both groups start and commit while the stranger beats.
             for r in (0, 1):
                 _wait(lambda r=r: len(commits(r, t_beats)) >= 5, 180, f"group {r} committing")
-            group = job.program._groups[0]  # what a local user can learn: the store, the ids
+            group = job.groups_kind._groups[0]  # what a local user can learn: the store, the ids
             known = {"store": group.store, "ids": sorted(group.ids), "step": cfg.steps}
             assert stranger.stdin is not None and stranger.stdout is not None
             stranger.stdin.write(json.dumps(known) + "\n")
@@ -177,7 +177,7 @@ def test_strangers_are_refused_and_the_program_trains_and_recovers_from_a_kill(
             )
             for r in (0, 1):
                 _wait(lambda r=r: len(commits(r, healed)) >= 3, 120, f"group {r} after the heal")
-            found["incarnation"] = job.program._groups[0].incarnation
+            found["incarnation"] = job.groups_kind._groups[0].incarnation
         except BaseException as e:
             found["error"] = e
         finally:
