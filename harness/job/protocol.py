@@ -334,7 +334,7 @@ class Job:
         requested before any is awaited and their trainers are constructed in parallel.
         Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
         host to become ready) hold up only these groups. After a takeover, a group that still
-        runs is adopted instead, the first time (``harness.job.takeover.adopt``)."""
+        runs is adopted instead, the first time (``JobStart.adopt``, ``harness.job.start``)."""
         if len(replicas) == 1 and (adopted := self.how.adopt(self, replicas[0])) is not None:
             return adopted
 

@@ -170,7 +170,7 @@ class Readmits(Protocol):
 
 
 def adopt(job: TakenOver, program: Readmits, plan: GroupPlan) -> ProcMesh | None:
-    """Adopt a program group the journal says runs (``harness.job.takeover.adopt`` for a
+    """Adopt a program group the journal says runs (``TrainerGroups.adopt``'s part for a
     ``[program]`` job): every rank's program alive, its store and member id known, the group is
     this controller's as it runs (same processes, same incarnation), its tap admissions and its
     last step restored. None if not: the rest of it is stopped here, and the caller restarts the
