@@ -157,7 +157,7 @@ class TrainerGroups:
         self.broken = self.broken | {replica}  # its next incarnations too (a new set: a spawn
         # on another thread may be reading the old one)
         for proc in self.members(replica):
-            self.controller.run_in_worker(proc, break_device)
+            self.run_in_worker(proc, break_device)
 
     def start(self) -> None:
         return None
