@@ -93,8 +93,34 @@ def main() -> int:
         if manager.current_step() % 10 == 0:
             print(f"[{manager.current_step()}] loss = {loss.item():.4f}", flush=True)
     print(f"train_ddp: group {replica_group} done at step {manager.current_step()}", flush=True)
+    wait_for_the_group()
     manager.shutdown(wait=False)
     return 0
+
+
+def wait_for_the_group(timeout_s: float = 30.0) -> None:
+    """Rank 0 serves its group's torchft Manager: had it shut down the moment its own last
+    ``should_commit`` was answered, another rank's answer to the same call could still be on its
+    way, and that rank fail with "transport error" (seen once in CI). So every rank counts
+    itself done in the group's store, under this incarnation's replica id (torchft's rank 0
+    writes a fresh one at each start), and rank 0 waits for them all: ``timeout_s`` at most, as
+    a rank that died instead is its launcher's to restart."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    key = f"train_ddp/done/{store.get('replica_id').decode()}"
+    done = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    while os.environ.get("RANK", "0") == "0" and done < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+        done = store.add(key, 0)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,9 @@ def main() -> int:
     print(
         f"train_hsdp: group {group} rank {rank} done at step {manager.current_step()}", flush=True
     )
+    # rank 0 serves the group's Manager: it shuts down only once every rank of the group has
+    # had its answer to the last should_commit (else "transport error" in a slower rank)
+    dist.barrier()
     manager.shutdown(wait=False)
     dist.destroy_process_group()
     return 0
