@@ -79,7 +79,7 @@ from harness.job.hosts import HostPool
 from harness.job.poison import DataMarks
 from harness.job.progress import Progress
 from harness.job.recovery import RecoveryTracker
-from harness.job.replica_group import ReplicaGroup
+from harness.job.replica_group import GroupTable, ReplicaGroup
 from harness.job.silent import SilentWatch
 from harness.job.site import Site, controller_spec, wants_quorum_relay
 from harness.job.stall import StallWatch
@@ -131,12 +131,12 @@ class Job:
         self.replicas = cfg.replicas
         self.ranks = cfg.ranks
         self.policy = cfg.recovery.policy
-        self.groups: dict[int, ReplicaGroup] = {}
+        self.groups = GroupTable()  # every group's current incarnation
         self._make_controller = make_controller
         self._controller: Controller | None = None
         self._hosts: HostPool | None = None
         self._quorum: QuorumService | None = None
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # guards _all_lost
         self._started = False
         self._all_lost = False  # every group has lost its state (see _on_every_group_lost)
         self.tracker = RecoveryTracker(journal)
@@ -164,7 +164,6 @@ class Job:
         self.how = job_start(plan)  # fresh, or a takeover (harness.job.start)
         self.plan = plan
         self.survivable = survivable or plan is not None
-        self._group_seq = 0  # numbers this controller's group.start records
 
     @property
     def controller(self) -> Controller:
@@ -221,13 +220,13 @@ class Job:
         if not self.cfg.program.enabled:
             data = DataMarks.attach(self.journal, self.say, self.in_every_trainer)
             data.resume(self.how.history)  # what a dead controller had marked (a takeover)
-            incarnation = lambda r: g.incarnation if (g := self.groups.get(r)) else None  # noqa: E731
+            incarnation = self.groups.incarnation
             deaths = TrainerDeaths.attach(self.cfg, self.journal, incarnation, self.say, self.fail)
             deaths.resume(self.how.history)  # a crash loop the dead controller was counting
-            members = lambda r: list(g.mesh.proc_ids) if (g := self.groups.get(r)) else []  # noqa: E731
             return TrainerGroups(
                 self.controller, self.cfg_dict, self.run_dir, self.quorum, self._check_done,
-                data=data, deaths=deaths, members=members, journal=self.journal, say=self.say,
+                data=data, deaths=deaths, members=self.groups.proc_ids, journal=self.journal,
+                say=self.say,
             )  # fmt: skip
         from harness.job.program.groups import ProgramGroups
 
@@ -283,8 +282,7 @@ class Job:
         replica = failure.coords.get("replica")
         if replica is None:
             return
-        with self._lock:
-            group = self.groups.get(replica)
+        group = self.groups.get(replica)
         if group is not None and failure.proc not in group.mesh.proc_ids:
             return  # a late report about a replaced incarnation: fencing would drop its successor
         self.quorum.fence(replica, self.groups_kind.member_ids(replica))
@@ -351,13 +349,10 @@ class Job:
         if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
             time.sleep(self.cfg.recovery.restart_delay_s)
         hosts = {r: self.hosts.place(r) for r in replicas}
-        with self._lock:
-            incarnation = {
-                r: self.groups[r].incarnation + 1
-                if r in self.groups
-                else self.how.first_incarnation(r)
-                for r in replicas
-            }
+        incarnation = {
+            r: g.incarnation + 1 if (g := self.groups.get(r)) else self.how.first_incarnation(r)
+            for r in replicas
+        }
         # A fresh store per incarnation (keys from a dead incarnation must not leak into it),
         # served on the group's host by its agent: it outlives this controller, as the group's
         # ranks do (runtime.group_store).
@@ -392,40 +387,31 @@ class Job:
                 store=stores[r],
                 training=training[r],
             )
-            with self._lock:
-                self.groups[r] = group
-                self._group_seq += 1
-                seq = self._group_seq
-            takeover.journal_group(self, group, seq)
+            takeover.journal_group(self, group, self.groups.started(group))
             self.tracker.replacement_started(r)
 
     def adopted(self, group: ReplicaGroup) -> None:
         """A takeover adopted ``group`` as it runs (``harness.job.takeover.TakenOver``)."""
-        with self._lock:
-            self.groups[group.replica] = group
+        self.groups.adopted(group)
 
     # -- what faults and reports read -----------------------------------------------------------
     def host_names(self) -> list[str]:
         return self.site.host_names()
 
     def group_host(self, replica: int) -> str:
-        with self._lock:
-            group = self.groups.get(replica)
+        group = self.groups.get(replica)
         return group.host if group else self.host_names()[replica % self.cfg.hosts]
 
     def mesh_of(self, replica: int | None) -> ActorMesh | ProcMesh | None:
         """The meshes faults target: a group's ranks, or (None) the quorum service's process."""
         if replica is None:
             return self.quorum.mesh()
-        with self._lock:
-            group = self.groups.get(replica)
-            return group.mesh if group else None
+        group = self.groups.get(replica)
+        return group.mesh if group else None
 
     # -- completion (harness.job.completion) ----------------------------------------------------
     def _check_done(self) -> None:
-        with self._lock:
-            training = [g.training for g in self.groups.values()]
-        self.completion.groups_changed(training)
+        self.completion.groups_changed([g.training for g in self.groups.current()])
 
     def finished(self) -> None:
         """Every group is done (a program of the user's own exited 0 in every rank)."""
@@ -453,9 +439,7 @@ class Job:
     def in_every_trainer(self, func: Callable[..., Any], *args: Any) -> None:
         """Run ``func(*args)`` (a function of ``harness.rank.actors``) in every rank, not
         waiting (a gone one: none)."""
-        with self._lock:
-            pids = [pid for g in self.groups.values() for pid in g.mesh.proc_ids]
-        for pid in pids:
+        for pid in self.groups.proc_ids():
             with contextlib.suppress(Exception):
                 self.controller.run_in_worker(pid, func, *args)
 
@@ -467,8 +451,7 @@ class Job:
         if self._controller is None:
             self.site.close()
             return
-        with self._lock:
-            groups = list(self.groups.values())
+        groups = self.groups.current()
         self.hosts.close()
         if self._kind is not None:
             self._kind.stop()  # before waiting on the groups' training below

@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,7 +42,7 @@ from harness.config import JobConfig
 from harness.job.divergence import Divergence, Verdict
 from harness.job.groups import Groups
 from harness.job.recovery import RecoveryTracker
-from harness.job.replica_group import ReplicaGroup
+from harness.job.replica_group import GroupTable
 from harness.job.stragglers import StragglerDetector, StragglerEvent
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
@@ -67,10 +66,9 @@ class Job(Protocol):
     cfg: JobConfig
     journal: Journal
     tracker: RecoveryTracker
-    groups: dict[int, ReplicaGroup]
+    groups: GroupTable
     replicas: int
     run_dir: Path
-    _lock: threading.RLock
 
     @property
     def controller(self) -> Controller: ...
@@ -234,8 +232,7 @@ class SilentWatch:
         """Fail the group's current incarnation: recovery opened with ``cause``, the group
         fenced out of the quorum, its processes killed (its supervisor restarts it in place)."""
         job = self.job
-        with job._lock:
-            group = job.groups.get(replica)
+        group = job.groups.get(replica)
         if group is None:
             return
         now = time.time()
