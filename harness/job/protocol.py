@@ -26,11 +26,11 @@ What happens after a group dies, step by step, and where:
 4. **Place.** ``HostPool.place`` (``harness.job.hosts``): the group's home host if ready, else
    the next ready one (``harness.job.placement``); lost hosts are respawned in the background,
    never on this path.
-5. **Spawn.** :meth:`Job._start_groups` forks the group's ranks on that host (adopting warm
-   spares where there are), with a fresh TCPStore (a new incarnation), and constructs their
-   trainers; the tracker records ``replacement_started``. With ``[program]`` a program of the
-   user's own takes the trainers' place (``harness.job.program.groups``: started by the agents as
-   plain processes, its progress and liveness read from its quorum requests).
+5. **Spawn.** ``GroupTree.start_groups`` (``harness.job.tree``) forks the group's ranks on that
+   host (adopting warm spares where there are), with a fresh TCPStore (a new incarnation), and
+   constructs their trainers; the tracker records ``replacement_started``. With ``[program]`` a
+   program of the user's own takes the trainers' place (``harness.job.program.groups``: started
+   by the agents as plain processes, its progress and liveness read from its quorum requests).
 6. **Heal.** The new trainers join the next quorum; torchft sees they are behind and has them
    load a healthy peer's state over the configured transport (``healed``). Groups that skip
    quorums (``recovery.quorum_every_steps``) are asked for one (:meth:`Job.ask_for_quorum`).
@@ -39,20 +39,9 @@ What happens after a group dies, step by step, and where:
 7. **Participate.** The group commits a step with the others (``participating``); the survivors
    never stopped committing (``survivors_resumed`` marks their first commit after detection).
 
-Under ``full_restart`` (the baseline: what a SLURM or torchrun job gets) the job supervisor is
-one_for_all over the quorum and one child holding every group, so any failure stops every
-process and the whole job restarts from its last checkpoint, all groups at once, in fresh
-interpreters that import torch again (``cold`` spawns). The host agents themselves stay up: the
-baseline does not pay for node allocation, so the comparison favours it.
-
-The tree (``in_place``)::
-
-    controller (root: an escalation here stops the job)
-    └── job             one_for_one, gives up at the first escalation from below
-        ├── quorum      one_for_one: a quorum service in a process of its own, if it has one
-        │               (torchft's Lighthouse: restarted on its port; ``harness.quorum.service``)
-        └── replica<r>  one_for_all over the group's ranks, restart intensity from the config
-            └── ranks   a mesh {"rank": ranks} of TrainerActors on the group's host
+Under ``full_restart`` (the baseline: what a SLURM or torchrun job gets) any failure restarts
+every group from the last checkpoint instead. The supervision tree per policy, and the spawn of
+groups in it: ``harness.job.tree``.
 
 The job's config is resolved before it starts (``harness.job.site``) and never rewritten.
 Faults reach the job only through :attr:`Job.faults` (``harness.job.fault_context``).
@@ -60,12 +49,8 @@ Faults reach the job only through :attr:`Job.faults` (``harness.job.fault_contex
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import dataclasses
-import functools
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,15 +71,14 @@ from harness.job.stall import StallWatch
 from harness.job.start import job_start
 from harness.job.takeover import Plan
 from harness.job.trainer_deaths import TrainerDeaths
+from harness.job.tree import GroupTree
 from harness.quorum.backends import make_quorum_service
 from harness.quorum.service import QuorumService
 from runtime.controller import Controller
 from runtime.dataplane.snapshot import reap_orphans
 from runtime.failure import Failure
-from runtime.host_handle import HostAgentHandle
 from runtime.journal import JOB_RESTART, Journal
 from runtime.mesh import ActorMesh, ProcMesh
-from runtime.spec import Strategy, SupervisorSpec
 from runtime.supervisor import Supervisor
 
 T = TypeVar("T")
@@ -137,7 +121,6 @@ class Job:
         self._hosts: HostPool | None = None
         self._quorum: QuorumService | None = None
         self._lock = threading.Lock()  # guards _all_lost
-        self._started = False
         self._all_lost = False  # every group has lost its state (see _on_every_group_lost)
         self.tracker = RecoveryTracker(journal)
         self.progress = Progress(cfg, self.tracker, quiet=quiet)
@@ -207,9 +190,8 @@ class Job:
         self._kind = self._make_groups()
         self._kind.start()
         self.how.bring_up(self)
-        self.job_supervisor = self._build_tree()
+        self.job_supervisor = GroupTree(self).build()
         self.how.after_tree(self)
-        self._started = True
         self.stall.start()
         self.say(
             f"{self.replicas} replica group(s) x {self.ranks} rank(s) training ({self.policy})"
@@ -244,30 +226,6 @@ class Job:
         if wants_quorum_relay(self.cfg):  # a program's calls go through its quorum tap
             upstream = self.groups_kind.quorum_upstream() or self.quorum.address
             self.controller.set_quorum_upstream(upstream)
-
-    def _build_tree(self) -> Supervisor:
-        r = self.cfg.recovery
-        service = self.quorum.supervised_child()
-        intensity = SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
-        group_spec = dataclasses.replace(intensity, strategy=Strategy.ONE_FOR_ALL, grace_s=0.5)
-        if self.policy == "full_restart":
-            job = self.controller.supervisor("job", group_spec, on_failure=self._absorbs)
-            if service is not None:
-                job.add_child("quorum", service)
-            # One child for all groups: a full restart brings them back together, in parallel.
-            job.add_child("groups", lambda: self._start_groups(list(range(self.replicas))))
-            return job
-        job = self.controller.supervisor("job", SupervisorSpec(max_restarts=0))
-        if service is not None:
-            job.add_supervisor("quorum", intensity).add_child("lighthouse", service)
-        for rep in range(self.replicas):
-            group = job.add_supervisor(f"replica{rep}", group_spec, on_failure=self._absorbs)
-            group.add_child("ranks", functools.partial(self._start_groups, [rep]))
-        return job
-
-    def _absorbs(self, failure: Failure) -> bool:
-        """A failure that is no fault (its group had finished: ``Groups.absorbs``)."""
-        return self.groups_kind.absorbs(failure)
 
     # -- detect and fence -----------------------------------------------------------------------
     def _wire_failures(self) -> None:
@@ -324,71 +282,6 @@ class Job:
         from harness.rank.actors import request_quorum
 
         threading.Thread(target=self.in_every_trainer, args=(request_quorum,), daemon=True).start()
-
-    # -- spawn: groups --------------------------------------------------------------------------
-    def _start_groups(self, replicas: list[int]) -> ActorMesh | ProcMesh:
-        """Start replica groups (processes, trainers, then training) and return them stacked
-        on a "replica" dimension. Several groups start together: their processes are all
-        requested before any is awaited and their trainers are constructed in parallel.
-        Runs on the supervisor's restart thread for a restart, so its waits (restart delay, a
-        host to become ready) hold up only these groups. After a takeover, a group that still
-        runs is adopted instead, the first time (``JobStart.adopt``, ``harness.job.start``)."""
-        if len(replicas) == 1 and (adopted := self.how.adopt(self, replicas[0])) is not None:
-            return adopted
-
-        cold = self.policy == "full_restart" and self._started
-        if cold:
-            # Every process after the first start is a fresh interpreter: the baseline pays
-            # the imports a scheduler's restart pays (in_place forks warm ones).
-            self.journal.emit(
-                JOB_RESTART, reason="full_restart: every process restarted from the last checkpoint"
-            )
-            self.quorum.job_restarted()
-        if self.silent is not None:
-            self.silent.before_start(replicas)
-        if self.cfg.recovery.restart_delay_s and replicas[0] in self.groups:
-            time.sleep(self.cfg.recovery.restart_delay_s)
-        hosts = {r: self.hosts.place(r) for r in replicas}
-        incarnation = {
-            r: g.incarnation + 1 if (g := self.groups.get(r)) else self.how.first_incarnation(r)
-            for r in replicas
-        }
-        # A fresh store per incarnation (keys from a dead incarnation must not leak into it),
-        # served on the group's host by its agent: it outlives this controller, as the group's
-        # ranks do (runtime.group_store).
-        stores = {r: self.controller.serve_store(hosts[r], r) for r in replicas}
-        # Fence: the quorum service lets in only the incarnation it admitted last, so a stale
-        # incarnation (a partitioned group that comes back) can never rejoin or serve weights.
-        admitted = {r: self.quorum.admit(r, incarnation[r]) for r in replicas}
-        member_ids = {r: m for r, m in admitted.items() if m is not None}
-        mesh, training = self.groups_kind.start_groups(
-            replicas, hosts, incarnation, stores, cold, member_ids=member_ids
-        )
-        self._record_groups(replicas, hosts, incarnation, stores, mesh, training)
-        return mesh
-
-    def _record_groups(
-        self,
-        replicas: list[int],
-        hosts: dict[int, HostAgentHandle],
-        incarnation: dict[int, int],
-        stores: dict[int, str],
-        mesh: ActorMesh | ProcMesh,
-        training: dict[int, cf.Future],
-    ) -> None:
-        """Each started group's record (its slice of ``mesh``, stacked on "replica"), then its
-        ``replacement_started`` phase."""
-        for i, r in enumerate(replicas):
-            group = ReplicaGroup(
-                replica=r,
-                incarnation=incarnation[r],
-                host=hosts[r].name,
-                mesh=mesh.slice(replica=slice(i, i + 1)),
-                store=stores[r],
-                training=training[r],
-            )
-            takeover.journal_group(self, group, self.groups.started(group))
-            self.tracker.replacement_started(r)
 
     def adopted(self, group: ReplicaGroup) -> None:
         """A takeover adopted ``group`` as it runs (``harness.job.takeover.TakenOver``)."""
