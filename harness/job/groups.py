@@ -10,7 +10,7 @@ a kind of replica group (:class:`Groups`), so the job never asks which it holds.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -120,6 +120,7 @@ class TrainerGroups:
         members: Callable[[int], list[str]],
         journal: Journal,
         say: Callable[[str], None],
+        dropped: Iterable[int] = (),
     ) -> None:
         self.controller = controller
         self.cfg_dict = cfg_dict
@@ -133,7 +134,7 @@ class TrainerGroups:
         self.journal = journal
         self.say = say
         self.broken: frozenset[int] = frozenset()  # groups with a broken device (faults.device)
-        self.dropped: set[int] = set()
+        self.dropped: set[int] = set(dropped)  # (a takeover: those its predecessor dropped)
 
     def drop(self, replica: int, why: str) -> bool:
         """Go on without group ``replica``, whose failures are its own (``why``, the crash

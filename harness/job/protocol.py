@@ -208,7 +208,7 @@ class Job:
             return TrainerGroups(
                 self.controller, self.cfg_dict, self.run_dir, self.quorum, self._check_done,
                 data=data, deaths=deaths, members=self.groups.proc_ids, journal=self.journal,
-                say=self.say,
+                say=self.say, dropped=self.how.dropped,
             )  # fmt: skip
         from harness.job.program.groups import ProgramGroups
 

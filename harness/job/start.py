@@ -42,6 +42,8 @@ class JobStart(Protocol):
     plan: Plan | None
     #: The run's journal so far: the dead controller's records (a takeover), or none.
     history: list[Record]
+    #: The groups the dead controller dropped (``TrainerGroups.drop``): never started again.
+    dropped: frozenset[int]
 
     @property
     def resumes(self) -> bool:
@@ -74,6 +76,7 @@ class JobStart(Protocol):
 class FreshStart:
     plan: Plan | None = None
     resumes = False
+    dropped: frozenset[int] = frozenset()
 
     def __init__(self) -> None:
         self.history: list[Record] = []
@@ -105,6 +108,7 @@ class TakeoverStart:
         self.plan: Plan | None = plan
         self._plan = plan
         self.history = plan.records
+        self.dropped = plan.dropped
         self._adopting: dict[int, GroupPlan] = dict(plan.groups)  # not yet started again
         self._incarnations: dict[int, int] = {}  # of a group that could not be adopted
 

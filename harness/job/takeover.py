@@ -19,7 +19,8 @@ The new controller knows nothing it cannot read from the run directory or hear f
 
 Then the agents re-dial and report their live workers (``Controller.reattach``); each group the
 journal says runs is adopted whole if every rank's process is alive (its running ``train`` call
-included), else restarted in place like any failed group. A host whose agent did not re-dial
+included), else restarted in place like any failed group; one the journal says was dropped
+(``group.dropped``: a crash loop of its own) is neither. A host whose agent did not re-dial
 within the grace window is lost, as a host is. The takeover is a recovery in the journal
 (cause ``controller_crash``): detected when the new controller starts, ``replacement_started``
 once it serves, ``participating`` at the first commit after it.
@@ -48,6 +49,7 @@ from harness.job.preflight import Checked
 from harness.job.replica_group import ReplicaGroup
 from runtime.journal import (
     CONTROLLER_TAKEOVER,
+    GROUP_DROPPED,
     GROUP_START,
     JOB_END,
     JOB_START,
@@ -94,6 +96,8 @@ class Plan:
     records: list[Record]
     epoch: int  # the last controller's
     secret: bytes
+    #: Groups dropped for a crash loop of their own (``group.dropped``): never started again.
+    dropped: frozenset[int] = frozenset()
 
 
 def supported(cfg: JobConfig) -> str | None:
@@ -163,8 +167,11 @@ def read_run(run_dir: Path, secret: bytes, epoch: int) -> Plan:
             procs=tuple(str(p) for p in r["procs"]),
         )
     steps = [int(r.get("step", 0)) for r in records if r["event"] == "step.commit"]
+    dropped = frozenset(int(r["replica"]) for r in records if r["event"] == GROUP_DROPPED)
     return Plan(
-        groups=groups,
+        groups={r: g for r, g in groups.items() if r not in dropped},  # what is left of one
+        # stops with every process no group claims (release_unclaimed)
+        dropped=dropped,
         committed_step=max(steps, default=0),
         records=records,
         epoch=epoch,

@@ -58,18 +58,20 @@ class GroupTree:
         service = job.quorum.supervised_child()
         intensity = SupervisorSpec(max_restarts=r.max_restarts, within_s=r.within_s)
         group_spec = dataclasses.replace(intensity, strategy=Strategy.ONE_FOR_ALL, grace_s=0.5)
+        # every group but those a dead controller dropped (a takeover: JobStart.dropped)
+        live = [rep for rep in range(job.replicas) if rep not in job.how.dropped]
         absorbs = lambda failure: job.groups_kind.absorbs(failure)  # noqa: E731  (no fault: done)
         if r.policy == "full_restart":
             root = job.controller.supervisor("job", group_spec, on_failure=absorbs)
             if service is not None:
                 root.add_child("quorum", service)
             # One child for all groups: a full restart brings them back together, in parallel.
-            root.add_child("groups", lambda: self.start_groups(list(range(job.replicas))))
+            root.add_child("groups", lambda: self.start_groups(live))
             return root
         root = job.controller.supervisor("job", SupervisorSpec(max_restarts=0))
         if service is not None:
             root.add_supervisor("quorum", intensity).add_child("lighthouse", service)
-        for rep in range(job.replicas):
+        for rep in live:
             group = root.add_supervisor(f"replica{rep}", group_spec, on_failure=absorbs)
             group.add_child("ranks", functools.partial(self.start_groups, [rep]))
         return root

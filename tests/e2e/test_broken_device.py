@@ -80,3 +80,32 @@ def test_a_group_whose_device_is_broken_is_dropped_and_the_others_train_on(tmp_p
     )  # training went on past the drop
     report = (tmp_path / "run" / "report.md").read_text()
     assert "## Groups dropped: `in_place`" in report and f"only group {hit} fails" in report
+
+
+def test_a_dropped_group_stays_dropped_when_the_controller_is_taken_over(tmp_path):
+    """The controller dies after the drop: its successor reads ``group.dropped`` in the journal,
+    adopts the other two groups and neither adopts nor restarts the dropped one (before, it
+    started it again, to crash-loop a second time)."""
+    exp = EXPERIMENT.replace("at_times = [5]", "at_times = [5, 10]").replace(
+        "mix = { broken_device = 1 }", "mix = { broken_device = 1, controller_crash = 1 }"
+    )  # seed 3 draws broken_device, then controller_crash
+    (tmp_path / "exp.toml").write_text(exp.replace("duration_s = 20", "duration_s = 24"))
+    done = subprocess.run(
+        chaos_argv(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=220
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    run = tmp_path / "run" / "in_place"
+    assert [f["kind"] for f in events(run, "fault.inject")] == ["broken_device", "controller_crash"]
+    hit = events(run, "fault.inject")[0]["target"]["replica"]
+    (drop,) = events(run, "group.dropped")
+    assert drop["replica"] == hit
+    takeover = next(r for r in events(run, "controller.takeover") if r.get("epoch") == 2)
+    assert takeover["t"] > drop["t"]
+    adopted = {r["replica"] for r in events(run, "controller.takeover") if r.get("adopted")}
+    assert adopted == {0, 1, 2} - {hit}
+    assert [g for g in events(run, "group.start") if g["t"] > takeover["t"]] == []
+    commits = events(run, "step.commit")
+    assert {c["replica"] for c in commits if c["t"] > takeover["t"] + 1.0} == {0, 1, 2} - {hit}
+    (end,) = events(run, "job.end")
+    assert end["status"] == "ok"

@@ -10,7 +10,7 @@ import pytest
 
 from harness.config import load_config
 from harness.job.takeover import TakeoverRefused, read_run, sign, supported
-from runtime.journal import GROUP_START, JOB_END, JOB_START, Journal
+from runtime.journal import GROUP_DROPPED, GROUP_START, JOB_END, JOB_START, Journal
 
 SECRET = b"k" * 32
 
@@ -46,6 +46,20 @@ def test_the_latest_start_of_each_group_across_controllers_is_what_runs(tmp_path
         0: (0, ("host0/0-0",)),
         1: (1, ("host0/1-1",)),
     }
+
+
+def test_a_dropped_group_is_neither_adopted_nor_started_again(tmp_path: Path) -> None:
+    """A group dropped for a crash loop of its own (harness.job.groups.TrainerGroups.drop) is
+    in no plan to adopt; what is left of it stops with every process no group claims."""
+    journal = _run(tmp_path)
+    journal.emit(GROUP_DROPPED, replica=1, left=1, reason="only group 1 fails")
+    journal.close()
+    plan = read_run(tmp_path, SECRET, epoch=1)
+    assert plan.dropped == {1} and list(plan.groups) == [0]
+
+    from harness.job.start import job_start
+
+    assert job_start(plan).dropped == {1} and job_start(None).dropped == frozenset()
 
 
 def test_a_record_edited_by_hand_is_refused(tmp_path: Path) -> None:
