@@ -90,8 +90,10 @@ Definitions (t is each record's ``t``; a record without ``policy`` counts as ``"
   faults (a fault counted once however many groups it took down).
 * **per kind**: ``count`` = faults of that kind; ``recovered`` = those whose every recovery reached
   ``participating``; ``overtaken`` = those with a recovery the job's end overtook
-  (``OVERTAKEN``); detection_s, stall_s and participate_s = mean/p50/p95 over the kind's
-  recoveries (one value per recovery, so a host fault that took down two groups adds two).
+  (``OVERTAKEN``); ``dropped`` = those with a recovery that ended in its group's drop
+  (``DROPPED``: a crash loop of the group's own); detection_s, stall_s and participate_s =
+  mean/p50/p95 over the kind's recoveries (one value per recovery, so a host fault that took
+  down two groups adds two).
   ``all_faults``: the same over every recovery a fault explains (unplanned ones excluded).
 * A fault with no ``recovery.phase`` records but ``failure`` records after it gets **derived**
   recoveries, one per failed group (the target replica, or every group that failed on the target
@@ -123,6 +125,7 @@ from typing import Any
 from dashboards.data_coverage import coverage
 from dashboards.names import KIND_UNPLANNED
 from runtime.journal import (
+    DROPPED,
     FAILURE,
     FAULT_INJECT,
     JOB_END,
@@ -588,6 +591,10 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
             # faults whose group was still rejoining when the job ended (runtime.journal.OVERTAKEN)
             "overtaken": sum(
                 1 for i in ids if any(r["fault_id"] == i and OVERTAKEN in r["phases"] for r in mine)
+            ),
+            # ... and those whose group was dropped for a crash loop of its own (DROPPED)
+            "dropped": sum(
+                1 for i in ids if any(r["fault_id"] == i and DROPPED in r["phases"] for r in mine)
             ),
             **_figure_stats(mine),
             "steps_lost": sum(lost_by_fault.get(i, 0) or 0 for i in ids),

@@ -35,6 +35,8 @@ from experiments.report_silent import render_silent, silent_summary, without_hea
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
 from harness.tomlfile import read_toml
 from runtime.journal import (
+    DROPPED,
+    ENDINGS,
     FAULT_HEAL,
     FAULT_INJECT,
     JOB_END,
@@ -201,6 +203,7 @@ def _every_fault_recovered(
     problems: list[str] = []
     no_recovery: list[str] = []
     overtaken: list[str] = []
+    dropped: list[str] = []
     for f in faults:
         fid, kind = f.get("fault_id"), f.get("kind")
         label = f"{fid} ({kind}) at {at(f['t'])}"
@@ -212,9 +215,13 @@ def _every_fault_recovered(
         mine = [r for r in recs if r.get("fault_id") == fid]
         if not mine:
             no_recovery.append(f"{fid} ({kind})")
-        # the job ended while the group rejoined (runtime.journal.OVERTAKEN): nothing to rejoin
-        ended = {r.get("replica") for r in mine if OVERTAKEN in (r.get("phases") or {})}
-        overtaken += [f"{fid} ({kind}) of replica {g}" for g in sorted(ended, key=str)]
+        # the job ended while the group rejoined (runtime.journal.OVERTAKEN): nothing to rejoin;
+        # or the group was dropped for a crash loop of its own (DROPPED): it never rejoins
+        ended: set[Any] = set()
+        for phase, listed in ((OVERTAKEN, overtaken), (DROPPED, dropped)):
+            gone = {r.get("replica") for r in mine if phase in (r.get("phases") or {})}
+            listed += [f"{fid} ({kind}) of replica {g}" for g in sorted(gone, key=str)]
+            ended |= gone
         mine = [r for r in mine if r.get("replica") not in ended]
         for r in mine:
             # A recovery the tracker never wrote (``derived``, read off failures by
@@ -249,9 +256,11 @@ def _every_fault_recovered(
             f"{len(problems)} problem(s) over {len(faults)} faults: {_listed(problems)}",
             problems,
         )
+    ended_ids = {e.split(" ", 1)[0] for e in overtaken + dropped}  # "f003 (kill) of replica 1"
+    reached = len(faults) - len(no_recovery) - len(ended_ids)
+    what = "recovered" if not dropped else "recovered or their group dropped"
     detail = (
-        f"all {len(faults)} faults recovered: {len(faults) - len(no_recovery)} through "
-        "recoveries that reached participating"
+        f"all {len(faults)} faults {what}: {reached} through recoveries that reached participating"
     )
     if no_recovery:
         detail += (
@@ -262,6 +271,11 @@ def _every_fault_recovered(
         detail += (
             f"; {len(overtaken)} overtaken by the job's end (the other groups finished the last "
             f"step while the group rejoined): {_listed(overtaken)}"
+        )
+    if dropped:
+        detail += (
+            f"; {len(dropped)} ended in the group's drop (a crash loop of its own; the others "
+            f"trained on): {_listed(dropped)}"
         )
     return _result(name, True, detail)
 
@@ -318,7 +332,7 @@ def _journal_complete(policy: str, records: Sequence[Record], problems: Sequence
     end_t = max((r["t"] for r in ends), default=None)
     open_at_end, never_closed = [], []
     for rid, ph in phases.items():
-        if "participating" in ph or OVERTAKEN in ph or "detected" not in ph:
+        if "participating" in ph or any(e in ph for e in ENDINGS) or "detected" not in ph:
             continue
         last = max(ph, key=ph.get)
         what = f"{rid} (replica {replica_of[rid]}, last phase {last} at {at(ph[last])})"
@@ -331,7 +345,7 @@ def _journal_complete(policy: str, records: Sequence[Record], problems: Sequence
     detail = (
         f"{len(records)} records, none skipped; job.start {len(starts)}, job.end {len(ends)}; "
         f"{len(injected)} faults, each healed; {closed} of {len(phases)} recoveries reached "
-        "participating or were overtaken by the job's end"
+        "participating, were overtaken by the job's end or ended in a drop"
     )
     if open_at_end:
         detail += f"; open when the job ended: {_listed(open_at_end)}"
@@ -556,6 +570,8 @@ def render_markdown(summary: dict[str, Any], hypotheses_results: Sequence[Result
                 recovered = f"{k['recovered']}" + (f" ({none} took down no group)" if none else "")
                 if k.get("overtaken"):
                     recovered += f" ({k['overtaken']} overtaken by the job's end)"
+                if k.get("dropped"):
+                    recovered += f" ({k['dropped']} ended in the group's drop)"
                 lines.append(
                     f"| {kind} | {k['count']} | {recovered} | "
                     + " | ".join(_stat(k[str(m.quantity)]) for m in N.RECOVERY_METRICS)

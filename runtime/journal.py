@@ -46,7 +46,7 @@ Event names and their extra fields:
                           ``target``, ``at_s``, ``at_step`` each), written as it starts: a
                           controller that takes over resumes it (faults/injector.py)
 ``recovery.phase``        ``recovery_id``, ``fault_id`` (or null), ``replica``, ``phase`` (one of
-                          ``PHASES``, or ``OVERTAKEN``: it ends the recovery, see there),
+                          ``PHASES``, or one of ``ENDINGS``: it ends the recovery, see there),
                           ``cause``
 ``checkpoint.save``       ``step``, ``path``, ``seconds`` (serialize + write), ``blocked_s`` (the
                           training thread's share); logged once the checkpoint is durable
@@ -133,6 +133,12 @@ PHASES = ("detected", "survivors_resumed", "replacement_started", "healed", "par
 #: the job ended (harness.job.program.groups). Not a failure to recover: there was nothing to
 #: rejoin.
 OVERTAKEN = "overtaken"
+#: The phase that ends the recovery of a group dropped for a crash loop of its own
+#: (``group.dropped``, harness.job.groups.TrainerGroups.drop): it is never restarted, and the
+#: other groups train on without it.
+DROPPED = "dropped"
+#: The phases that end a recovery without its group participating again.
+ENDINGS = (OVERTAKEN, DROPPED)
 
 Record = dict[str, Any]
 Sink = Callable[[Record], None]

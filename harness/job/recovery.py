@@ -40,7 +40,10 @@ from runtime.failure import Failure
 from runtime.journal import (
     CHECKPOINT_SAVE,
     CHECKPOINT_START,
+    DROPPED,
+    ENDINGS,
     FAULT_INJECT,
+    GROUP_DROPPED,
     HEAL_START,
     HEALED,
     OVERTAKEN,
@@ -232,6 +235,8 @@ class RecoveryTracker:
             with self._lock:
                 self._heals.pop(r.get("replica", -1), None)
             self._phase(r.get("replica"), "healed")
+        elif event == GROUP_DROPPED:  # never restarted: its recovery ends here
+            self._end(int(r["replica"]), DROPPED, r["t"])
         elif event == CHECKPOINT_START and r.get("rank") == 0:
             with self._lock:
                 self._writes[r["replica"]] = int(r.get("step", 0))
@@ -348,11 +353,16 @@ class RecoveryTracker:
         """The job ended while ``replica`` was still rejoining (``runtime.journal.OVERTAKEN``):
         close its open recovery with that phase. Returns whether one was open."""
         with self._lock:
-            rec = self._open.pop(replica, None)
             self._stateless.discard(replica)
+        return self._end(replica, OVERTAKEN)
+
+    def _end(self, replica: int, phase: str, t: float | None = None) -> bool:
+        """Close ``replica``'s open recovery with ``phase`` (one of ``ENDINGS``), if one is."""
+        with self._lock:
+            rec = self._open.pop(replica, None)
         if rec is None:
             return False
-        self._write(rec, OVERTAKEN, None)
+        self._write(rec, phase, t)
         return True
 
     def stateless_replicas(self) -> set[int]:
@@ -393,7 +403,7 @@ def _still_open(records: list[Record]) -> list[_Open]:
         if r.get("event") != RECOVERY_PHASE:
             continue
         rid, phase = str(r.get("recovery_id")), str(r.get("phase"))
-        if phase in ("participating", OVERTAKEN):
+        if phase == "participating" or phase in ENDINGS:
             closed.add(rid)
         rec = by_id.get(rid)
         if rec is None and phase == "detected":

@@ -228,7 +228,7 @@ def journal_group(job: TakenOver, group: ReplicaGroup, seq: int) -> None:
         "host": group.host,
         "procs": list(group.mesh.proc_ids),
         "seq": seq,
-        "epoch": getattr(controller, "epoch", 1),
+        "epoch": controller.epoch,
     }
     job.journal.emit(GROUP_START, **fields, mac=sign(controller.secret, fields))
 
@@ -252,7 +252,7 @@ def reattach(job: TakenOver) -> None:
         job.hosts.respawn_lost(name)
     job.journal.emit(
         CONTROLLER_TAKEOVER,
-        epoch=getattr(job.controller, "epoch", None),
+        epoch=job.controller.epoch,
         pid=os.getpid(),
         hosts=sorted(reports),
         lost=lost,

@@ -44,6 +44,8 @@ kind = "default"
 
 [hypotheses]
 committed_steps_rise = true
+every_fault_recovered = true   # the hit group's recovery ends in its drop (phase "dropped")
+journal_complete = true
 """
 
 
@@ -80,6 +82,9 @@ def test_a_group_whose_device_is_broken_is_dropped_and_the_others_train_on(tmp_p
     )  # training went on past the drop
     report = (tmp_path / "run" / "report.md").read_text()
     assert "## Groups dropped: `in_place`" in report and f"only group {hit} fails" in report
+    (ended,) = [r for r in events(run, "recovery.phase") if r["phase"] == "dropped"]
+    assert ended["replica"] == hit and ended["fault_id"] == fault["fault_id"]
+    assert "ended in the group's drop" in report
 
 
 def test_a_dropped_group_stays_dropped_when_the_controller_is_taken_over(tmp_path):

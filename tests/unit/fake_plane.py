@@ -64,6 +64,7 @@ class FakeController:
         self.spec = spec
         self.journal = journal
         self.secret = secrets.token_bytes(32)
+        self.epoch = 1  # a fresh start's (no takeover)
         self.address = ("127.0.0.1", 0)
         self.hosts: dict[str, FakeHost] = {}
         self.procs: dict[str, FakeProc] = {}

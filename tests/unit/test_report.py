@@ -225,6 +225,9 @@ def soak_journal(path: Path, *, drop: tuple[str, ...] = ()) -> Path:
         if "overtaken" in drop:  # the others finished while group 1 rejoined
             j.emit("recovery.phase", t=107.5, recovery_id="rec-1", fault_id="f000", replica=1,
                    phase="overtaken", cause="signal")  # fmt: skip
+        if "dropped" in drop:  # group 1 dropped for a crash loop of its own
+            j.emit("recovery.phase", t=105.5, recovery_id="rec-1", fault_id="f000", replica=1,
+                   phase="dropped", cause="signal")  # fmt: skip
     j.emit("fault.inject", t=105.5, fault_id="f001", kind="slow_rank", target={"replica": 2},
            seed=0)  # fmt: skip
     if "heal" not in drop:
@@ -512,3 +515,20 @@ def test_a_recovery_overtaken_by_the_jobs_end_is_not_a_failure_to_recover(tmp_pa
     assert j["passed"] and "open when the job ended" not in j["detail"], j
     kill = summarize(read_journal(tmp_path))["policies"]["in_place"]["faults"]["kill"]
     assert (kill["recovered"], kill["overtaken"]) == (0, 1)
+
+
+def test_a_recovery_that_ends_in_the_groups_drop_is_not_a_failure_to_recover(tmp_path):
+    """Group 1 was dropped for a crash loop of its own (``group.dropped``; its recovery ends
+    with ``dropped``): it never rejoins by design, and the report says so."""
+    soak_journal(tmp_path / "j.jsonl", drop=("participating", "dropped"))
+    res = soak_results(tmp_path, CLEAN)
+    r = res["every_fault_recovered[in_place]"]
+    assert r["passed"], r
+    assert "1 ended in the group's drop" in r["detail"]
+    assert "f000 (kill) of replica 1" in r["detail"]
+    j = res["journal_complete[in_place]"]
+    assert j["passed"] and "open when the job ended" not in j["detail"], j
+    summary = summarize(read_journal(tmp_path))
+    kill = summary["policies"]["in_place"]["faults"]["kill"]
+    assert (kill["recovered"], kill["dropped"], kill["overtaken"]) == (0, 1, 0)
+    assert "(1 ended in the group's drop)" in render_markdown(summary, list(res.values()))

@@ -260,3 +260,24 @@ def test_a_takeover_after_a_group_was_dropped_counts_afresh():
     assert [deaths.seen(_rank_failure(1, t, other)) for t in (20.0, 21.0, 22.0)] == [
         False, False, True,
     ]  # fmt: skip
+
+
+def test_a_dropped_groups_recovery_ends_with_the_drop_and_stays_ended(tmp_path) -> None:
+    """``group.dropped``: the group never rejoins, so its open recovery ends there (phase
+    ``dropped``), and a controller that takes over does not open it again."""
+    from harness.job.recovery import RecoveryTracker
+    from runtime.journal import GROUP_DROPPED, Journal, read_journal
+
+    journal = Journal(tmp_path / "j.jsonl", job="t")
+    tracker = RecoveryTracker(journal)
+    tracker.failed_by_controller(1, "process_exit", 10.0)
+    assert tracker.open_replicas() == {1}
+    journal.emit(GROUP_DROPPED, t=12.0, replica=1, left=2, reason="only group 1 fails")
+    assert tracker.open_replicas() == set()
+    journal.close()
+    records = read_journal(tmp_path / "j.jsonl")
+    (end,) = [r for r in records if r["event"] == "recovery.phase" and r["phase"] == "dropped"]
+    assert end["replica"] == 1 and end["t"] == 12.0
+    successor = RecoveryTracker(Journal(tmp_path / "j2.jsonl", job="t"))
+    successor.resume(records)
+    assert successor.open_replicas() == set()
