@@ -125,12 +125,11 @@ from typing import Any
 from dashboards.data_coverage import coverage
 from dashboards.names import KIND_UNPLANNED
 from runtime.journal import (
-    DROPPED,
+    ENDINGS,
     FAILURE,
     FAULT_INJECT,
     JOB_END,
     JOB_START,
-    OVERTAKEN,
     PHASES,
     PROC_START,
     RECOVERY_PHASE,
@@ -583,19 +582,19 @@ def summarize_policy(records: Sequence[Record]) -> dict[str, Any]:
             if (of := [r for r in mine if r["fault_id"] == i])
             and all(r["participate_s"] is not None for r in of)
         ]  # fmt: skip
+        # per ending of runtime.journal.ENDINGS, the faults with a recovery that ended so:
+        # "overtaken" (its group still rejoining when the job ended), "dropped" (its group
+        # dropped for a crash loop of its own)
+        ended = {
+            e: sum(1 for i in ids if any(r["fault_id"] == i and e in r["phases"] for r in mine))
+            for e in ENDINGS
+        }
         by_kind[kind] = {
             "count": len(ids),
             "recovered": len(recovered),
             # faults that took down no group (the report's every_fault_recovered judges them)
             "no_recovery": sum(1 for i in ids if not any(r["fault_id"] == i for r in mine)),
-            # faults whose group was still rejoining when the job ended (runtime.journal.OVERTAKEN)
-            "overtaken": sum(
-                1 for i in ids if any(r["fault_id"] == i and OVERTAKEN in r["phases"] for r in mine)
-            ),
-            # ... and those whose group was dropped for a crash loop of its own (DROPPED)
-            "dropped": sum(
-                1 for i in ids if any(r["fault_id"] == i and DROPPED in r["phases"] for r in mine)
-            ),
+            **ended,
             **_figure_stats(mine),
             "steps_lost": sum(lost_by_fault.get(i, 0) or 0 for i in ids),
         }

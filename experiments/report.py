@@ -204,6 +204,7 @@ def _every_fault_recovered(
     no_recovery: list[str] = []
     overtaken: list[str] = []
     dropped: list[str] = []
+    ended_faults: set[Any] = set()  # faults with a recovery that ended without rejoining
     for f in faults:
         fid, kind = f.get("fault_id"), f.get("kind")
         label = f"{fid} ({kind}) at {at(f['t'])}"
@@ -222,6 +223,8 @@ def _every_fault_recovered(
             gone = {r.get("replica") for r in mine if phase in (r.get("phases") or {})}
             listed += [f"{fid} ({kind}) of replica {g}" for g in sorted(gone, key=str)]
             ended |= gone
+        if ended:
+            ended_faults.add(fid)
         mine = [r for r in mine if r.get("replica") not in ended]
         for r in mine:
             # A recovery the tracker never wrote (``derived``, read off failures by
@@ -256,8 +259,7 @@ def _every_fault_recovered(
             f"{len(problems)} problem(s) over {len(faults)} faults: {_listed(problems)}",
             problems,
         )
-    ended_ids = {e.split(" ", 1)[0] for e in overtaken + dropped}  # "f003 (kill) of replica 1"
-    reached = len(faults) - len(no_recovery) - len(ended_ids)
+    reached = len(faults) - len(no_recovery) - len(ended_faults)
     what = "recovered" if not dropped else "recovered or their group dropped"
     detail = (
         f"all {len(faults)} faults {what}: {reached} through recoveries that reached participating"
