@@ -200,7 +200,7 @@ def _start_fault_worker(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hook", ["abort", "delay"])
 def test_fault_hooks_recover_without_a_restart(tmp_path: Path, hook: str) -> None:
-    """abort_collectives: the step aborts on both groups, the next one commits in the same
+    """abort_collectives: the faulty group's step aborts, the next one commits in the same
     process, and weights stay equal. set_step_delay: the straggler's steps take at least the
     delay, and both groups keep committing identical weights."""
     # Both groups in every quorum: with min_replica_size=1, a loaded machine once started the
@@ -244,12 +244,20 @@ def test_fault_hooks_recover_without_a_restart(tmp_path: Path, hook: str) -> Non
         _check_group(group)
         assert group[-1]["step"] == 20
     a, b = ({r["step"]: r["checksum"] for r in g} for g in (g0, g1))
-    assert a == b  # every step committed by both groups, with identical weights
     after = [r for r in g1 if r["t"] > fired]
     if hook == "abort":
+        # The abort fails the faulty group's step; the healthy group fails it too unless its
+        # cross-group allreduce had already completed, and then it commits that step alone (seen
+        # in CI) and the faulty group heals past it at the next quorum: at most that one step is
+        # missing from the faulty group, and every step both committed has the same weights.
+        missed = set(a) - set(b)
+        assert set(b) <= set(a) and len(missed) <= 1, (sorted(a), sorted(b))
+        assert all(s > 8 for s in missed), missed  # fired once 8 steps were committed
+        assert b == {s: a[s] for s in b}
         assert any(r["event"] == "step.abort" for r in records if r["t"] > fired)
         assert after  # committed again in the same process
     else:
+        assert a == b  # every step committed by both groups, with identical weights
         assert all(r["step_time_s"] >= 0.5 for r in after[1:])
 
 
