@@ -10,10 +10,13 @@ that SLURM shows down, drained or gone is never used again, and with ``slurm.rep
 Restarts of a host's agent are bounded, for every launcher (``runtime.policy.host_restart``): a
 host whose agent cannot be restarted (it fails to start, or never dials in) is tried at most
 ``recovery.host_max_restarts`` times within ``recovery.host_within_s``, then *given up*, treated
-as gone. A restart that succeeds starts the count again: a host that is evicted and comes back
-(a chaos run's evictions, every few minutes for hours) is never given up for that. When no host
-is left (all gone or given up), or the SLURM allocation has ended, the job fails at once with
-the reason (``fail``) instead of waiting for a host that cannot come.
+as gone. A restart that fails is tried again on its own after a short back-off (``RETRY_S``), not
+only when a group next needs the host: a host evicted while its groups found room elsewhere
+must not stay lost for want of a placement. A restart that succeeds starts the count again: a
+host that is evicted and comes back (a chaos run's evictions, every few minutes for hours) is
+never given up for that. When no host is left (all gone or given up), or the SLURM allocation
+has ended, the job fails at once with the reason (``fail``) instead of waiting for a host that
+cannot come.
 
 Once the job's first preflight has passed (:meth:`HostPool.arm_preflight`), an agent that joins
 later (a respawn, a replacement node, an agent dialled in by hand for a lost host) is no group's
@@ -43,6 +46,10 @@ from runtime.policy import Action, host_restart
 #: The preflight of an agent that joined later: ``check(name, peers)`` -> None if it passed, else
 #: why not (``harness.job.preflight.check_host``); ``peers()``: the hosts to check it with.
 Check = Callable[[str, Callable[[], list[str]]], str | None]
+#: A lost host whose fresh agent failed to come up is tried again this many seconds later, times
+#: the restarts it has had in the window (1 s, 2 s, 3 s, ...), without waiting for a group to
+#: need it; the restart intensity still bounds the tries.
+RETRY_S = 1.0
 
 
 class HostPool:
@@ -268,6 +275,13 @@ class HostPool:
                 return
             self._respawn(host)
 
+    def _retry(self, name: str) -> None:
+        """A restart of ``name`` failed a while ago: again, if it is still lost and not gone
+        (a node SLURM took away is never restarted)."""
+        slurm = self.site.slurm
+        if slurm is None or name not in slurm.gone:
+            self._respawn_if_lost(name)
+
     def _respawn(self, name: str) -> None:
         """Start a fresh agent on ``name`` on a background thread (lock held), within the
         host restart intensity (module doc)."""
@@ -296,6 +310,9 @@ class HostPool:
                     closed = self._closed or self._failed
                 if not closed:
                     self._say(f"could not restart the agent of {name} (restart {attempt}): {exc}")
+                    retry = threading.Timer(RETRY_S * len(history), self._retry, (name,))
+                    retry.daemon = True
+                    retry.start()  # tried again on its own, within the restart intensity
             finally:
                 with self._change:
                     self._respawning.discard(name)

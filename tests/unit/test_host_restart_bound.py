@@ -114,3 +114,32 @@ def test_a_restart_that_succeeds_starts_the_count_again(tmp_path):
     controller.hosts["host1"].lost = True  # evicted again
     restarts_until(lambda: "host1" in pool.given_up)
     assert len(controller.spawns) == 6  # three more failures, not one: the count started again
+
+
+def test_a_failed_restart_is_tried_again_without_waiting_for_a_placement(tmp_path):
+    """A lost host whose fresh agent does not come up (a dial-in timeout under load) gets
+    another one on its own after a back-off: before, it stayed lost until a group needed it
+    (seen in CI: an evicted host's groups had found room elsewhere, so nothing asked)."""
+    from runtime.failure import Cause, Failure
+
+    controller = _Controller(up=["host0"], down=["host1"])
+    outcomes = iter(["fail", "ok"])
+
+    def spawn_host(name: str) -> _Handle:
+        controller.spawns.append(name)
+        if next(outcomes) == "fail":
+            raise RuntimeError(f"host agent {name} did not dial in within 40 s")
+        controller.hosts[name].lost = False
+        return controller.hosts[name]
+
+    controller.spawn_host = spawn_host  # type: ignore[method-assign]
+    said: list[str] = []
+    pool = _pool(tmp_path, controller, 2, said, [])
+    lost = Failure(cause=Cause.LOST_HOST, detail="evicted", proc="host1/p0", host="host1")
+    pool.on_failure(lost)  # no group is placed from here on
+    deadline = time.monotonic() + 10
+    while controller.hosts["host1"].lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert controller.spawns == ["host1", "host1"] and not controller.hosts["host1"].lost
+    assert any("could not restart the agent of host1 (restart 1/3" in s for s in said), said
+    pool.close()
