@@ -10,13 +10,15 @@ controller each time one dies (docs/controller.md).
 In the controller, :class:`ChaosHook` starts the fault injector once training is under way with
 :func:`start_faults`, as the in-process runner does; a controller that takes over resumes it
 from the journal (the plan is there, as ``fault.plan``: no fault fired twice, held faults healed
-at their time), and its run lasts what the first controller's duration left. The runner then
+at their time), and its run lasts what the first controller's duration left (or, with
+``settle_s``, until the faults are over: :func:`end_when_settled`). The runner then
 reads the outcome from the journal's ``job.end``; processes the keeper had to stop at the end
 count as orphans.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -138,4 +140,42 @@ def start_faults(
             f"(seed {spec.seed}), the controller {where}"
         )
     injector.start_thread()
-    return injector.close
+    if spec.settle_s is None:
+        return injector.close
+    settled = end_when_settled(job, injector, spec.settle_s)
+
+    def stop() -> None:
+        settled.set()
+        injector.close()
+
+    return stop
+
+
+#: How often :func:`end_when_settled` looks (seconds).
+SETTLE_POLL_S = 0.2
+
+
+def end_when_settled(job: Any, injector: Any, settle_s: float) -> threading.Event:
+    """End ``job`` well (``job.end``) once ``injector`` is done (every planned fault fired or
+    skipped, and healed) and no recovery has been open (``job.tracker.open_count``) for
+    ``settle_s`` (the experiment's ``settle_s``), on a daemon thread. Returns the event that
+    stops the watch."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        quiet_since: float | None = None
+        while not stop.wait(SETTLE_POLL_S):
+            now = time.monotonic()
+            if not injector.done or job.tracker.open_count:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= settle_s:
+                job.end(
+                    f"its faults are over: every planned fault fired and every recovery "
+                    f"closed, then {settle_s:g} s of training (settle_s)"
+                )
+                return
+
+    threading.Thread(target=watch, name="ftharness-settle", daemon=True).start()
+    return stop

@@ -6,6 +6,7 @@ seed, how long, under which recovery policies, and which steady-state hypotheses
     name = "quickstart"          # names runs/NAME: letters, digits, _ - . (no / or ..)
     seed = 7
     duration_s = 60              # per policy (or steps = N, or both: whichever comes first)
+    settle_s = 5                 # or end a faulted run once its faults are over (see below)
     policies = ["control", "in_place", "full_restart"]   # control: the same job, no faults
     control_runs = 2             # the control in this many pieces, interleaved with the policies
     job = "tiny.toml"            # relative to this file; or an inline [job] table
@@ -75,8 +76,8 @@ CONTROL = "control"
 POLICIES: tuple[str, ...] = (*RECOVERY_POLICIES, CONTROL)
 
 TOP_KEYS = (
-    "name", "description", "seed", "duration_s", "steps", "policies", "control_runs", "job",
-    "overrides", "schedule", "faults", "targets", "hypotheses",
+    "name", "description", "seed", "duration_s", "steps", "settle_s", "policies", "control_runs",
+    "job", "overrides", "schedule", "faults", "targets", "hypotheses",
 )  # fmt: skip
 SCHEDULE_KEYS = (
     "kind", "interval_s", "jitter_s", "mean_s", "start_s", "at_steps", "at_times", "max_faults",
@@ -172,6 +173,12 @@ class ExperimentSpec:
     seed: int = 0
     duration_s: float | None = None
     steps: int | None = None
+    # End a faulted run this many seconds after its last planned fault fired (and healed) and
+    # every recovery closed, if that comes before duration_s or steps; its report then covers the
+    # faults and their recoveries and no idle stretch after them. Longer than the job's failure
+    # detection (timeouts.heartbeat_timeout and host_timeout), so a failure the last fault causes
+    # is seen first. Unset: every run runs for duration_s or steps.
+    settle_s: float | None = None
     policies: tuple[str, ...] = ("in_place",)
     control_runs: int = 2
     job_path: Path | None = None
@@ -345,6 +352,9 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
     if duration_s is None and steps is None:
         raise w.error("duration_s", "set duration_s (seconds per policy) or steps (or both)")
 
+    settle_s = data.get("settle_s")
+    if settle_s is not None:
+        settle_s = _number(w, "settle_s", settle_s, positive=True, seconds=True)
     policies = _policies(w, data.get("policies", ["in_place"]))
     control_runs = data.get("control_runs", 2)
     if (
@@ -379,6 +389,7 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
         seed=seed,
         duration_s=duration_s,
         steps=steps,
+        settle_s=settle_s,
         policies=policies,
         control_runs=control_runs,
         job_path=job_path,
@@ -396,7 +407,24 @@ def parse_experiment(data: Mapping[str, Any], *, source: Path | None = None) -> 
     except (TargetError, ScheduleError) as e:
         raise w.error("targets", str(e)) from None
     _check_takeover(w, spec)
+    _check_settle(w, spec)
     return spec
+
+
+def _check_settle(w: _Where, spec: ExperimentSpec) -> None:
+    """``settle_s`` outlasts the job's failure detection: a run that ended sooner could end
+    between the last fault and the failure it causes."""
+    if spec.settle_s is None:
+        return
+    t = spec.job_config(spec.policies[0]).timeouts
+    detect = max(t.heartbeat_timeout, t.host_timeout)
+    if spec.settle_s <= detect:
+        raise w.error(
+            "settle_s",
+            f"got {spec.settle_s:g}; must be longer than the job's failure detection "
+            f"({detect:g} s: timeouts.heartbeat_timeout, timeouts.host_timeout), or a failure "
+            "the last fault causes could be seen only after the run ended",
+        )
 
 
 def _check_takeover(w: _Where, spec: ExperimentSpec) -> None:

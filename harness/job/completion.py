@@ -2,7 +2,9 @@
 
 A run ends normally when a group trains to the last step (the others are at most a step behind
 and are asked to stop after the same step), when every group of a program of the user's own has
-exited 0, when it has run for its duration, or when its caller stops it. It fails when a failure
+exited 0, when it has run for its duration, when its caller stops it, or when its caller says
+it is over (:meth:`Completion.end`: a chaos run whose every fault fired and every recovery
+closed, ``experiments.chaos_job``). It fails when a failure
 reaches the root of the supervision tree, when its journal cannot be written (every report is
 computed from the journal), when it exceeds its timeout, or when a watch of the job gives up on it
 (:meth:`Completion.fail`: steps that only abort, ``harness.job.stall``; a SLURM allocation that
@@ -29,6 +31,7 @@ class Completion:
         self._done = threading.Event()
         self._journal_error: OSError | None = None
         self._failed: str | None = None
+        self._ended: str | None = None
 
     def journal_failed(self, exc: OSError) -> None:
         """The journal could not be written: the run ends (``Journal.on_error``)."""
@@ -40,6 +43,12 @@ class Completion:
         first reason given stands."""
         if self._failed is None:
             self._failed = reason
+        self._done.set()
+
+    def end(self, reason: str) -> None:
+        """The run is over, and ends well, for ``reason`` (what the user reads)."""
+        if self._ended is None:
+            self._ended = reason
         self._done.set()
 
     @property
@@ -77,7 +86,7 @@ class Completion:
             if self._failed is not None:
                 return "failed", self._failed
             if self._done.is_set():
-                return "ok", "trained to the last step"
+                return "ok", self._ended or "trained to the last step"
             fatal = self._fatal()
             if fatal is not None:
                 return "failed", fatal.report()

@@ -310,6 +310,10 @@ class Job:
         """Every group is done (a program of the user's own exited 0 in every rank)."""
         self.completion.finished()
 
+    def end(self, reason: str) -> None:
+        """The job is over, and ends well, for ``reason`` (what its caller decided)."""
+        self.completion.end(reason)
+
     def fail(self, reason: str) -> None:
         """The job cannot go on, for ``reason``: it ends as failed, and no group is restarted
         meanwhile (a crash loop's restarts take tens of milliseconds each)."""
