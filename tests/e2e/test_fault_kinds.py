@@ -54,7 +54,8 @@ def experiment(case: str) -> str:
         f"""
         name = "kind-{kind}"
         seed = 3
-        duration_s = 18
+        duration_s = 40                # an upper bound: the run ends once its fault is over
+        settle_s = 4
         policies = ["in_place"]
 
         [job]
@@ -111,6 +112,9 @@ def test_fault_kind_fires_for_real_and_the_job_recovers(case, tmp_path):
     assert {r["replica"] for r in after} == {0, 1, 2}, "not every group trains again"
     # the hypotheses (loss finite, progress after the fault, replicas equal) held
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # and the run ended once the fault was over (settle_s), not at its upper bound
+    end = next(r for r in records if r["event"] == "job.end")
+    assert end["status"] == "ok" and "settle_s" in end["reason"], end
     # the journal tells the whole story of the recovery, in order
     if expected:
         phases = [
