@@ -176,8 +176,8 @@ class ExperimentSpec:
     # End a faulted run this many seconds after its last planned fault fired (and healed) and
     # every recovery closed, if that comes before duration_s or steps; its report then covers the
     # faults and their recoveries and no idle stretch after them. Longer than the job's failure
-    # detection (timeouts.heartbeat_timeout and host_timeout), so a failure the last fault causes
-    # is seen first. Unset: every run runs for duration_s or steps.
+    # detection (timeouts.heartbeat_timeout and host_timeout, and controller_silence if the mix
+    # kills the controller), so a failure the last fault causes is seen first. Unset: every run runs for duration_s or steps.
     settle_s: float | None = None
     policies: tuple[str, ...] = ("in_place",)
     control_runs: int = 2
@@ -417,13 +417,19 @@ def _check_settle(w: _Where, spec: ExperimentSpec) -> None:
     if spec.settle_s is None:
         return
     t = spec.job_config(spec.policies[0]).timeouts
-    detect = max(t.heartbeat_timeout, t.host_timeout)
+    limits = {
+        "timeouts.heartbeat_timeout": t.heartbeat_timeout,
+        "timeouts.host_timeout": t.host_timeout,
+    }
+    if spec.kills_controller:  # a wedged controller is seen by its silence
+        limits["timeouts.controller_silence"] = t.controller_silence
+    detect = max(limits.values())
     if spec.settle_s <= detect:
         raise w.error(
             "settle_s",
             f"got {spec.settle_s:g}; must be longer than the job's failure detection "
-            f"({detect:g} s: timeouts.heartbeat_timeout, timeouts.host_timeout), or a failure "
-            "the last fault causes could be seen only after the run ended",
+            f"({detect:g} s: {', '.join(limits)}), or a failure the last fault causes could be "
+            "seen only after the run ended",
         )
 
 

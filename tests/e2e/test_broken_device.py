@@ -20,7 +20,8 @@ REPO = Path(__file__).parents[2]
 EXPERIMENT = """
 name = "broken-device-e2e"
 seed = 3
-duration_s = 20
+duration_s = 30                 # an upper bound: settle_s ends it once the fault is over
+settle_s = 5
 policies = ["in_place"]
 
 [job]
@@ -94,7 +95,9 @@ def test_a_dropped_group_stays_dropped_when_the_controller_is_taken_over(tmp_pat
     exp = EXPERIMENT.replace("at_times = [5]", "at_times = [5, 10]").replace(
         "mix = { broken_device = 1 }", "mix = { broken_device = 1, controller_crash = 1 }"
     )  # seed 3 draws broken_device, then controller_crash
-    (tmp_path / "exp.toml").write_text(exp.replace("duration_s = 20", "duration_s = 24"))
+    # no settle_s: with a controller crash in the mix it would be over 10 s (controller_silence)
+    exp = exp.replace("settle_s = 5", "").replace("duration_s = 30", "duration_s = 24")
+    (tmp_path / "exp.toml").write_text(exp)
     done = subprocess.run(
         chaos_argv(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=220
     )

@@ -90,7 +90,8 @@ def test_the_controller_killed_while_a_group_heals_is_taken_over_and_the_heal_fi
 WEDGE = """
 name = "controller_wedge"
 seed = 1
-duration_s = 25
+duration_s = 35                 # an upper bound: settle_s ends it once the takeover is over
+settle_s = 5                    # > controller_silence
 policies = ["in_place"]
 job = "{tiny}"
 overrides = ["steps=1000000", "timeouts.controller_silence=4"]

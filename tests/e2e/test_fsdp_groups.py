@@ -199,7 +199,8 @@ def test_a_replacement_killed_mid_heal_restarts_and_heals_while_its_source_train
 HEAL_SOURCE_KILL = """
 name = "heal-source-kill"
 seed = 9                              # a plan of: the kill, then the heal_source_kill
-duration_s = 30
+duration_s = 40                 # an upper bound: settle_s ends it once the faults are over
+settle_s = 5
 policies = ["in_place"]
 
 [job]
@@ -419,7 +420,8 @@ def test_every_group_killed_mid_dcp_write_resumes_from_the_checkpoint_before(tmp
 CHECKPOINT_KILL = """
 name = "checkpoint-kill"
 seed = 3
-duration_s = 30
+duration_s = 40                 # an upper bound: settle_s ends it once the faults are over
+settle_s = 5
 policies = ["full_restart"]
 
 [job]

@@ -34,7 +34,8 @@ REPO = Path(__file__).parents[2]
 EXPERIMENT = """
 name = "poison-e2e"
 seed = 5
-duration_s = 24
+duration_s = 40                 # an upper bound: settle_s ends it once the fault is over
+settle_s = 5
 policies = ["in_place"]
 
 [job]

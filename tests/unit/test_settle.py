@@ -123,3 +123,14 @@ def test_stopping_the_watch_never_ends_the_job() -> None:
     injector.done = True
     end_when_settled(job, injector, settle_s=0.2).set()
     assert not job.ended.wait(0.5)
+
+
+def test_with_controller_crashes_settle_s_outlasts_the_controllers_silence(tmp_path: Path) -> None:
+    """A wedged controller is seen by its silence: a shorter settle_s could end the run there."""
+    path = tmp_path / "exp.toml"
+    text = EXPERIMENT.format(settle="settle_s = 5").replace("kill = 1", "controller_crash = 1")
+    path.write_text(text)
+    with pytest.raises(ExperimentError, match="controller_silence"):
+        load_experiment(path)
+    path.write_text(text.replace("settle_s = 5", "settle_s = 11"))
+    assert load_experiment(path).settle_s == 11.0
