@@ -29,7 +29,8 @@ PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "programs" / "train_dd
 
 EXPERIMENT = """name = "cnode"
 seed = 1
-duration_s = 40
+duration_s = 40                 # an upper bound: settle_s ends it once the takeover is over
+settle_s = 5                    # > controller_silence
 policies = ["in_place"]
 job = "{job}"
 overrides = ["timeouts.host_timeout=2.0", "timeouts.controller_silence=4.0"]
