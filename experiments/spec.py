@@ -177,7 +177,8 @@ class ExperimentSpec:
     # every recovery closed, if that comes before duration_s or steps; its report then covers the
     # faults and their recoveries and no idle stretch after them. Longer than the job's failure
     # detection (timeouts.heartbeat_timeout and host_timeout, and controller_silence if the mix
-    # kills the controller), so a failure the last fault causes is seen first. Unset: every run runs for duration_s or steps.
+    # kills the controller), so a failure the last fault causes is seen first. Unset: every run
+    # runs for duration_s or steps.
     settle_s: float | None = None
     policies: tuple[str, ...] = ("in_place",)
     control_runs: int = 2
