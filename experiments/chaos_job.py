@@ -22,11 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from experiments.spec import ExperimentSpec, Run, load_experiment
 from harness.job.recovery import completed
 from runtime.journal import JOB_END, JOB_START, Record, read_journal
+
+if TYPE_CHECKING:
+    from faults.injector import Injector
+    from harness.job.recovery import RecoveryTracker
 
 
 def run_under_keeper(
@@ -155,7 +159,15 @@ def start_faults(
 SETTLE_POLL_S = 0.2
 
 
-def end_when_settled(job: Any, injector: Any, settle_s: float) -> threading.Event:
+class Settling(Protocol):
+    """What :func:`end_when_settled` needs of a job (``harness.job.protocol.Job``)."""
+
+    tracker: RecoveryTracker
+
+    def end(self, reason: str) -> None: ...
+
+
+def end_when_settled(job: Settling, injector: Injector, settle_s: float) -> threading.Event:
     """End ``job`` well (``job.end``) once ``injector`` is done (every planned fault fired or
     skipped, and healed) and no recovery has been open (``job.tracker.open_count``) for
     ``settle_s`` (the experiment's ``settle_s``), on a daemon thread. Returns the event that
