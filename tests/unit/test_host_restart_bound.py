@@ -30,16 +30,21 @@ class _Handle:
 
 class _Controller:
     """What HostPool uses of a controller: its hosts, and spawn_host, which here fails the way
-    an agent that never dials in does (after a short wait)."""
+    an agent that never dials in does (after a short wait), or, with ``outcomes``, fails or
+    brings the host back ("fail" / "ok") in that order."""
 
-    def __init__(self, up: list[str], down: list[str]) -> None:
+    def __init__(self, up: list[str], down: list[str], outcomes: list[str] | None = None) -> None:
         self.hosts = {n: _Handle(n, False) for n in up} | {n: _Handle(n, True) for n in down}
         self.spawns: list[str] = []
+        self._outcomes = iter(outcomes) if outcomes is not None else None
 
     def spawn_host(self, name: str) -> _Handle:
         self.spawns.append(name)
         time.sleep(0.01)
-        raise RuntimeError(f"host agent {name} did not dial in within 40 s")
+        if self._outcomes is None or next(self._outcomes) == "fail":
+            raise RuntimeError(f"host agent {name} did not dial in within 40 s")
+        self.hosts[name].lost = False
+        return self.hosts[name]
 
 
 def _pool(tmp_path, controller: _Controller, hosts: int, said: list[str], failed: list[str]):
@@ -89,17 +94,8 @@ def test_with_no_host_left_the_job_fails_instead_of_waiting(tmp_path):
 def test_a_restart_that_succeeds_starts_the_count_again(tmp_path):
     """A host that is evicted and comes back (a chaos run's evictions) is never given up for
     that: only restarts since the last one that succeeded count."""
-    controller = _Controller(up=["host0"], down=["host1"])
-    outcomes = iter(["fail", "fail", "ok", "fail", "fail", "fail", "fail"])
-
-    def spawn_host(name: str) -> _Handle:
-        controller.spawns.append(name)
-        if next(outcomes) == "fail":
-            raise RuntimeError(f"host agent {name} did not dial in within 40 s")
-        controller.hosts[name].lost = False
-        return controller.hosts[name]
-
-    controller.spawn_host = spawn_host  # type: ignore[method-assign]
+    outcomes = ["fail", "fail", "ok", "fail", "fail", "fail", "fail"]
+    controller = _Controller(up=["host0"], down=["host1"], outcomes=outcomes)
     said: list[str] = []
     pool = _pool(tmp_path, controller, 2, said, [])
 
@@ -122,17 +118,7 @@ def test_a_failed_restart_is_tried_again_without_waiting_for_a_placement(tmp_pat
     (seen in CI: an evicted host's groups had found room elsewhere, so nothing asked)."""
     from runtime.failure import Cause, Failure
 
-    controller = _Controller(up=["host0"], down=["host1"])
-    outcomes = iter(["fail", "ok"])
-
-    def spawn_host(name: str) -> _Handle:
-        controller.spawns.append(name)
-        if next(outcomes) == "fail":
-            raise RuntimeError(f"host agent {name} did not dial in within 40 s")
-        controller.hosts[name].lost = False
-        return controller.hosts[name]
-
-    controller.spawn_host = spawn_host  # type: ignore[method-assign]
+    controller = _Controller(up=["host0"], down=["host1"], outcomes=["fail", "ok"])
     said: list[str] = []
     pool = _pool(tmp_path, controller, 2, said, [])
     lost = Failure(cause=Cause.LOST_HOST, detail="evicted", proc="host1/p0", host="host1")
