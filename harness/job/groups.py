@@ -256,6 +256,7 @@ class TrainerGroups:
             member_ids or {},
             self.data.marks(),
             sorted(self.broken),
+            self.quorum.live_step() > 0,  # peers_hold_state: heal, load no checkpoint
         )
         call = actors.train.call()
         training = {r: call.futures[(i, 0)] for i, r in enumerate(replicas)}

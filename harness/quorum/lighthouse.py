@@ -149,3 +149,6 @@ class LighthouseService:
 
     def round_open(self) -> bool:
         return False  # not visible from outside the Lighthouse
+
+    def live_step(self) -> int:
+        return -1  # nor this: its members' steps are inside the Lighthouse

@@ -99,6 +99,11 @@ class QuorumService(Protocol):
         """Whether a quorum is forming now: a member asked and the round is not decided
         (False where the service cannot tell). ``controller_crash`` can wait for it."""
 
+    def live_step(self) -> int:
+        """The highest step a live (not fenced) member has reported: committed state that still
+        exists, which a group started now is healed to before it trains (the service issues no
+        quorum behind it, ``harness.quorum.rule``). -1: none, or a service that cannot tell."""
+
 
 class TreeQuorumService:
     """``harness.quorum.tree.TreeQuorum`` in this process, as a :class:`QuorumService`.
@@ -289,6 +294,9 @@ class TreeQuorumService:
 
     def round_open(self) -> bool:
         return bool(self.tree.status()["participants"])
+
+    def live_step(self) -> int:
+        return max(self.tree.reported.values(), default=-1)
 
 
 def _can_bind(host: str) -> bool:

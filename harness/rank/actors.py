@@ -110,12 +110,15 @@ class TrainerActor(Actor):
         member_ids: dict[int, str] | None = None,
         data_marks: dict[str, list[int]] | None = None,
         broken: list[int] | None = None,
+        peers_hold_state: bool = False,
     ) -> None:
         """``store_addrs`` maps each replica group to its TCPStore, ``member_ids`` to the name
         the quorum service admitted for it (none: torchft's Lighthouse); this actor's group and
         rank are its mesh coordinates. ``data_marks``: the job's ``poisoned`` (unreadable),
         ``poisoned_nonfinite`` and ``quarantined`` data so far (``harness.job.poison``).
-        ``broken``: the groups whose device is broken (``faults.device``)."""
+        ``broken``: the groups whose device is broken (``faults.device``).
+        ``peers_hold_state``: live groups hold committed state: heal from them, load no
+        checkpoint (``Trainer``)."""
         self.replica_id = replica_id = self.coords["replica"]
         self.rank = self.coords["rank"]
         store_addr = store_addrs[replica_id]
@@ -130,6 +133,7 @@ class TrainerActor(Actor):
             emit=lambda event, fields: self.emit(event, **fields),
             run_dir=run_dir,
             member_id=(member_ids or {}).get(replica_id),
+            peers_hold_state=peers_hold_state,
         )
         marks = data_marks or {}
         for key in marks.get("poisoned", ()):

@@ -146,6 +146,11 @@ OVERLAP_QUORUM = True
 Emit = Callable[[str, dict[str, Any]], object]
 
 
+class PeersGone(RuntimeError):
+    """A replacement that skipped its checkpoint to heal from a live group found none at its
+    first quorum (:meth:`Trainer._check_healed`): its group restarts and loads the checkpoint."""
+
+
 @dataclass
 class _DcpCheckpoints:
     """A rank's DCP checkpointing (``checkpoint.format = "dcp"``): its background writer (None
@@ -168,6 +173,9 @@ class Trainer:
     checkpoints). On start the newest valid checkpoint (if any) is loaded; a group that is behind
     its peers then heals from them on its first quorum. ``member_id``: the name the quorum
     service admitted for this incarnation of the group (``harness.rank.torchft_glue.make_manager``).
+    ``peers_hold_state``: other groups hold committed state (a replacement started beside live
+    groups): it loads no checkpoint, its first quorum heals it from one of them
+    (:meth:`_check_healed` says what happens if none is left by then).
     """
 
     def __init__(
@@ -181,6 +189,7 @@ class Trainer:
         emit: Emit,
         run_dir: str | None = None,
         member_id: str | None = None,
+        peers_hold_state: bool = False,
     ) -> None:
         self.cfg = cfg
         self.replica_id = replica_id
@@ -252,7 +261,12 @@ class Trainer:
         self._dcp: _DcpCheckpoints | None = None  # checkpoint.format = "dcp"
         if self._ckpt_dir is not None and self._ckpt_format() == "dcp":
             self._dcp_init()
-        self._resume()
+        # A replacement beside live groups heals from them at its first quorum, overwriting all
+        # a checkpoint load would have given it: it skips the load (for a sharded group a
+        # collective DCP load, the larger part of its start).
+        self._awaiting_heal = peers_hold_state and self._ckpt_dir is not None
+        if not self._awaiting_heal:
+            self._resume()
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -631,7 +645,42 @@ class Trainer:
             time.sleep(min(1.0, 0.05 * self._quorum_failures))
             return False
         self._quorum_failures = 0
+        if self._awaiting_heal:
+            self._check_healed()
         return True
+
+    def _check_healed(self) -> None:
+        """After a quorum of a trainer that skipped its checkpoint (``peers_hold_state``): it
+        heals from a peer in that quorum, which the quorum service issues only with a live member
+        at the highest step any live member reported (``harness.quorum.rule``). If the quorum
+        still left it at step 0, every group holding committed state died since it started;
+        training on would commit the job's steps again from the initial weights, so with a
+        checkpoint on disk it fails instead (:class:`PeersGone`), and the group's restart, with
+        no live group ahead of it, loads the checkpoint. A heal that failed (its source died
+        mid-heal) aborts this step; the next quorum heals again and is checked then."""
+        if self.manager.errored() is not None:
+            return
+        self._awaiting_heal = False
+        if self.manager.current_step() > 0:
+            return
+        newest = self._newest_checkpoint_listed()
+        if newest > 0:
+            raise PeersGone(
+                f"replica {self.replica_id} rank {self.rank} started without its checkpoint to "
+                "heal from a live group, but its first quorum has no group with committed "
+                f"state; step {newest} is on disk: restart the group to load it"
+            )
+
+    def _newest_checkpoint_listed(self) -> int:
+        """The newest checkpoint step on disk for this rank (listed, not verified), or -1."""
+        if self._ckpt_dir is None:
+            return -1
+        if self._dcp is not None:
+            from harness.rank import dcp_checkpoint
+
+            return max(dcp_checkpoint.steps(self._ckpt_dir), default=-1)
+        folders = self._ckpt_dir.glob(f"replica_*_rank_{self.rank}")
+        return max((s for f in folders for s in checkpoint.steps(f)), default=-1)
 
     def _average_gradients(self, finite: bool) -> bool:
         """Average this step's gradients over every rank of every participating group (the

@@ -318,7 +318,11 @@ def test_every_group_lost_at_once_resumes_from_the_last_checkpoint(tmp_path):
     restarts = [r for r in records if r["event"] == "job.restart"]
     assert len(restarts) == 1 and "every replica group lost its state" in restarts[0]["reason"]
     loads = [r for r in records if r["event"] == "checkpoint.load"]
-    assert {r["replica"] for r in loads} == {0, 1} and min(r["step"] for r in loads) >= 40
+    assert loads and min(r["step"] for r in loads) >= 40
+    # A group restarted while the other's death was not yet known to the quorum service is
+    # told a peer holds state: it loads nothing and heals from the group that loaded.
+    healed = {r["replica"] for r in records if r["event"] == "trainer.healed"}
+    assert {r["replica"] for r in loads} | healed == {0, 1}
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 120
 
 

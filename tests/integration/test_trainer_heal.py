@@ -310,3 +310,51 @@ def test_stop_then_resume_from_checkpoint(tmp_path: Path) -> None:
         ) in resumed_events
     finally:
         lighthouse.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_replacement_sent_to_heal_never_trains_from_scratch(tmp_path: Path) -> None:
+    """``peers_hold_state``: a replacement started beside live groups loads no checkpoint, it
+    heals from one of them. If none holds state at its first quorum (they died since it
+    started), it must not commit the job's steps again from the initial weights: it raises
+    ``PeersGone`` before training a step, and its restart without the hint loads the
+    checkpoint. With no checkpoint on disk (a job at its first steps) it trains."""
+    from harness.rank.trainer import PeersGone
+
+    cfg = JobConfig(
+        name="peers-gone", replicas=1, steps=20, checkpoint=CheckpointConfig(every_steps=4)
+    )
+    lighthouse = Lighthouse.for_job(cfg)
+    try:
+        fresh: list[tuple[str, dict[str, Any]]] = []
+        first = lone_trainer(
+            cfg, lighthouse.address, lambda e, f: fresh.append((e, f)), tmp_path,
+            peers_hold_state=True,
+        )  # fmt: skip
+        try:
+            first.train(steps=8)  # nothing on disk, no peer: it trains from step 0
+        finally:
+            first.close()
+        assert [f["step"] for e, f in fresh if e == "step.commit"] == list(range(1, 9))
+        assert sorted(f["step"] for e, f in fresh if e == "checkpoint.save") == [4, 8]
+
+        events: list[tuple[str, dict[str, Any]]] = []
+        sent = lone_trainer(
+            cfg, lighthouse.address, lambda e, f: events.append((e, f)), tmp_path,
+            peers_hold_state=True,
+        )  # fmt: skip
+        try:
+            assert sent.manager.current_step() == 0  # no checkpoint loaded
+            with pytest.raises(PeersGone, match="step 8 is on disk"):
+                sent.train_step()
+        finally:
+            sent.close()
+        assert not [e for e, _ in events if e in ("step.commit", "checkpoint.load")]
+
+        restarted = lone_trainer(cfg, lighthouse.address, lambda e, f: None, tmp_path)
+        try:
+            assert restarted.manager.current_step() == 8
+        finally:
+            restarted.close()
+    finally:
+        lighthouse.shutdown()

@@ -15,9 +15,12 @@ from runtime.journal import read_journal
 REPO = Path(__file__).resolve().parents[2]
 
 
-def lone_trainer(cfg: Any, lighthouse_addr: str, emit: Any, run_dir: Path | None = None) -> Any:
+def lone_trainer(
+    cfg: Any, lighthouse_addr: str, emit: Any, run_dir: Path | None = None, **kwargs: Any
+) -> Any:
     """A Trainer in this process: replica group 0, rank 0, no group store (one rank),
-    journaling through ``emit(event, fields)``; checkpoints under ``run_dir`` if given."""
+    journaling through ``emit(event, fields)``; checkpoints under ``run_dir`` if given;
+    ``kwargs``: the Trainer's other keywords."""
     from harness.rank.trainer import Trainer
 
     return Trainer(
@@ -28,6 +31,7 @@ def lone_trainer(cfg: Any, lighthouse_addr: str, emit: Any, run_dir: Path | None
         lighthouse_addr=lighthouse_addr,
         run_dir=None if run_dir is None else str(run_dir),
         emit=emit,
+        **kwargs,
     )
 
 
