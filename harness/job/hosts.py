@@ -275,17 +275,13 @@ class HostPool:
                 return
             self._respawn(host)
 
-    def _retry(self, name: str) -> None:
-        """A restart of ``name`` failed a while ago: again, if it is still lost and not gone
-        (a node SLURM took away is never restarted)."""
-        slurm = self.site.slurm
-        if slurm is None or name not in slurm.gone:
-            self._respawn_if_lost(name)
-
     def _respawn(self, name: str) -> None:
         """Start a fresh agent on ``name`` on a background thread (lock held), within the
-        host restart intensity (module doc)."""
+        host restart intensity (module doc). Never on a node SLURM took away (every road to a
+        restart comes here: a lost host, a cooldown's end, a takeover, a retry)."""
         if name in self._respawning or name in self.given_up or self._closed or self._failed:
+            return
+        if self.site.slurm is not None and name in self.site.slurm.gone:
             return
         r = self.cfg.recovery
         history = self._restarts.setdefault(name, [])
@@ -310,7 +306,7 @@ class HostPool:
                     closed = self._closed or self._failed
                 if not closed:
                     self._say(f"could not restart the agent of {name} (restart {attempt}): {exc}")
-                    retry = threading.Timer(RETRY_S * len(history), self._retry, (name,))
+                    retry = threading.Timer(RETRY_S * len(history), self._respawn_if_lost, (name,))
                     retry.daemon = True
                     retry.start()  # tried again on its own, within the restart intensity
             finally:

@@ -47,12 +47,14 @@ class _Controller:
         return self.hosts[name]
 
 
-def _pool(tmp_path, controller: _Controller, hosts: int, said: list[str], failed: list[str]):
+def _pool(
+    tmp_path, controller: _Controller, hosts: int, said: list[str], failed: list[str], slurm=None
+):
     cfg = load_config(
         "experiments/tiny.toml",
         [f"hosts={hosts}", "recovery.host_max_restarts=3", "recovery.spares_per_host=0"],
     )
-    site = Site(cfg=cfg, launcher=ExternalLauncher())
+    site = Site(cfg=cfg, launcher=ExternalLauncher(), slurm=slurm)
     return HostPool(site, controller, tmp_path, said.append, fail=failed.append)  # type: ignore[arg-type]
 
 
@@ -128,4 +130,27 @@ def test_a_failed_restart_is_tried_again_without_waiting_for_a_placement(tmp_pat
         time.sleep(0.02)
     assert controller.spawns == ["host1", "host1"] and not controller.hosts["host1"].lost
     assert any("could not restart the agent of host1 (restart 1/3" in s for s in said), said
+    pool.close()
+
+
+def test_a_node_slurm_took_away_is_never_restarted(tmp_path):
+    """A lost host whose SLURM node is down, drained or gone gets no fresh agent, whichever
+    road asks for one (its failure, a takeover's ``respawn_lost``); a lost host on a node that
+    is still there does."""
+    from types import SimpleNamespace
+
+    from runtime.failure import Cause, Failure
+
+    controller = _Controller(up=[], down=["host0", "host1"], outcomes=["ok"])
+    said: list[str] = []
+    slurm = SimpleNamespace(gone={"host1": "down"}, spares=set(), nodes=["host0", "host1"])
+    pool = _pool(tmp_path, controller, 2, said, [], slurm=slurm)
+    pool.on_failure(Failure(cause=Cause.LOST_HOST, detail="lost", proc="host1/p0", host="host1"))
+    pool.respawn_lost("host1")
+    pool.on_failure(Failure(cause=Cause.LOST_HOST, detail="lost", proc="host0/p0", host="host0"))
+    deadline = time.monotonic() + 10
+    while controller.hosts["host0"].lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert controller.spawns == ["host0"], said
     pool.close()
