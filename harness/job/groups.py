@@ -241,6 +241,12 @@ class TrainerGroups:
         from harness.rank.actors import TrainerActor
 
         ranks = self.cfg_dict["ranks"]
+        # Replacements (not a group's first incarnation) beside live groups that hold committed
+        # state load no checkpoint: they heal from those groups (Trainer's peers_hold_state). Not
+        # at a job's start, where the group that started first may finish before the other
+        # joins it (a run resumed near its last step).
+        replacing = all(incarnation[r] > 0 for r in replicas)
+        peers_hold_state = replacing and self.quorum.live_step() > 0
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),
@@ -256,7 +262,7 @@ class TrainerGroups:
             member_ids or {},
             self.data.marks(),
             sorted(self.broken),
-            self.quorum.live_step() > 0,  # peers_hold_state: heal, load no checkpoint
+            peers_hold_state,
         )
         call = actors.train.call()
         training = {r: call.futures[(i, 0)] for i, r in enumerate(replicas)}
