@@ -141,9 +141,17 @@ def controller_spec(cfg: JobConfig) -> ControllerSpec:
         # Imported once per agent, before it forks, and the initial model built once
         # (harness.rank.model.prebuild): a replacement then does not pay for torch, torchft, the
         # model code, the first optimizer's dynamo import (~1-3 s each on this machine).
-        preload=("torch", "torch._dynamo", "harness.rank.actors", *model_modules(cfg)),
+        # A job that checkpoints in DCP (sharded groups by default) also imports DCP's code
+        # there, not in each replacement (30-60 ms here).
+        preload=("torch", "torch._dynamo", "harness.rank.actors", *model_modules(cfg))
+        + (("harness.rank.dcp_checkpoint",) if _writes_dcp(cfg) else ()),
         warmup=() if cfg.program.enabled else (prebuild_call(cfg),),
         network_interface=cfg.network.interface,
         network_cidr=cfg.network.cidr,
         quorum_relay=wants_quorum_relay(cfg),
     )
+
+
+def _writes_dcp(cfg: JobConfig) -> bool:
+    """Whether ``cfg``'s trainers checkpoint in DCP (``checkpoint.format``)."""
+    return not cfg.program.enabled and cfg.checkpoint.resolved_format(cfg.parallel.group) == "dcp"
