@@ -126,7 +126,8 @@ def wants_quorum_relay(cfg: JobConfig) -> bool:
 def controller_spec(cfg: JobConfig) -> ControllerSpec:
     """The supervision tree's settings for ``cfg``: its timeouts, and what every host agent
     imports once before it forks (``runtime.spec.ControllerSpec``)."""
-    from harness.rank.model import model_modules, prebuild_call  # (model.py imports torch)
+    from harness.rank.model import model_modules  # (model.py imports torch)
+    from harness.rank.warm import warmup_calls
 
     t = cfg.timeouts
     return ControllerSpec(
@@ -138,14 +139,15 @@ def controller_spec(cfg: JobConfig) -> ControllerSpec:
         controller_silence_s=t.controller_silence,
         controller_grace_s=cfg.recovery.controller_grace_s,
         connect_timeout_s=t.connect_timeout,
-        # Imported once per agent, before it forks, and the initial model built once
-        # (harness.rank.model.prebuild): a replacement then does not pay for torch, torchft, the
-        # model code, the first optimizer's dynamo import (~1-3 s each on this machine).
+        # Imported once per agent, before it forks, and the initial model built once (and, for
+        # sharded groups, FSDP2 and DTensor warmed: harness.rank.warm): a replacement then does
+        # not pay for torch, torchft, the model code, the first optimizer's dynamo import (~1-3 s
+        # each on this machine).
         # A job that checkpoints in DCP (sharded groups by default) also imports DCP's code
         # there, not in each replacement (30-60 ms here).
         preload=("torch", "torch._dynamo", "harness.rank.actors", *model_modules(cfg))
         + (("harness.rank.dcp_checkpoint",) if _writes_dcp(cfg) else ()),
-        warmup=() if cfg.program.enabled else (prebuild_call(cfg),),
+        warmup=warmup_calls(cfg),
         network_interface=cfg.network.interface,
         network_cidr=cfg.network.cidr,
         quorum_relay=wants_quorum_relay(cfg),
