@@ -15,10 +15,11 @@ The warm-up's group has **one** rank, never the job's shape, on purpose. DTensor
 op's sharding decision by its operands' specs, and a spec holds its device mesh; meshes compare
 equal by shape and names, not by rank. Warmed over a fake group of the job's shape (as rank 0),
 a forked rank 1 got rank 0's mesh back from those caches: its parameters' ``get_coordinate()``
-said ``(0,)``, which DTensor and DCP use to place shards (seen here, with a weights mismatch in
-a bench run). A one-rank mesh never equals a sharded group's (``parallel.group = "fsdp"`` needs
-two ranks or more), so nothing cached here is handed to a real rank; what stays warm is the
-rank-free part, most of the cost (``tests/integration/test_warm_sharding.py`` checks both).
+said ``(0,)``, which DTensor and DCP use to place shards (seen here; a bench run of that version
+also reported a weights mismatch). A one-rank mesh never equals a sharded group's
+(``parallel.group = "fsdp"`` needs two ranks or more), so nothing cached here is handed to a real
+rank; what stays warm is the rank-free part, most of the cost
+(``tests/integration/test_warm_sharding.py`` checks both).
 """
 
 from __future__ import annotations
