@@ -110,16 +110,13 @@ def worker(
 
     from harness.config import config_from_dict
     from harness.rank.data import TokenStream
-    from harness.rank.model import build_model, loss_fn
+    from harness.rank.model import build_model, build_optimizer, loss_fn
     from harness.rank.trainer import threads_per_worker
 
     cfg = config_from_dict(cfg_dict)
     torch.set_num_threads(threads_per_worker(cfg))
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, eps=o.eps
-    )
+    opt = build_optimizer(model, cfg.optim)
     data = TokenStream(cfg.data, shard=replica, num_shards=cfg.replicas)
     timeout = timedelta(seconds=cfg.timeouts.process_group_timeout)
     params = list(model.parameters())
@@ -210,7 +207,7 @@ def _plain_hsdp(cfg: Any, replica: int, rank: int, addr: str, times: list[float]
 
     from harness.rank.data import TokenStream
     from harness.rank.group_layout import Sharded, init_group_world
-    from harness.rank.model import build_model, loss_fn, model_blocks
+    from harness.rank.model import build_model, build_optimizer, loss_fn, model_blocks
 
     timeout = timedelta(seconds=cfg.timeouts.process_group_timeout)
     host, port = addr.rsplit(":", 1)
@@ -226,10 +223,7 @@ def _plain_hsdp(cfg: Any, replica: int, rank: int, addr: str, times: list[float]
 
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
     Sharded(model, model_blocks(model), across)
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, eps=o.eps
-    )
+    opt = build_optimizer(model, cfg.optim)
     n = cfg.replicas * cfg.ranks
     data = TokenStream(
         cfg.data, shard=replica * cfg.ranks + rank, num_shards=n, group_size=cfg.ranks

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.config import JobConfig, ModelConfig
+from harness.config import JobConfig, ModelConfig, OptimConfig
 from runtime.actor import wire_name
 
 #: The llama3 debug model's vocabulary (torchtitan's ``debugmodel``); data must match it.
@@ -159,6 +159,17 @@ def _build(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
         if cfg.kind == "llama3_debug":
             return _build_llama3_debug(vocab_size)
     raise ValueError(f"model.kind = {cfg.kind!r}: must be 'tiny' or 'llama3_debug'")
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """The job's optimizer over ``model``'s parameters (built after a sharded group has sharded
+    them): AdamW with ``optim``'s hyperparameters. One place, so that the trainer, the host
+    agents' warm-up (``harness.rank.warm``) and the overhead bench's plain-torch baseline train
+    with the same one."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
+        eps=optim.eps,
+    )  # fmt: skip
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

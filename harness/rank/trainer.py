@@ -82,7 +82,7 @@ from harness.rank.group_layout import (
     intra_group_timeout,
 )
 from harness.rank.healing import slow_serve
-from harness.rank.model import build_model, loss_fn, model_blocks
+from harness.rank.model import build_model, build_optimizer, loss_fn, model_blocks
 from harness.rank.token_data import HeldOut, make_stream
 from harness.rank.torchft_glue import (
     close_communicator,
@@ -229,14 +229,7 @@ class Trainer:
         # group then keeps each rank's shards of them (before the optimizer sees the params).
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
         self.layout = self._group_layout(store_addr)
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=o.lr,
-            betas=o.betas,
-            weight_decay=o.weight_decay,
-            eps=o.eps,
-        )
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.data = make_stream(
             cfg.data,
             shard=replica_id * cfg.ranks + rank,

@@ -33,13 +33,11 @@ from harness.config import JobConfig
 from runtime.actor import wire_name
 
 
-def warm_sharding(
-    model: dict[str, Any], vocab_size: int, seed: int, optim: dict[str, Any], batch_size: int,
-    seq_len: int,
-) -> None:  # fmt: skip
-    """Shard a throwaway copy of the model over a fake group of one rank, as
-    ``harness.rank.group_layout.Sharded`` does, and train one step on it with the job's AdamW
-    (the module doc says why one rank). Leaves no process group behind."""
+def warm_sharding(cfg: dict[str, Any]) -> None:
+    """Shard a throwaway copy of the job's model (``cfg``: ``config_to_dict`` of the job) over a
+    fake group of one rank, as ``harness.rank.group_layout.Sharded`` does, and train one step on
+    it with the job's optimizer (the module doc says why one rank). Leaves no process group
+    behind."""
     import torch.distributed as dist
 
     try:  # registers the "fake" backend (torch's own, kept with its distributed tests)
@@ -48,24 +46,23 @@ def warm_sharding(
         print(f"ftharness: sharding not warmed before forks: {exc}", file=sys.stderr)
         return
 
-    from harness.config import ModelConfig
+    from harness.config import config_from_dict
     from harness.rank.group_layout import Asks, Sharded
-    from harness.rank.model import _build, loss_fn, model_blocks
+    from harness.rank.model import _build, build_optimizer, loss_fn, model_blocks
 
     if dist.is_initialized():
         return  # not an agent before its forks: nothing to do
+    job = config_from_dict(cfg)
+    d = job.data
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no OpenMP pool in a process that forks (model.prebuild)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)  # one: module doc
     try:
-        net = _build(ModelConfig(**model), vocab_size, seed)
+        net = _build(job.model, d.vocab_size, d.seed)  # not the prebuilt one: it stays untouched
         layout = Sharded(net, model_blocks(net), across=lambda t: None)
-        opt = torch.optim.AdamW(
-            net.parameters(), lr=optim["lr"], betas=tuple(optim["betas"]),
-            weight_decay=optim["weight_decay"], eps=optim["eps"],
-        )  # fmt: skip
+        opt = build_optimizer(net, job.optim)
         with torch.random.fork_rng(devices=[]):
-            inputs = torch.randint(0, vocab_size, (batch_size, seq_len))
+            inputs = torch.randint(0, d.vocab_size, (d.batch_size, d.seq_len))
         opt.zero_grad(set_to_none=False)
         loss = loss_fn(net(inputs), inputs)
         layout.backward(loss, Asks())
@@ -79,20 +76,12 @@ def warm_sharding(
 def warmup_calls(cfg: JobConfig) -> tuple[tuple[str, dict[str, Any]], ...]:
     """The host agents' warm-up calls for ``cfg`` (``AgentConfig.warmup``); none for a program
     (its own code builds its model)."""
-    from dataclasses import asdict
-
+    from harness.config import config_to_dict
     from harness.rank.model import prebuild_call
 
     if cfg.program.enabled:
         return ()
     calls = [prebuild_call(cfg)]
-    if cfg.parallel.group == "fsdp" and cfg.ranks > 1:
-        o = cfg.optim
-        args = {
-            "model": asdict(cfg.model), "vocab_size": cfg.data.vocab_size, "seed": cfg.data.seed,
-            "optim": {"lr": o.lr, "betas": list(o.betas), "weight_decay": o.weight_decay,
-                      "eps": o.eps},
-            "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
-        }  # fmt: skip
-        calls.append((wire_name(warm_sharding), args))
+    if cfg.parallel.group == "fsdp":  # (a config with one rank is refused: config.py)
+        calls.append((wire_name(warm_sharding), {"cfg": config_to_dict(cfg)}))
     return tuple(calls)

@@ -20,29 +20,34 @@ from harness.rank.warm import warmup_calls
 
 REPO = Path(__file__).resolve().parents[2]
 
-STEP = """
-import importlib, json, sys
+#: What both runs start with: an agent's preloads, the job, and (argv[1] == "warm") the agent's
+#: warm-up calls after the model's prebuild, run as the agent runs them (runtime.agent).
+PREAMBLE = """
+import json, sys
 import torch, torch.distributed as dist, xxhash
 import harness.rank.actors  # what an agent preloads
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.config import load_config
 from harness.rank.group_layout import Asks, Sharded
-from harness.rank.model import build_model, loss_fn, model_blocks
+from harness.rank.model import build_model, build_optimizer, loss_fn, model_blocks
 from harness.rank.warm import warmup_calls
+from runtime.actor import resolve
 
 cfg = load_config("experiments/tiny.toml", ["ranks=2", "parallel.group=fsdp"])
 rng = torch.get_rng_state()
 if sys.argv[1] == "warm":
     for target, kwargs in warmup_calls(cfg)[1:]:
-        module, name = target.split(":")
-        getattr(importlib.import_module(module), name)(**kwargs)
+        resolve(target)(**kwargs)
+"""
+
+STEP = (
+    PREAMBLE
+    + """
 left = {"pg": dist.is_initialized(), "rng_same": bool(torch.equal(rng, torch.get_rng_state()))}
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
 layout = Sharded(model, model_blocks(model), across=lambda t: None)
-o = cfg.optim
-opt = torch.optim.AdamW(
-    model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, eps=o.eps
-)
+opt = build_optimizer(model, cfg.optim)
 torch.manual_seed(1)
 x = torch.randint(0, cfg.data.vocab_size, (cfg.data.batch_size, cfg.data.seq_len))
 for _ in range(2):
@@ -56,22 +61,11 @@ for p in model.parameters():
 dist.destroy_process_group()
 print(json.dumps({**left, "weights": h.hexdigest()}))
 """
+)
 
-
-RANK_1 = """
-import importlib, json, sys
-import torch, torch.distributed as dist
-import harness.rank.actors
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from harness.config import load_config
-from harness.rank.group_layout import Asks, Sharded
-from harness.rank.model import build_model, loss_fn, model_blocks
-from harness.rank.warm import warmup_calls
-
-cfg = load_config("experiments/tiny.toml", ["ranks=2", "parallel.group=fsdp"])
-for target, kwargs in warmup_calls(cfg)[1:]:
-    module, name = target.split(":")
-    getattr(importlib.import_module(module), name)(**kwargs)
+RANK_1 = (
+    PREAMBLE
+    + """
 dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
 model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
 full = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -85,6 +79,7 @@ coords = {p.device_mesh.get_coordinate() for p in model.parameters()}
 coords |= {p.grad.device_mesh.get_coordinate() for p in model.parameters()}
 print(json.dumps({"coords": sorted(map(list, coords)), "own_shards": own}))
 """
+)
 
 
 def _run(mode: str, code: str = STEP) -> dict:
