@@ -10,6 +10,7 @@ a kind of replica group (:class:`Groups`), so the job never asks which it holds.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -227,6 +228,28 @@ class TrainerGroups:
     def close(self) -> None:
         return None
 
+    def _hold_quorum(self, starting: list[int]) -> None:
+        """Have the groups that run meet at every step until the replacements ``starting``
+        have joined them (``Trainer.request_quorum``'s hold), asked before the replacements
+        are forked: a replacement's join is then taken in at the next step, instead of raising
+        a sparse quorum's flag once it arrives, which takes one or two steps to be honoured.
+        Not waited for; a group that does not get it still meets the replacement that way."""
+        from harness.config import config_from_dict
+        from harness.rank.actors import request_quorum
+
+        cfg = config_from_dict(self.cfg_dict)
+        if cfg.quorum_every() <= 1:
+            return  # they meet at every step anyway
+        groups = cfg.replicas - len(self.dropped)
+        for r in range(cfg.replicas):
+            if r in starting or r in self.dropped:
+                continue
+            for proc in self.members(r):
+                with contextlib.suppress(Exception):
+                    self.controller.run_in_worker(
+                        proc, request_quorum, cfg.timeouts.quorum_timeout, groups
+                    )
+
     def start_groups(
         self,
         replicas: list[int],
@@ -247,6 +270,8 @@ class TrainerGroups:
         # joins it (a run resumed near its last step).
         replacing = all(incarnation[r] > 0 for r in replicas)
         peers_hold_state = replacing and self.quorum.live_step() > 0
+        if replacing:
+            self._hold_quorum(replicas)
         meshes = self.controller.spawn_many(
             [(hosts[r], {"rank": ranks}, {"replica": r}) for r in replicas],
             log_dir=str(self.run_dir / "logs"),

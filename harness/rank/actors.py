@@ -208,12 +208,14 @@ def break_device() -> None:
             actor.trainer.broken = True
 
 
-def request_quorum() -> None:
+def request_quorum(hold_s: float = 0.0, groups: int = 0) -> None:
     """System call: every trainer in this worker raises the quorum flag at its next allreduce
-    (sparse quorum, ``recovery.quorum_every_steps``): a new member waits in the tree quorum."""
+    (sparse quorum, ``recovery.quorum_every_steps``): a new member waits in the tree quorum.
+    With ``hold_s``: a replacement is starting; raise it at every step until a quorum of
+    ``groups`` groups commits, for up to ``hold_s`` seconds (``Trainer.request_quorum``)."""
     for actor in current_actors().values():
         if isinstance(actor, TrainerActor):
-            actor.trainer.request_quorum()
+            actor.trainer.request_quorum(hold_s, groups)
 
 
 def checkpoint_next_step() -> None:

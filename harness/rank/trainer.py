@@ -38,7 +38,11 @@ wait for them in the quorum, and they for it in the collective):
   the communicator is closed on failure, see ``_average_gradients``);
 * after a step in which any rank of any group raised the quorum flag, one float averaged along
   with the gradients. A trainer raises it when the controller says a new member waits in the
-  tree quorum (``request_quorum``): a replacement is let in within two steps, not N.
+  tree quorum (``request_quorum``): a replacement is let in within two steps, not N. And
+  sooner: as the controller starts a replacement it asks every running trainer to raise it at
+  every step until a quorum of all the groups has committed (``request_quorum``'s hold, bounded
+  in time), so the groups meet at every step while the replacement starts and its join is
+  taken in at the next step.
 
 The tree quorum then waits for live members of the last quorum past its join timeout
 (``harness.quorum.rule``): a group that skips quorums is not left out of one. What it costs: a
@@ -211,6 +215,10 @@ class Trainer:
         self._quorum_every = cfg.quorum_every()
         self._quorum_next = True
         self._quorum_asked = threading.Event()
+        # A replacement is starting (request_quorum's hold): ask for a quorum at every step
+        # until (monotonic deadline, groups in a quorum); the participants of the last commit.
+        self._quorum_hold: tuple[float, int] = (0.0, 0)
+        self._participants = 0
         self._group_asks = Asks()  # what the group's ranks agreed on in the last pass
         # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
         self._writer = checkpoint.BackgroundWriter(f"harness-ckpt-r{replica_id}-{rank}")
@@ -337,7 +345,7 @@ class Trainer:
 
         self._wait_staged()  # a DCP checkpoint's copy of the state is taken before it changes
         self.optimizer.step()
-        participants = self.manager.num_participants()
+        participants = self._participants = self.manager.num_participants()
         seqs = self.data.trained_ranges(slot, participants)
         due = self.data.due(participants)
         self.data.advance(participants)  # the position moves only with a committed step
@@ -444,10 +452,33 @@ class Trainer:
         pos = self.data.position
         return step, slot, pos, self._forward_backward(slot)
 
-    def request_quorum(self) -> None:
+    def request_quorum(self, hold_s: float = 0.0, groups: int = 0) -> None:
         """Sparse quorum: raise the flag at the next allreduce, so that every group asks for a
-        quorum at the step after it (the controller calls this when a new member waits)."""
+        quorum at the step after it (the controller calls this when a new member waits).
+
+        ``hold_s``, ``groups``: a replacement is starting (the controller calls this as it
+        starts one). Raise the flag at every step from now on, for up to ``hold_s`` seconds,
+        until a quorum of at least ``groups`` groups has committed a step: the groups then
+        meet at every step, and the replacement's join is taken in at the next one. Without
+        it, its join raises the flag only once it arrives, which rides the next allreduce,
+        and the quorum it asks for comes a step later still: one or two steps of waiting
+        for a replacement that is ready. A hold costs a quorum at every step while it lasts,
+        so it is bounded in time: a replacement that never comes does not keep the job at a
+        quorum per step."""
+        if hold_s > 0:
+            self._participants = 0  # a commit from now on ends the hold, not an older one
+            self._quorum_hold = (time.monotonic() + hold_s, groups)
         self._quorum_asked.set()
+
+    def _holding_quorum(self) -> bool:
+        """Whether :meth:`request_quorum`'s hold still asks for a quorum at every step."""
+        until, groups = self._quorum_hold
+        if not until:
+            return False
+        if self._participants >= groups or time.monotonic() >= until:
+            self._quorum_hold = (0.0, 0)
+            return False
+        return True
 
     def _slot(self) -> int | None:
         """Our place in this step's quorum (the replay policy hands out batches by it)."""
@@ -699,7 +730,9 @@ class Trainer:
         """This rank's asks for its layout to agree on (:class:`Asks`), read before each
         backward pass and cleared only once honoured: an ask that a pass done again (an
         overlapped quorum that changed the state) or an uncommitted step read is not lost."""
-        quorum = self._quorum_asked.is_set() if self._quorum_every > 1 else None
+        quorum = None
+        if self._quorum_every > 1:  # a rank's hold rides the agreed flag: no group splits
+            quorum = self._quorum_asked.is_set() or self._holding_quorum()
         checkpoint = None
         if self._dcp is not None and self._dcp.pg is not None:  # the group writes together
             checkpoint = self._checkpoint_asked.is_set()

@@ -416,8 +416,16 @@ def test_every_group_killed_mid_dcp_write_resumes_from_the_checkpoint_before(tmp
     assert len(restarts) == 1, restarts
     t_restart = restarts[0]["t"]
     loads = [r for r in records if r["event"] == "checkpoint.load" and r["t"] > t_restart]
-    assert {(r["replica"], r["rank"]) for r in loads} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert {r["step"] for r in loads} == {n - 10}, (n, loads)
+    # Every rank resumed from step n - 10: loaded it, or healed from a group that loaded it. (A
+    # group whose death is seen first restarts while the other still looks alive; it loads no
+    # checkpoint and heals from that one once it has loaded: seen here, the deaths 28 ms apart.)
+    heals = [
+        r for r in records
+        if r["event"] == "trainer.heal_start" and r["t"] > t_restart and r["step"] == n - 10
+    ]  # fmt: skip
+    resumed = {(r["replica"], r["rank"]) for r in loads + heals}
+    assert resumed == {(0, 0), (0, 1), (1, 0), (1, 1)}, (loads, heals)
+    assert loads and {r["step"] for r in loads} == {n - 10}, (n, loads)
     assert max(r["step"] for r in records if r["event"] == "step.commit") == 80
     assert (ckpts / "step-80" / ".metadata").is_file()
     assert not list(ckpts.glob(".step-*"))  # the half-written one was written again, in place
