@@ -56,6 +56,12 @@ Event names and their extra fields:
                           ``sequences``, ``tokens``, ``seconds`` (harness/rank/token_data.py)
 ``trainer.healed``        ``replica``, ``rank``, ``data_pos``, ``transport``: torchft loaded a
                           healthy peer's state into this rank mid-run
+``trainer.start``         ``replica``, ``rank``, ``seconds`` (the trainer's construction in its
+                          process, a fork or a spare: all its parts), ``parts`` (the seconds of
+                          each, in order: ``model``, ``layout`` (the group's world, and FSDP2
+                          where sharded), ``optimizer`` (and the data stream), ``manager``
+                          (torchft's), ``checkpoint`` (a DCP writer), ``resume`` (a checkpoint
+                          load; absent when skipped))
 ``fault.bitflip``         ``replica``, ``rank``, ``step`` (committed steps when it hit),
                           ``tensor``, ``index``, ``bit``, ``before``, ``after``, ``seed``: one
                           bit flipped in this rank's state between steps (faults/bitflip.py)
@@ -113,6 +119,7 @@ EVAL = "eval"
 HEAL_START = "trainer.heal_start"
 SERVE_START = "trainer.serve_start"
 HEALED = "trainer.healed"
+TRAINER_START = "trainer.start"
 BITFLIP = "fault.bitflip"
 SILENT_DIVERGENCE = "silent.divergence"
 STRAGGLER = "straggler"

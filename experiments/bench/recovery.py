@@ -29,7 +29,9 @@ steps are shorter or longer); ``replacement_back_s`` (kill -> the killed group c
 step); and ``weights_match`` (every step committed by several groups has one checksum, per
 incarnation);
 ``phases_s``: for each recovery phase (detected, replacement_started, healed, participating),
-the median time from the kill to it: where the replacement's time goes.
+the median time from the kill to it: where the replacement's time goes; ``start_s``: the median
+seconds of a replacement's trainer construction and of each of its parts (``trainer.start``
+records after the first kill, every rank: ``runtime.journal``).
 A second row set runs the llama3 debug model (not with ``--quick``).
 
 More configurations run a program of the user's own instead of the built-in trainer
@@ -75,7 +77,7 @@ from experiments.report import evaluate_hypotheses
 from experiments.spec import Hypotheses
 from harness.config import load_config
 from harness.job.launch import run_job
-from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, read_journal
+from runtime.journal import FAULT_INJECT, JOB_RESTART, STEP_COMMIT, TRAINER_START, read_journal
 
 CONFIGS = {
     "in_place/torchft": ["recovery.policy=in_place", "recovery.quorum=torchft"],
@@ -272,6 +274,8 @@ def run_config(
                     backs.append(min(after) - k["t"])
         row["full_restart_back_s"] = _stats(backs)
     row["phases_s"] = _phase_medians(records, recs)
+    if starts := _start_medians(records):
+        row["start_s"] = starts
     if (cfg.replicas, cfg.ranks) != (3, 1):
         row["replicas"], row["ranks"] = cfg.replicas, cfg.ranks
     if cfg.program.enabled:
@@ -314,6 +318,18 @@ def _syncs_match(logs: Path) -> bool | None:
             counts[int(sync)] = counts.get(int(sync), 0) + 1
     shared = [s for s, n in counts.items() if n > 1]
     return all(len(seen[s]) == 1 for s in shared) if shared else None
+
+
+def _start_medians(records: list[dict]) -> dict[str, float]:
+    """Median seconds of a replacement trainer's construction (``seconds``) and of each of its
+    parts, over the ``trainer.start`` records after the first kill (every rank's)."""
+    kills = [r["t"] for r in records if r["event"] == FAULT_INJECT]
+    starts = [r for r in records if r["event"] == TRAINER_START and kills and r["t"] > kills[0]]
+    parts: dict[str, list[float]] = {"seconds": [r["seconds"] for r in starts]}
+    for r in starts:
+        for part, s in r["parts"].items():
+            parts.setdefault(part, []).append(s)
+    return {k: round(statistics.median(xs), 3) for k, xs in parts.items() if xs}
 
 
 def _phase_medians(records: list[dict], recs: list[dict]) -> dict[str, float]:

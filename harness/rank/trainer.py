@@ -104,6 +104,7 @@ from runtime.journal import (
     PROC_START,
     STEP_ABORT,
     STEP_COMMIT,
+    TRAINER_START,
 )
 from runtime.worker import controller_survivable
 
@@ -235,8 +236,11 @@ class Trainer:
 
         # Same seed in every group and rank: identical initial weights everywhere. A sharded
         # group then keeps each rank's shards of them (before the optimizer sees the params).
+        lap = _Laps()  # what each part of a (replacement's) start costs: trainer.start
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
+        lap("model")
         self.layout = self._group_layout(store_addr)
+        lap("layout")
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.data = make_stream(
             cfg.data,
@@ -244,6 +248,7 @@ class Trainer:
             num_shards=cfg.replicas * cfg.ranks,
             group_size=cfg.ranks,
         )
+        lap("optimizer")
 
         self.manager, self._pg = make_manager(
             cfg,
@@ -256,18 +261,25 @@ class Trainer:
             member_id=member_id,
             quorum_retries=quorum_retries(cfg) if controller_survivable() else 0,
         )
+        lap("manager")
         self._heldout = HeldOut(cfg.data) if cfg.data.eval_every else None
         self._initial_eval_due = self._heldout is not None
         self._ckpt_dir = self._checkpoint_root(run_dir)
         self._dcp: _DcpCheckpoints | None = None  # checkpoint.format = "dcp"
         if self._ckpt_dir is not None and self._ckpt_format() == "dcp":
             self._dcp_init()
+            lap("checkpoint")
         # A replacement beside live groups heals from them at its first quorum, overwriting all
         # a checkpoint load would have given it: it skips the load (for a sharded group a
         # collective DCP load, the larger part of its start).
         self._awaiting_heal = peers_hold_state and self._ckpt_dir is not None
         if not self._awaiting_heal:
             self._resume()
+            lap("resume")
+        self._emit(
+            TRAINER_START,
+            {"replica": replica_id, "rank": rank, "seconds": lap.total(), "parts": lap.parts},
+        )
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -1058,6 +1070,23 @@ class Trainer:
             return Sharded(self.model, model_blocks(self.model), self._across_groups, timeout)
         intra = intra_group_pg(store, self.rank, ranks, timeout)
         return Replicated(self._across_groups, intra, ranks)
+
+
+class _Laps:
+    """Seconds of each part of a trainer's construction, as ``lap(part)`` is called at each
+    part's end (the ``trainer.start`` record)."""
+
+    def __init__(self) -> None:
+        self._t0 = self._t = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = round(now - self._t, 4)
+        self._t = now
+
+    def total(self) -> float:
+        return round(self._t - self._t0, 4)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
