@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from runtime import peer_process as pp
+from runtime import sock_diag
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -41,10 +42,15 @@ def listener() -> Iterator[socket.socket]:
     srv.close()
 
 
-def _client(srv: socket.socket, how: str = "child") -> tuple[subprocess.Popen, pp.Endpoint, int]:
+def _client(
+    srv: socket.socket, how: str = "child", user: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, pp.Endpoint, int]:
     host, port = srv.getsockname()
     proc = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, host, str(port), how], stdout=subprocess.PIPE, text=True
+        [*user, sys.executable, "-c", CLIENT, host, str(port), how],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
     )
     assert proc.stdout is not None
     ip, cport, holder = proc.stdout.readline().split()
@@ -156,3 +162,27 @@ def test_ipv6_loopback() -> None:
 def test_nothing_is_proven_for_a_process_that_does_not_exist() -> None:
     assert pp.holders(2**22 + 12345, pp.Endpoint("127.0.0.1", 1), pp.Endpoint("", 2)) is None
     assert not pp.descends_from(2**22 + 12345, 1)
+
+
+AS_NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
+
+
+@pytest.mark.parametrize("user", ["me", "nobody"])
+def test_the_kernels_exact_lookup_finds_what_the_tcp_table_says(listener, user) -> None:
+    """``runtime.sock_diag`` (what the checks ask where they can) finds the client's socket and
+    its owner as a read of ``/proc/net/tcp`` does, another user's socket as that user's, and
+    nothing for an address pair no socket has."""
+    if user == "nobody" and os.geteuid() != 0:
+        pytest.skip("needs root, to be another user")
+    server = pp.endpoint(listener.getsockname())
+    proc, client, _ = _client(listener, user=AS_NOBODY if user == "nobody" else ())
+    try:
+        found = sock_diag.lookup(client.ip, client.port, server.ip, server.port)
+        rows = pp._rows(proc.pid, client, server)
+        assert rows is not None and found == [(int(r[7]), int(r[9])) for r in rows]
+        uid = 65534 if user == "nobody" else os.getuid()
+        assert len(found) == 1 and found[0][0] == uid and found[0][1] > 0
+        assert pp.connection_uids(os.getpid(), client, server) == {uid}
+        assert sock_diag.lookup(client.ip, client.port + 1, server.ip, server.port) == []
+    finally:
+        _stop(proc)
