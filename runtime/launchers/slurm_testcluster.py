@@ -17,6 +17,8 @@ from runtime.launchers.slurm import SlurmError, _run, node_address
 
 #: How long a node failed from outside may take before the caller is told it was not.
 OUTSIDE_WAIT_S = 10.0
+#: The names of the nodes' network namespaces (``bin/test-cluster``'s NS_PREFIX).
+NODE_NS_PREFIX = "ftslurm-"
 _ROOT = str(Path(__file__).resolve().parents[2])  # the project (for the helper's imports)
 #: The killer run outside the node: mounts the cgroup v1 freezer (a node's mount namespace has
 #: none: ``ip netns exec`` remounts /sys) and runs :data:`_FAIL_NODE` ($0 -c $1 $2).
@@ -131,7 +133,10 @@ def fail_from_outside(node: str) -> None:
     SlurmError where the node is not a test-cluster node, ValueError where there is no other
     node to act from or the killer failed or took more than :data:`OUTSIDE_WAIT_S`."""
     own = node_namespace(node)
-    others = [ns for ns in namespaces() if ns != own]
+    # Another node's, not any namespace: one that something else made (runtime.launchers.netns'
+    # hosts, left over by a run that was killed) has no route to slurmctld (seen: the killer's
+    # scontrol could not reach it, and the node was never failed).
+    others = [ns for ns in namespaces() if ns != own and ns.startswith(NODE_NS_PREFIX)]
     if not others:
         raise ValueError(f"no network namespace but node {node}'s to fail it from")
     argv = [
