@@ -45,8 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tenacity
-
 from runtime.launchers import ChildAgents
 from runtime.launchers.slurm_text import (
     SRUN_JOB_GONE,
@@ -60,26 +58,7 @@ from runtime.launchers.slurm_text import (
 STEP_PREFIX = "ftharness-agent-"
 
 
-#: SLURM's commands fail at once, "Unable to contact slurm controller", while slurmctld cannot
-#: be reached (busy, or its backup taking over); such a command is tried again for this long.
-#: Seen in CI: a node failure not fired because one ``scontrol show node`` met it.
-CTLD_RETRY_S = 10.0
-_CTLD_UNREACHABLE = "Unable to contact slurm controller"
-
-
 def _run(cmd: list[str], timeout: float = 20.0) -> str:
-    """``cmd``'s output; SlurmError if it fails (after :data:`CTLD_RETRY_S` of tries where
-    slurmctld could not be reached)."""
-    retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(lambda e: _CTLD_UNREACHABLE in str(e)),
-        stop=tenacity.stop_after_delay(CTLD_RETRY_S),
-        wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
-        reraise=True,
-    )
-    return retrying(_run_once, cmd, timeout)
-
-
-def _run_once(cmd: list[str], timeout: float) -> str:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:

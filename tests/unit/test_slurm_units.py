@@ -4,7 +4,6 @@ the sbatch script `ftharness slurm submit` writes (checked by bash itself)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +16,6 @@ from harness.cli import build_parser, main
 from harness.config import ConfigError, load_config
 from harness.job.placement import HostState, place
 from harness.job.slurm import check_allocation
-from runtime.launchers import slurm as slurm_launcher
 from runtime.launchers.slurm import (
     Allocation,
     SlurmError,
@@ -26,7 +24,6 @@ from runtime.launchers.slurm import (
     allocation_from_env,
     expand_nodelist,
     parse_node_states,
-    scontrol_hostnames,
     unusable,
 )
 
@@ -238,42 +235,3 @@ def test_launcher_on_the_command_line_is_validated_with_the_whole_experiment(tmp
     assert spec.topology.launcher == "slurm" and "launcher=slurm" in spec.job_overrides("in_place")
     with pytest.raises(ExperimentError, match="launcher"):
         with_launcher(path, "local")
-
-
-def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: int, error: str) -> Path:
-    """An ``scontrol`` first on PATH that fails its first ``fails`` calls with ``error`` on
-    stderr (as SLURM's commands do), then lists ``n1 n2``; returns its call count's file."""
-    calls = tmp_path / "calls"
-    calls.write_text("")
-    script = tmp_path / "scontrol"
-    script.write_text(
-        "#!/bin/sh\n"
-        f'echo x >> "{calls}"\n'
-        f'if [ "$(wc -l < "{calls}")" -le {fails} ]; then echo "{error}" >&2; exit 1; fi\n'
-        "echo n1; echo n2\n"
-    )
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    return calls
-
-
-def test_a_command_that_cannot_reach_slurmctld_is_tried_again(tmp_path, monkeypatch):
-    unreachable = "slurm_load_node error: Unable to contact slurm controller (connect failure)"
-    calls = _fake_scontrol(tmp_path, monkeypatch, 2, unreachable)
-    assert scontrol_hostnames("n[1-2]") == ["n1", "n2"]
-    assert len(calls.read_text().split()) == 3
-
-
-def test_any_other_failure_of_a_command_is_not_tried_again(tmp_path, monkeypatch):
-    calls = _fake_scontrol(tmp_path, monkeypatch, 2, "scontrol: error: Invalid node name n9")
-    with pytest.raises(SlurmError, match="Invalid node name"):
-        scontrol_hostnames("n9")
-    assert len(calls.read_text().split()) == 1
-
-
-def test_slurmctld_out_of_reach_for_good_is_an_error_in_the_end(tmp_path, monkeypatch):
-    monkeypatch.setattr(slurm_launcher, "CTLD_RETRY_S", 0.5)
-    calls = _fake_scontrol(tmp_path, monkeypatch, 1000, "Unable to contact slurm controller")
-    with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
-        scontrol_hostnames("n[1-2]")
-    assert len(calls.read_text().split()) > 1
