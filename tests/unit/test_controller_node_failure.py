@@ -223,8 +223,10 @@ def test_the_controllers_own_node_is_failed_only_with_a_standby_elsewhere(tmp_pa
             return 1
 
     monkeypatch.setattr(subprocess, "Popen", Killer)
-    monkeypatch.setattr(testcluster, "namespaces", lambda: ["ns-n2", "ns-n1"])
-    monkeypatch.setattr(testcluster, "node_namespace", lambda node: f"ns-{node}")
+    # a namespace that is no node's comes first (a killed run's leftover): never chosen
+    names = ["fth1234-host0", "ftslurm-n2", "ftslurm-n1"]
+    monkeypatch.setattr(testcluster, "namespaces", lambda: names)
+    monkeypatch.setattr(testcluster, "node_namespace", lambda node: f"ftslurm-{node}")
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
 
@@ -253,5 +255,5 @@ def test_the_controllers_own_node_is_failed_only_with_a_standby_elsewhere(tmp_pa
         ctx.fail_node("n1")  # a killer that fails: the fault did not fire, and says so
     assert len(synced) == 1  # the journal, before the node goes
     (argv,) = started
-    assert argv[:2] == ["nsenter", "--net=/run/netns/ns-n2"] and argv[-1] == "n1"
+    assert argv[:2] == ["nsenter", "--net=/run/netns/ftslurm-n2"] and argv[-1] == "n1"
     ctx.journal.close()
