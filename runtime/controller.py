@@ -74,7 +74,7 @@ from runtime.messages import (
 )
 from runtime.plane import Owner
 from runtime.preflight_matrix import PreflightBoard
-from runtime.proc_handle import CallTable, ProcFailedError, ProcRecord
+from runtime.proc_handle import CallTable, HostLostError, ProcFailedError, ProcRecord
 from runtime.resend import EVENT_SEQ, Marks
 from runtime.spares import SparePool
 from runtime.spec import ControllerSpec, SupervisorSpec
@@ -92,7 +92,7 @@ MONITOR_STUCK_BEATS = 3
 #: the spawn timeout plus this, the supervision thread is stuck (Controller.stuck).
 SUPERVISION_STUCK_S = 60.0
 
-__all__ = ["Controller", "HostAgentHandle", "ProcFailedError", "ProcRecord"]
+__all__ = ["Controller", "HostAgentHandle", "HostLostError", "ProcFailedError", "ProcRecord"]
 
 
 class Controller:
@@ -310,7 +310,7 @@ class Controller:
             stores = [f for (name, _), f in self._stores.items() if name == h.name]
         for fut in stores:
             with contextlib.suppress(cf.InvalidStateError):
-                fut.set_exception(ProcFailedError(f"host {h.name} lost: {why}"))
+                fut.set_exception(HostLostError(f"host {h.name} lost: {why}"))
         now = time.time()
         for rec in victims:
             self._fail(
@@ -360,7 +360,7 @@ class Controller:
         spare: bool = False,
     ) -> tuple[dict[str, int], dict[tuple[int, ...], ProcRef], list[ProcRecord]]:
         if h.lost or h.conn is None:
-            raise ProcFailedError(f"host {h.name} is lost")
+            raise HostLostError(f"host {h.name} is lost")
         if not dims or any(n < 1 for n in dims.values()):
             raise ValueError(f"a mesh needs at least one dimension, each >= 1: {dims}")
         if set(dims) & set(fixed):
@@ -396,7 +396,7 @@ class Controller:
         agent (``runtime.group_store``; the group's last one there ends): its ``host:port``.
         ProcFailedError if ``h`` is lost or cannot serve one."""
         if h.lost or h.conn is None:
-            raise ProcFailedError(f"host {h.name} is lost")
+            raise HostLostError(f"host {h.name} is lost")
         fut: cf.Future[str] = cf.Future()
         with self._lock:
             self._stores[(h.name, replica)] = fut
@@ -419,7 +419,7 @@ class Controller:
         process, owned like a spawned mesh's: an exit or a signal is a failure, exit code 0 is
         not (``rec.finished``). Running once its agent reports the pid (``rec.ready``)."""
         if h.lost or h.conn is None:
-            raise ProcFailedError(f"host {h.name} is lost")
+            raise HostLostError(f"host {h.name} is lost")
         ref = ProcRef(h.next_proc_id(), h.name, dict(msg.coords))
         rec = ProcRecord(ref, h, owner=getattr(self._owner, "value", None), program=True)
         with self._lock:
@@ -683,9 +683,10 @@ class Controller:
             coords=dict(rec.ref.coords),
             t_detected=time.time(),
         )
+        error = HostLostError if failure.cause is Cause.LOST_HOST else ProcFailedError
         if not rec.ready.done():
-            rec.ready.set_exception(ProcFailedError(failure.summary(), failure))
-        self._calls.fail_for(rec, ProcFailedError(failure.summary(), failure))
+            rec.ready.set_exception(error(failure.summary(), failure))
+        self._calls.fail_for(rec, error(failure.summary(), failure))
         self.emit(FAILURE, **failure.journal_fields(), t_detected=failure.t_detected)
         for fn in list(self._failure_listeners):
             try:

@@ -26,6 +26,12 @@ class ProcFailedError(RuntimeError):
         self.failure = failure
 
 
+class HostLostError(ProcFailedError):
+    """The same, because the host the process runs on (or was to run on) was lost: its agent
+    is gone. The host's failure, not the process's own: a crash-loop rule counts none of these
+    (``harness.job.trainer_deaths``)."""
+
+
 @dataclass(eq=False)  # identity: a record is one process, whatever its fields say
 class ProcRecord:
     ref: ProcRef

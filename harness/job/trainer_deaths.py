@@ -14,7 +14,8 @@ failure a replica group's supervisor receives is read here first (``TrainerGroup
 
 Never counted: a stop from outside (SIGKILL, SIGTERM, SIGINT), a failure with no cause of its
 own, a failure the data is to blame for (``BadData``: ``harness.job.poison`` quarantines the
-data), and whatever an injected fault explains (:class:`harness.job.crash_loop.CrashLoop`).
+data), a restart that failed because its host was lost (``HostLostError``), and whatever an
+injected fault explains (:class:`harness.job.crash_loop.CrashLoop`).
 ``recovery.deterministic_max`` failures in a row with one signature, each within a minute of
 the one before, end the job with the diagnosis: on the console, in ``job.end`` and the report.
 A controller that takes a job over (``harness.job.takeover``) takes up the dead one's count from
@@ -47,6 +48,10 @@ from runtime.journal import (
 
 #: Exception types that say the data, not the trainer, failed (``harness.rank.data.BadData``).
 DATA_FAULTS = ("BadData", "harness.rank.data.BadData")
+#: Exception types that say the host, not the trainer, failed (``runtime.proc_handle``): a
+#: restart that raised because its host was lost (an allocation cancelled, a node gone) is
+#: the host table's to act on (``harness.job.hosts``), not a crash loop.
+HOST_FAULTS = ("HostLostError",)
 
 _REPLICA = re.compile(r"/replica(\d+)(/|$)")
 
@@ -203,6 +208,8 @@ class TrainerDeaths:
         what, kind, frame, lines = read
         if kind.rsplit(".", 1)[-1] in DATA_FAULTS:
             return None, "the data is to blame (harness.job.poison)"
+        if kind.rsplit(".", 1)[-1] in HOST_FAULTS:
+            return None, "its host was lost: the host's failure, not the trainer's"
         incarnation: int | None
         if starting:
             incarnation, where = -next(self._starts), "while starting (building its trainers)"

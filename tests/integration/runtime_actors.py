@@ -30,6 +30,10 @@ class Echo(Actor):
         return os.getpid()
 
     @endpoint
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
     def boom(self) -> None:
         raise ValueError("boom from the actor")
 

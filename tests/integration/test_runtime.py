@@ -16,7 +16,7 @@ import runtime_actors
 
 from runtime import channel
 from runtime.actor import RemoteError
-from runtime.controller import Controller
+from runtime.controller import Controller, HostLostError, ProcFailedError
 from runtime.failure import Cause, SupervisionError
 from runtime.journal import Journal, read_journal
 from runtime.mesh import MeshError
@@ -242,14 +242,26 @@ def test_transient_child_not_restarted_after_clean_exit():
 
 
 def test_lost_host_fails_its_processes(ctl):
+    """Its processes fail (a call under way with them), and what is asked of the host after
+    raises HostLostError (the host's failure, which no crash-loop rule counts): a spawn, a
+    store."""
     a = ctl.spawn_host("h0")
     ctl.spawn_host("h1").spawn_procs({"ranks": 1}).spawn("echo", runtime_actors.Echo)
-    a.spawn_procs({"ranks": 2}).spawn("echo", runtime_actors.Echo)
+    actors = a.spawn_procs({"ranks": 2}).spawn("echo", runtime_actors.Echo)
+    under_way = actors.slice(ranks=slice(0, 1)).sleep.call_one(30)
     a.kill()
     wait_for(lambda: len(ctl.failures) >= 2, what="lost-host failures")
     assert {f.host for f in ctl.failures} == {"h0"}
     assert {f.cause for f in ctl.failures} <= {Cause.LOST_HOST, Cause.SIGNAL}
     assert any(f.cause is Cause.LOST_HOST for f in ctl.failures)
+    with pytest.raises(Exception) as raised:
+        under_way.get(timeout=20)
+    assert isinstance(raised.value, ProcFailedError), repr(raised.value)
+    wait_for(lambda: a.lost, what="h0 declared lost")
+    with pytest.raises(HostLostError):
+        a.spawn_procs({"ranks": 1})
+    with pytest.raises(HostLostError):
+        ctl.serve_store(a, 0)
 
 
 def assert_dropped(sock: socket.socket) -> None:
@@ -323,7 +335,7 @@ ORPHAN_SCRIPT = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     import runtime_actors
-    from runtime.controller import Controller
+    from runtime.controller import Controller, HostLostError, ProcFailedError
     from runtime.spec import ControllerSpec
     c = Controller(ControllerSpec(preload=()))
     actors = c.spawn_host("h0").spawn_procs({{"ranks": 2}}).spawn("e", runtime_actors.Echo)
@@ -365,7 +377,7 @@ UNHANDLED_SCRIPT = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     import runtime_actors
-    from runtime.controller import Controller
+    from runtime.controller import Controller, HostLostError, ProcFailedError
     from runtime.failure import SupervisionError
     from runtime.spec import ControllerSpec
     with Controller(ControllerSpec(preload=())) as c:

@@ -5,6 +5,7 @@ a restart that raised (its RemoteError's remote traceback inside), a rank's exce
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import traceback
 
 from harness.job.crash_loop import CrashLoop
@@ -12,6 +13,7 @@ from harness.job.trainer_deaths import TrainerDeaths
 from runtime.actor import RemoteError
 from runtime.failure import Cause, Failure
 from runtime.journal import FAULT_INJECT, STEP_COMMIT
+from runtime.proc_handle import HostLostError, ProcFailedError
 
 REMOTE = """\
 Traceback (most recent call last):
@@ -140,6 +142,45 @@ def test_faults_stops_bad_data_and_mixed_causes_never_make_a_loop():
         ]
         * 3
     )
+
+
+def _restart_on_a_lost_host(replica: int, t: float, error: type[Exception]) -> Failure:
+    """A restart that raised because its host was lost as its trainers were being built (seen
+    in CI: an allocation cancelled under the job), as the supervisor delivers it."""
+    future: cf.Future[None] = cf.Future()
+    future.set_exception(error("host n2 lost: agent connection closed (recv from peer failed)"))
+    try:
+        future.result()
+    except Exception:
+        return Failure(
+            cause=Cause.EXCEPTION,
+            detail=f"restart of job/replica{replica}/ranks failed",
+            traceback=traceback.format_exc(),
+            child=f"job/replica{replica}/ranks",
+            t_event=t,
+        )
+    raise AssertionError("unreachable")
+
+
+def test_restarts_that_fail_on_a_lost_host_never_make_a_loop():
+    """A lost host fails every restart placed on it until the host table acts (replaces it, or
+    ends the job: the allocation ended); those are the host's failures, not a crash loop of the
+    trainer's. The same restarts failing with any other error are one."""
+    job = _Job()
+    deaths = job.deaths()
+    for replica, t in ((0, 1.0), (1, 1.1), (0, 1.2), (1, 1.3)):
+        assert not deaths.seen(_restart_on_a_lost_host(replica, t, HostLostError))
+    assert job.failed == []
+    assert {r["why"] for r in job.journaled} == {
+        "its host was lost: the host's failure, not the trainer's"
+    }
+    job = _Job()
+    deaths = job.deaths()
+    seen = [
+        deaths.seen(_restart_on_a_lost_host(r, t, ProcFailedError))
+        for r, t in ((0, 1.0), (1, 1.1), (0, 1.2))
+    ]
+    assert seen == [False, False, True] and "ProcFailedError" in job.failed[0]
 
 
 def test_a_takeover_takes_up_the_count_of_a_loop_under_way():
