@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.config import config_from_dict
 from harness.job import takeover
 from harness.job.poison import DataMarks
 from harness.job.replica_group import ReplicaGroup
@@ -125,6 +126,7 @@ class TrainerGroups:
     ) -> None:
         self.controller = controller
         self.cfg_dict = cfg_dict
+        self.cfg = config_from_dict(cfg_dict)
         self.run_dir = run_dir
         self.quorum = quorum
         self.on_done = on_done
@@ -234,10 +236,9 @@ class TrainerGroups:
         are forked: a replacement's join is then taken in at the next step, instead of raising
         a sparse quorum's flag once it arrives, which takes one or two steps to be honoured.
         Not waited for; a group that does not get it still meets the replacement that way."""
-        from harness.config import config_from_dict
         from harness.rank.actors import request_quorum
 
-        cfg = config_from_dict(self.cfg_dict)
+        cfg = self.cfg
         if cfg.quorum_every() <= 1:
             return  # they meet at every step anyway
         groups = cfg.replicas - len(self.dropped)
