@@ -25,18 +25,23 @@ harness.corpus.tokenfile.CorpusError: /data/c: no manifest.json: not a prepared 
 """
 
 
+def _failed_restart(replica: int, t: float, exc: Exception) -> Failure:
+    """What runtime.supervisor delivers when a restart raised ``exc`` (in its except clause:
+    the traceback is the one being handled)."""
+    return Failure(
+        cause=Cause.EXCEPTION,
+        detail=f"restart of job/replica{replica}/ranks failed: {exc!r}",
+        traceback=traceback.format_exc(),
+        child=f"job/replica{replica}/ranks",
+        t_event=t,
+    )
+
+
 def _restart_failure(replica: int, n: int, t: float) -> Failure:
-    """What runtime.supervisor delivers when a restart raised (its except clause)."""
     try:
         raise RemoteError("CorpusError", f"/data/c: no manifest.json ({n})", REMOTE.format(n=n), {})
     except RemoteError as exc:
-        return Failure(
-            cause=Cause.EXCEPTION,
-            detail=f"restart of job/replica{replica}/ranks failed: {exc!r}",
-            traceback=traceback.format_exc(),
-            child=f"job/replica{replica}/ranks",
-            t_event=t,
-        )
+        return _failed_restart(replica, t, exc)
 
 
 def _rank_failure(replica: int, t: float, exc_text: str, *, signal: str | None = None) -> Failure:
@@ -151,14 +156,8 @@ def _restart_on_a_lost_host(replica: int, t: float, error: type[Exception]) -> F
     future.set_exception(error("host n2 lost: agent connection closed (recv from peer failed)"))
     try:
         future.result()
-    except Exception:
-        return Failure(
-            cause=Cause.EXCEPTION,
-            detail=f"restart of job/replica{replica}/ranks failed",
-            traceback=traceback.format_exc(),
-            child=f"job/replica{replica}/ranks",
-            t_event=t,
-        )
+    except Exception as exc:
+        return _failed_restart(replica, t, exc)
     raise AssertionError("unreachable")
 
 
