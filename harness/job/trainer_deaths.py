@@ -206,9 +206,10 @@ class TrainerDeaths:
         if read is None:
             return None, "a stop from outside, or no cause of its own"
         what, kind, frame, lines = read
-        if kind.rsplit(".", 1)[-1] in DATA_FAULTS:
+        name = kind.rsplit(".", 1)[-1]
+        if name in DATA_FAULTS:
             return None, "the data is to blame (harness.job.poison)"
-        if kind.rsplit(".", 1)[-1] in HOST_FAULTS:
+        if name in HOST_FAULTS:
             return None, "its host was lost: the host's failure, not the trainer's"
         incarnation: int | None
         if starting:
