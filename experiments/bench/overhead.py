@@ -24,7 +24,7 @@ replica groups x 1 rank (3 x 2 for the sharded pair), in the configurations belo
   token file costs, not the larger output layer;
 * ``ftharness_fsdp`` and ``plain_hsdp`` — sharded groups, 3 x 2 ranks: the job with
   ``parallel.group = "fsdp"`` (FSDP2 in each group, torchft across), and the same FSDP2 layout
-  (``harness.rank.group_layout.Sharded``) in plain torch, each gradient shard averaged across the
+  (``harness.rank.group_layout.Sharded``) in plain torch, the gradient shards averaged across the
   groups over a plain gloo group per rank index, no quorum and no fault tolerance (its floor);
   ``ratio_to_plain_hsdp`` compares them per repetition (median), as ``ratio_to_plain`` does.
 
@@ -198,15 +198,15 @@ def worker(
 def _plain_hsdp(cfg: Any, replica: int, rank: int, addr: str, times: list[float]) -> None:
     """HSDP in plain torch: the group's own gloo world (FSDP2 over its ranks, the same layout
     as ``parallel.group = "fsdp"``: ``harness.rank.group_layout.Sharded``), and a plain gloo
-    group of rank ``rank`` of every group averaging each gradient shard across the groups in
-    FSDP2's hook; no quorum, no commit protocol, no fault tolerance."""
+    group of rank ``rank`` of every group averaging the gradient shards across the groups after
+    the backward pass; no quorum, no commit protocol, no fault tolerance."""
     from datetime import timedelta
 
     import torch
     from torch.distributed import PrefixStore, TCPStore
 
     from harness.rank.data import TokenStream
-    from harness.rank.group_layout import Sharded, init_group_world
+    from harness.rank.group_layout import Asks, Sharded, init_group_world
     from harness.rank.model import build_model, build_optimizer, loss_fn, model_blocks
 
     timeout = timedelta(seconds=cfg.timeouts.process_group_timeout)
@@ -222,7 +222,7 @@ def _plain_hsdp(cfg: Any, replica: int, rank: int, addr: str, times: list[float]
         t /= cfg.replicas
 
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.data.seed)
-    Sharded(model, model_blocks(model), across)
+    layout = Sharded(model, model_blocks(model), across)
     opt = build_optimizer(model, cfg.optim)
     n = cfg.replicas * cfg.ranks
     data = TokenStream(
@@ -231,7 +231,8 @@ def _plain_hsdp(cfg: Any, replica: int, rank: int, addr: str, times: list[float]
     for _ in range(cfg.steps):
         inputs, targets = data.batch()
         opt.zero_grad(set_to_none=False)
-        loss_fn(model(inputs), targets).backward()  # reduce-scatter, then the hook: across
+        layout.backward(loss_fn(model(inputs), targets), Asks())  # reduce-scatter in the group
+        layout.average(model, contribute=True)  # then across the groups
         opt.step()
         data.advance()
         times.append(time.time())

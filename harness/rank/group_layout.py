@@ -6,12 +6,13 @@ The trainer (``harness.rank.trainer``) calls a layout for the three things that 
 * **averaging the gradients** of a step over every rank of every participating group. Replicated:
   one flat allreduce within the group (when it has several ranks), then torchft's across the
   groups. Sharded: FSDP2 reduce-scatters each block's gradients within the group during the
-  backward pass, and its all-reduce hook averages each resulting shard with the same shard of
-  the other groups through torchft's Manager, as torchtitan wires its ``replicate_pg``. The
-  step's :class:`Asks` (a sparse quorum's flag, a checkpoint asked for, a non-finite loss)
-  ride on those collectives rather than on collectives of their own: floats more in the flat
-  allreduce (replicated); one tiny allreduce within the group before the backward pass, and
-  floats more on the root module's shard across the groups (sharded);
+  backward pass; after it, each rank averages its gradient shards with the same shards of the
+  other groups through torchft's Manager, in one flat allreduce as a replicated rank does (one
+  call per step, not one per block: on gloo a call per block, each waited for in FSDP2's hook,
+  overlapped nothing and cost more). The step's :class:`Asks` (a sparse quorum's flag, a
+  checkpoint asked for, a non-finite loss) ride on those collectives rather than on collectives
+  of their own: floats more in the flat allreduce; sharded, one tiny allreduce within the group
+  before the backward pass first agrees on them;
 * **the state** a heal and a checkpoint carry: each rank's own tensors. Sharded, these are the
   local shards of the DTensors (rank r of a group heals from rank r of a peer, torchft pairs the
   ranks so), plain tensors that every transport carries and ``torch.load(weights_only=True)``
@@ -24,9 +25,9 @@ Sharded wiring (torch 2.13; ``../shared/HSDP.md``): each group is its own ``torc
 world, initialised on the group's store (the default process group of the rank's process, gloo
 on CPU), with a 1-D device mesh over it; ``fully_shard`` wraps every transformer block and then
 the root. FSDP2's reduce-scatter is forced to SUM (gloo's AVG under FSDP2 is reported to sum,
-pytorch#162338), the hook averages over the groups, then FSDP2 divides by the group's ranks: the
-mean over every rank of every participating group (``tests/integration/test_fsdp_group.py``
-checks it numerically).
+pytorch#162338) and FSDP2 divides by the group's ranks, then the flat allreduce averages over the
+groups: the mean over every rank of every participating group
+(``tests/integration/test_fsdp_group.py`` checks it numerically).
 """
 
 from __future__ import annotations
@@ -150,25 +151,20 @@ class Replicated:
         """One flat allreduce per step (fewer, larger messages than one per tensor); the
         flags that cross the groups ride along as floats more. Rank 0 writes a checkpoint
         alone: its own ask is the group's."""
-        crossing = self._asks.crossing()
         if not contribute:
             model.zero_grad(set_to_none=False)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        parts = [g.reshape(-1) for g in grads]
-        if crossing:
-            parts.append(torch.tensor([float(a) for a in crossing], dtype=parts[0].dtype))
-        flat = torch.cat(parts)
-        if self._intra is not None:
-            # A dead group peer raises: the group restarts. (torch's stub of ProcessGroupGloo
-            # leaves out the collectives its pybind11 class has, allreduce among them.)
-            self._intra.allreduce([flat]).wait()  # type: ignore[attr-defined]
-            flat /= self._ranks
-        self._across(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        agreed = (flat[len(flat) - len(crossing) :] > 0).tolist() if crossing else []
+
+        def across(flat: torch.Tensor, n: int) -> None:
+            if self._intra is not None:
+                # A dead group peer raises: the group restarts. (torch's stub of
+                # ProcessGroupGloo leaves out the collectives its pybind11 class has, allreduce
+                # among them.)
+                self._intra.allreduce([flat]).wait()  # type: ignore[attr-defined]
+                flat /= self._ranks
+            self._across(flat)
+
+        agreed = _average_flat(grads, self._asks.crossing(), across)
         return self._asks.crossed(agreed, checkpoint=bool(self._asks.checkpoint))
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +190,26 @@ class Replicated:
         opts.reduceOp = torch.distributed.ReduceOp(torch.distributed.ReduceOp.MIN)
         self._intra.allreduce([t], opts).wait()  # type: ignore[attr-defined]
         return int(t.item())
+
+
+def _average_flat(
+    grads: list[torch.Tensor],
+    crossing: list[bool],
+    reduce: Callable[[torch.Tensor, int], None],
+) -> list[bool]:
+    """Average ``grads`` in place as one flat tensor with the ``crossing`` flags as floats
+    after them: ``reduce(flat, n)`` averages ``flat`` (its first ``n`` elements the
+    gradients). Returns the flags agreed: each True where any participant raised it."""
+    parts = [g.reshape(-1) for g in grads]
+    dtype = parts[0].dtype if parts else torch.float32
+    n = sum(p.numel() for p in parts)
+    flat = torch.cat([*parts, torch.tensor([float(a) for a in crossing], dtype=dtype)])
+    reduce(flat, n)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return (flat[n:] > 0).tolist()
 
 
 def intra_group_timeout(process_group_timeout: float, manager_timeout: float) -> timedelta:
@@ -242,67 +258,48 @@ class Sharded:
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        self._across = across
-        self._timeout = timeout
-        # The group's asks that cross the groups (Asks.crossing), agreed in the group before
-        # the backward pass, to ride on the root's shard; what they became across the groups;
-        # the asks themselves and the group's checkpoint ask.
-        self._carry: torch.Tensor | None = None
-        self._crossed: torch.Tensor | None = None
-        self._asks = Asks()
-        self._checkpoint = False
-
-        def average_shard(shard: torch.Tensor) -> None:
-            # A non-finite gradient (a corrupted replica) must not reach the other groups: the
-            # group contributes nothing and is healed (harness.job.divergence).
-            if not bool(torch.isfinite(shard).all()):
-                shard.zero_()
-            across(shard)
-
-        def average_root(shard: torch.Tensor) -> None:
-            carry, self._carry = self._carry, None
-            if carry is None:
-                average_shard(shard)
-                return
-            if not bool(torch.isfinite(shard).all()):
-                shard.zero_()
-            n = carry.numel()
-            both = torch.cat([shard, carry.to(device=shard.device, dtype=shard.dtype)])
-            across(both)
-            shard.copy_(both[:-n])
-            self._crossed = both[-n:]
-
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
-                m.set_all_reduce_hook(average_root if m is model else average_shard)
+        self._across = across
+        self._timeout = timeout
+        # The group's asks that cross the groups (Asks.crossing), agreed in the group before
+        # the backward pass; the asks themselves and the group's checkpoint ask.
+        self._carry: list[bool] = []
+        self._asks = Asks()
+        self._checkpoint = False
 
     def backward(self, loss: torch.Tensor, asks: Asks) -> None:
         """Agree on the asks within the group first (one allreduce of three floats: a rank that
         asked is enough, asks reach the ranks apart), so that every rank of the group carries
-        the same flags across the groups, on the root's shard (``average_root``)."""
+        the same flags across the groups (:meth:`average`). Then the pass: FSDP2
+        reduce-scatters each block's gradients within the group as it goes."""
         import torch.distributed as dist
 
-        self._carry = self._crossed = None
+        self._carry = []
         self._asks, self._checkpoint = asks, False
         flags = [asks.quorum, asks.checkpoint, asks.nonfinite]
         if any(a is not None for a in flags):
             summed = torch.tensor([float(bool(a)) for a in flags])
             dist.all_reduce(summed)
             self._checkpoint = bool(summed[1].item() > 0)
-            crossing = [i for i in (0, 2) if flags[i] is not None]
-            if crossing:
-                self._carry = (summed[crossing] > 0).float()
+            self._carry = [bool(summed[i].item() > 0) for i in (0, 2) if flags[i] is not None]
         loss.backward()
 
     def average(self, model: nn.Module, *, contribute: bool) -> Asks:
-        """The gradients are averaged already (in the backward pass, where a non-finite shard
-        counted as zeros: ``contribute`` is moot), the crossing flags with the root's shard;
-        they cross alone only where the root holds no shard of its own."""
-        if self._carry is not None:
-            self._across(self._carry)
-            self._crossed, self._carry = self._carry, None
-        agreed = (self._crossed > 0).tolist() if self._crossed is not None else []
+        """Average this rank's gradient shards (the group's mean already: FSDP2 summed them
+        over the group and divided) with the same shards of the other groups: one flat
+        allreduce for every block, the crossing flags riding along. A rank whose shards are not
+        finite contributes zeros (its NaN must not reach the other groups); ``contribute`` is
+        moot, since a rank's non-finite loss reached its group's shards in the reduce-scatter."""
+        grads = [self.local(p.grad) for p in model.parameters() if p.grad is not None]
+
+        def across(flat: torch.Tensor, n: int) -> None:
+            if not bool(torch.isfinite(flat[:n]).all()):
+                flat[:n].zero_()
+            self._across(flat)
+
+        agreed = _average_flat(grads, self._carry, across)
         return self._asks.crossed(agreed, checkpoint=self._checkpoint)
 
     def checkpoint_group(self) -> Any:
