@@ -74,7 +74,11 @@ def test_killed_group_restarts_in_place_and_heals(tmp_path, quorum, spares, ever
     # restarts are checked below (only group 1's process is new).
     assert any(r["replica"] == 1 for r in healed), healed
     phases = [r["phase"] for r in records if r["event"] == "recovery.phase"]
-    assert phases[0] == "detected" and phases[-1] == "participating"
+    # It ends when the replacement takes part. The survivors may resume at that very quorum
+    # (torchft's Lighthouse may hold their quorum until the replacement joins): then their phase
+    # can be journaled just after it (seen in CI, 2 ms apart).
+    assert phases[0] == "detected"
+    assert set(phases[phases.index("participating") + 1 :]) <= {"survivors_resumed"}, phases
     assert set(phases) == {
         "detected",
         "survivors_resumed",
