@@ -263,6 +263,16 @@ def holders(root: int, client: Endpoint, server: Endpoint) -> tuple[Holder, ...]
     return tuple(found[i] for i in sorted(inodes))
 
 
+def held_by(pid: int, held: Iterable[Holder]) -> tuple[Holder, ...] | None:
+    """The sockets of ``held`` as descriptors of process ``pid`` itself (not its descendants);
+    None unless it holds every one of them."""
+    inodes = {h.inode for h in held}
+    found = _find_fds([pid], inodes)
+    if not inodes or len(found) != len(inodes):
+        return None
+    return tuple(found[i] for i in sorted(inodes))
+
+
 def still_held(held: Iterable[Holder]) -> bool:
     """Whether every one of ``held`` is still held (:meth:`Holder.still_holds`)."""
     return all(h.still_holds() for h in held)

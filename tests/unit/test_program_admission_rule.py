@@ -139,6 +139,31 @@ def test_a_local_group_admits_the_connections_of_its_rank_0_only(tap, agent) -> 
             p.wait()
 
 
+def test_a_relayed_connection_is_the_relays_while_a_fresh_fork_holds_a_copy(tap, agent) -> None:
+    """The host agent forks a group's rank 0 while its relay holds connections to the tap: the
+    child holds copies of them until it closes them. A heartbeat relayed then, for a Manager
+    of another group, must not count as this rank 0's own (seen in CI: it bound group 0's
+    Manager to group 1, and both groups' Managers were refused from then on)."""
+    me = socket.create_connection(tap.getsockname())  # the relay's end (the agent: this process)
+    relayed = f"ipv4:127.0.0.1:{me.getsockname()[1]}"
+    child = subprocess.Popen(  # group 1's rank 0, just forked: a copy of the relay's end
+        [sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=[me.fileno()]
+    )
+    try:
+        rec = Rec(agent)
+        rec.ready.set_result(child.pid)
+        assert pp.holders(child.pid, pp.parse_peer(relayed), pp.endpoint(tap.getsockname()))
+        state = pa.GroupAdmission()
+        why = _refusal(state, rec, relayed, tap, binds=False)
+        assert why is not None and "must ask for a quorum first" in why
+        assert state.relayed(relayed, agent.pid)
+        assert _refusal(state, rec, relayed, tap) is None  # a quorum request: by its store
+    finally:
+        child.kill()
+        child.wait()
+        me.close()
+
+
 def test_rank_0_must_be_a_child_of_its_host_agent(tap, agent) -> None:
     """A pid that is no descendant of the agent (a recycled number, a stranger) proves nothing."""
     rank0, peer = _client(tap)

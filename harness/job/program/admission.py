@@ -240,10 +240,17 @@ def refusal(
                 f"{replica}'s rank 0 (pid {pid}) or a process it started: not a Manager this "
                 "job started"
             )
-            # or its host agent's relay, which vouches for it (runtime.relay.from_this_tree)
-            relay = peer_process.holders(host.pid, client, tap) if held is None else None
-            if relay and all(h.pid == host.pid for h in relay):
-                held = relay
+            # or its host agent's relay, which vouches for it (runtime.relay.from_this_tree).
+            # The agent holds its end of every connection it relays, and a worker it has just
+            # forked holds copies of them until it closes them (runtime.relay): a connection
+            # the agent holds is the relay's, whoever else has a copy. (Taken for rank 0's own,
+            # a copy in another group's fresh rank 0 bound a relayed Manager to that group.)
+            if held is not None:
+                held = peer_process.held_by(host.pid, held) or held
+            else:
+                relay = peer_process.holders(host.pid, client, tap)
+                if relay and all(h.pid == host.pid for h in relay):
+                    held = relay
     memo: dict[str, Any] = state.verified if held is not None else state.refused
     if len(memo) > _MEMORY:
         memo.clear()
