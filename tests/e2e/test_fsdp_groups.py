@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import after_step, kill_group, run_chaos, run_ok, tiny_cfg
+from e2e_helpers import after_step, events, kill_group, run_chaos, run_ok, tiny_cfg, wait_until
 
 from faults import inworker
 from faults.fault import Target
@@ -35,7 +35,12 @@ def test_a_killed_rank_restarts_its_sharded_group_which_heals_shard_by_shard(tmp
     )
 
     def started(job):
-        kill = lambda: os.kill(job.faults.pids(Target(replica=1, rank=1))[0], signal.SIGKILL)  # noqa: E731
+        def kill():
+            # Once step 10's checkpoint is on disk, so the replacement has one to skip (a DCP
+            # write can outlast two steps: seen in CI, saved 20 ms after a kill at step 12).
+            wait_until(lambda: events(tmp_path, "checkpoint.save"), time.monotonic() + 60)
+            os.kill(job.faults.pids(Target(replica=1, rank=1))[0], signal.SIGKILL)
+
         after_step(job, 12, kill)
 
     records = run_ok(cfg, tmp_path, on_started=started)  # checksums agree per (step, rank)
