@@ -18,8 +18,12 @@ The trainer (``harness.rank.trainer``) calls a layout for the three things that 
   ranks so), plain tensors that every transport carries and ``torch.load(weights_only=True)``
   reads;
 * **whether the quorum may overlap the pass** (``harness.rank.trainer.OVERLAP_QUORUM``): not when
-  the backward pass itself talks to the other groups (sharded), since a heal must never land
-  while FSDP2 has the parameters unsharded (torchft RFC 343, torchtitan issue 4753).
+  sharded. A heal must never land while FSDP2 has the parameters unsharded (torchft RFC 343,
+  torchtitan issue 4753; the trainer's ``_state_lock`` would keep it out), and the pass is
+  collective within the group: the speculative pass is run again after a quorum that changed a
+  rank's state or slot, and a rank that ran it again alone would pair its collectives with the
+  next pass of its group's other ranks. (Overlapping would need the group to agree first on
+  running it again: not built.)
 
 Sharded wiring (torch 2.13; ``../shared/HSDP.md``): each group is its own ``torch.distributed``
 world, initialised on the group's store (the default process group of the rank's process, gloo
