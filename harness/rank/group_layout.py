@@ -14,9 +14,10 @@ The trainer (``harness.rank.trainer``) calls a layout for the three things that 
   of their own: floats more in the flat allreduce; sharded, one tiny allreduce within the group
   before the backward pass first agrees on them;
 * **the state** a heal and a checkpoint carry: each rank's own tensors. Sharded, these are the
-  local shards of the DTensors (rank r of a group heals from rank r of a peer, torchft pairs the
-  ranks so), plain tensors that every transport carries and ``torch.load(weights_only=True)``
-  reads;
+  local shards of the DTensors the model trains (rank r of a group heals from rank r of a peer,
+  torchft pairs the ranks so), plain tensors that every transport carries and
+  ``torch.load(weights_only=True)`` reads, named as the parameters are
+  (:func:`trained_tensors`: not ``model.state_dict()``, whose hooks may rename and copy);
 * **whether the quorum may overlap the pass** (``harness.rank.trainer.OVERLAP_QUORUM``): not when
   sharded. A heal must never land while FSDP2 has the parameters unsharded (torchft RFC 343,
   torchtitan issue 4753; the trainer's ``_state_lock`` would keep it out), and the pass is
@@ -331,7 +332,7 @@ class Sharded:
             i: {k: self._local_any(v) for k, v in s.items()} for i, s in optim["state"].items()
         }
         return {
-            "model": {k: self.local(v) for k, v in model.state_dict().items()},
+            "model": {k: self.local(v) for k, v in trained_tensors(model).items()},
             "optim": {"state": state, "param_groups": optim["param_groups"]},
         }
 
@@ -341,12 +342,12 @@ class Sharded:
     def load_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        """Copy each shard in place, and give the optimizer's shards their parameter's sharding
-        (a fresh optimizer has no state to copy into: AdamW makes its moments on its first
-        step)."""
+        """Copy each shard in place into the tensors the model trains (:func:`trained_tensors`),
+        and give the optimizer's shards their parameter's sharding (a fresh optimizer has no
+        state to copy into: AdamW makes its moments on its first step)."""
         from torch.distributed.tensor import DTensor
 
-        current = model.state_dict()
+        current = trained_tensors(model)
         if set(current) != set(state["model"]):
             missing = sorted(set(current) - set(state["model"]))
             extra = sorted(set(state["model"]) - set(current))
@@ -370,6 +371,20 @@ class Sharded:
         optimizer.load_state_dict(
             {"state": rebuilt, "param_groups": state["optim"]["param_groups"]}
         )
+
+
+def trained_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``model`` trains and keeps, by attribute name: its parameters and persistent
+    buffers, the live tensors themselves (a sharded one as its DTensor). Not
+    ``model.state_dict()``: a model's state-dict hooks may hand out tensors made for the state
+    dict (torchtitan's llama3 splits each fused ``wqkv`` into new ``wq``/``wk``/``wv``), which
+    a heal that copies in place would write into and lose."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, b in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
 
 
 def _check_shape(name: str, mine: torch.Tensor, theirs: torch.Tensor) -> None:
