@@ -31,7 +31,12 @@ from experiments import postrun as postrun_files
 from experiments.report_data import data_summary, dropped_summary, render_data, render_dropped
 from experiments.report_outcome import outcome_summary, render_outcome
 from experiments.report_quality import heldout_hypothesis, heldout_summary, render_heldout
-from experiments.report_silent import render_silent, silent_summary, without_healed_divergence
+from experiments.report_silent import (
+    render_silent,
+    silent_summary,
+    unexplained,
+    without_healed_divergence,
+)
 from experiments.spec import ExperimentError, Hypotheses, parse_hypotheses
 from harness.tomlfile import read_toml
 from runtime.journal import (
@@ -116,6 +121,15 @@ def _replicas_equal(policy: str, records: Sequence[Record]) -> Result:
     apart = ranks_apart(records)
     if apart:
         return _result(name, False, apart)
+    stray = unexplained(records)
+    if stray:
+        d = stray[0]
+        return _result(
+            name, False,
+            f"{len(stray)} divergence(s) that no injected fault explains (no fault.bitflip "
+            f"before them); first: step {d.get('step')} ({d.get('cause')}), replica(s) "
+            f"{d.get('suspects')}, action {d.get('action')}",
+        )  # fmt: skip
     compared = {k: v for k, v in last.items() if len(v) >= 2}
     if not compared:
         return _result(name, False, "no step was committed with a checksum by two replicas")

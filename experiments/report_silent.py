@@ -17,7 +17,9 @@ Figures, per divergence:
 A divergence that was healed does not make the run's ``replicas_equal_after_heal`` or
 ``loss_finite`` hypothesis fail: :func:`without_healed_divergence` drops the suspect's commit
 records from the detected step until its replacement heals (or the job restarts, for a
-rollback). One only observed (``recovery.divergence = "observe"``) still does. Neither does a
+rollback). One only observed (``recovery.divergence = "observe"``) still does, and so does one
+that no injected corruption explains (no ``fault.bitflip`` before it: :func:`unexplained`): the
+harness itself made the replicas differ, which a repair must not hide. Neither does a
 non-finite loss the data was to blame for (action ``data``: the weights checked equal, the
 sequences were quarantined): the suspect's commit records of that one step are dropped.
 """
@@ -53,12 +55,14 @@ def without_healed_divergence(records: Sequence[Record]) -> list[Record]:
         return list(records)
     out: list[Record] = []
     excluded: dict[int, int] = {}  # replica -> from step
+    flipped = False
     for r in records:  # journal order: an alarm comes after the commits that raised it
         event = r.get("event")
+        flipped = flipped or event == BITFLIP
         if _data_to_blame(r):
             at = {(int(s), int(r["step"])) for s in r.get("suspects") or []}
             out = [c for c in out if not _at(c, at)]
-        elif _repaired(r):
+        elif _repaired(r) and flipped:
             for s in r.get("suspects") or []:
                 excluded[int(s)] = int(r["step"])
             out = [c for c in out if not _excluded(c, excluded)]
@@ -67,6 +71,20 @@ def without_healed_divergence(records: Sequence[Record]) -> list[Record]:
         elif event == HEALED and r.get("replica") is not None:
             excluded.pop(int(r["replica"]), None)
         if not _excluded(r, excluded):
+            out.append(r)
+    return out
+
+
+def unexplained(records: Sequence[Record]) -> list[Record]:
+    """The repaired divergences (action ``heal`` or ``rollback``) that no injected corruption
+    explains: no ``fault.bitflip`` was journaled before them. Faults that kill, hang or slow a
+    group leave its weights the others' (a heal copies a peer's); only a flip makes them differ,
+    so a divergence without one is the harness's own bug (a heal that left tensors unloaded)."""
+    out = []
+    flipped = False
+    for r in records:
+        flipped = flipped or r.get("event") == BITFLIP
+        if _repaired(r) and not flipped:
             out.append(r)
     return out
 

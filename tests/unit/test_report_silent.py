@@ -9,7 +9,12 @@ import pytest
 
 from dashboards.html import render_dashboard
 from experiments.report import _replicas_equal
-from experiments.report_silent import render_silent, silent_summary, without_healed_divergence
+from experiments.report_silent import (
+    render_silent,
+    silent_summary,
+    unexplained,
+    without_healed_divergence,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -127,3 +132,18 @@ def test_a_non_finite_loss_the_data_was_to_blame_for_leaves_only_that_step_out()
         (0, 5),
         (1, 6),
     ]
+
+
+def test_a_repaired_divergence_no_flip_explains_fails_replicas_equal():
+    """A heal or a rollback the checksums asked for, with no ``fault.bitflip`` before it: the
+    harness made the replicas differ (a heal that left tensors unloaded did so for a sharded
+    llama3), and the repair must not hide that."""
+    recs = [r for r in _journal() if r["event"] != "fault.bitflip"]
+    assert [r["step"] for r in unexplained(recs)] == [20]
+    assert unexplained(_journal()) == []
+    result = _replicas_equal("in_place", without_healed_divergence(recs))
+    assert not result["passed"]
+    assert "no injected fault explains" in result["detail"] and "step 20" in result["detail"]
+    # its commits stay in, too: the loss and checksum checks see the diverged step
+    kept = without_healed_divergence(recs)
+    assert sum(r["event"] == "step.commit" and r["step"] == 20 for r in kept) == 3
