@@ -341,9 +341,15 @@ class Trainer:
         flag = self._average_gradients(finite=bool(torch.isfinite(loss)))
 
         # 4. Commit only if every rank of the group saw a clean step (no collective failed,
-        #    enough groups took part). Otherwise nothing changes and the step is retried.
+        #    enough groups took part). Otherwise nothing changes and the step is retried, after
+        #    a quorum that rebuilds the communicator (torchft reports the commit failure to it).
         if not self.manager.should_commit():
             err = self.manager.errored()
+            # Close it now even when this rank's own collectives succeeded (another rank of the
+            # group failed): a group that committed this step may already wait on us in its
+            # next step's allreduce, on this communicator; this group goes to a quorum instead,
+            # and left open, that peer would wait out the process-group timeout.
+            close_communicator(self._pg, err.original_exception if err else None)
             self._emit(
                 STEP_ABORT,
                 {
