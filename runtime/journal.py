@@ -36,9 +36,7 @@ Event names and their extra fields:
                           ``data_pos``, ``data_policy`` (``skip`` | ``replay``), ``seqs`` and
                           ``seq_due`` (sequences trained and due, dashboards.data_coverage),
                           ``quorum`` (whether the step asked for a quorum: every step, or
-                          some with a sparse quorum, harness.rank.trainer), ``pass_kept``
-                          (only when true: the step averaged again the pass of the attempt
-                          before it, which did not commit), ``proc`` (the worker
+                          some with a sparse quorum, harness.rank.trainer), ``proc`` (the worker
                           process, stamped by the controller)
 ``step.abort``            ``replica``, ``rank``, ``step``, ``reason`` (should_commit said no)
 ``fault.inject``          ``fault_id``, ``kind``, ``target`` (dict: replica/rank/host), ``seed``,

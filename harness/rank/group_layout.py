@@ -101,17 +101,11 @@ class GroupLayout(Protocol):
         Every rank of every group calls it once per pass, then :meth:`average`."""
         ...
 
-    def average(self, model: nn.Module, *, contribute: bool, hold: bool = False) -> Asks:
+    def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """After the backward pass: finish averaging the gradients over every rank of every
         participating group, and return the asks agreed (:class:`Asks`; False where none was
         to be agreed). ``contribute``: False when this rank's loss was not finite (its gradients
-        count as zeros: a corrupted replica's NaN must not reach the other groups). ``hold``:
-        leave the parameters' gradients this group's own until :meth:`apply_average` (a step
-        the group then does not commit can be averaged again, with another quorum)."""
-        ...
-
-    def apply_average(self) -> None:
-        """Write the average that :meth:`average` held into the parameters' gradients."""
+        count as zeros: a corrupted replica's NaN must not reach the other groups)."""
         ...
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
@@ -153,13 +147,12 @@ class Replicated:
         self._intra = intra
         self._ranks = ranks
         self._asks = Asks()
-        self._held: Callable[[], None] | None = None
 
     def backward(self, loss: torch.Tensor, asks: Asks) -> None:
         self._asks = asks
         loss.backward()
 
-    def average(self, model: nn.Module, *, contribute: bool, hold: bool = False) -> Asks:
+    def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """One flat allreduce per step (fewer, larger messages than one per tensor); the
         flags that cross the groups ride along as floats more. Rank 0 writes a checkpoint
         alone: its own ask is the group's."""
@@ -176,13 +169,8 @@ class Replicated:
                 flat /= self._ranks
             self._across(flat)
 
-        agreed, self._held = _average_flat(grads, self._asks.crossing(), across)
-        if not hold:
-            self.apply_average()
+        agreed = _average_flat(grads, self._asks.crossing(), across)
         return self._asks.crossed(agreed, checkpoint=bool(self._asks.checkpoint))
-
-    def apply_average(self) -> None:
-        _apply(self)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -213,31 +201,20 @@ def _average_flat(
     grads: list[torch.Tensor],
     crossing: list[bool],
     reduce: Callable[[torch.Tensor, int], None],
-) -> tuple[list[bool], Callable[[], None]]:
-    """Average ``grads`` as one flat tensor with the ``crossing`` flags as floats after them:
-    ``reduce(flat, n)`` averages ``flat`` (its first ``n`` elements the gradients). Returns
-    the flags agreed (each True where any participant raised it) and the call that writes the
-    average into ``grads``, which stay as they were until then."""
+) -> list[bool]:
+    """Average ``grads`` in place as one flat tensor with the ``crossing`` flags as floats
+    after them: ``reduce(flat, n)`` averages ``flat`` (its first ``n`` elements the
+    gradients). Returns the flags agreed: each True where any participant raised it."""
     parts = [g.reshape(-1) for g in grads]
     dtype = parts[0].dtype if parts else torch.float32
     n = sum(p.numel() for p in parts)
     flat = torch.cat([*parts, torch.tensor([float(a) for a in crossing], dtype=dtype)])
     reduce(flat, n)
-
-    def write() -> None:
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    return (flat[n:] > 0).tolist(), write
-
-
-def _apply(layout: Replicated | Sharded) -> None:
-    held, layout._held = layout._held, None
-    if held is None:
-        raise RuntimeError("apply_average without an average held (average(..., hold=True))")
-    held()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return (flat[n:] > 0).tolist()
 
 
 def intra_group_timeout(process_group_timeout: float, manager_timeout: float) -> timedelta:
@@ -296,7 +273,6 @@ class Sharded:
         self._carry: list[bool] = []
         self._asks = Asks()
         self._checkpoint = False
-        self._held: Callable[[], None] | None = None
 
     def backward(self, loss: torch.Tensor, asks: Asks) -> None:
         """Agree on the asks within the group first (one allreduce of three floats: a rank that
@@ -315,7 +291,7 @@ class Sharded:
             self._carry = [bool(summed[i].item() > 0) for i in (0, 2) if flags[i] is not None]
         loss.backward()
 
-    def average(self, model: nn.Module, *, contribute: bool, hold: bool = False) -> Asks:
+    def average(self, model: nn.Module, *, contribute: bool) -> Asks:
         """Average this rank's gradient shards (the group's mean already: FSDP2 summed them
         over the group and divided) with the same shards of the other groups: one flat
         allreduce for every block, the crossing flags riding along. A rank whose shards are not
@@ -328,13 +304,8 @@ class Sharded:
                 flat[:n].zero_()
             self._across(flat)
 
-        agreed, self._held = _average_flat(grads, self._carry, across)
-        if not hold:
-            self.apply_average()
+        agreed = _average_flat(grads, self._carry, across)
         return self._asks.crossed(agreed, checkpoint=self._checkpoint)
-
-    def apply_average(self) -> None:
-        _apply(self)
 
     def checkpoint_group(self) -> Any:
         """A gloo group of its own over the group's ranks, as torchtitan's checkpointer has: a

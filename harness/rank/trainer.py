@@ -20,13 +20,6 @@ Protocol invariants, and where they are kept:
   moreover no sequence is skipped: each committed step trains the next unread group batches,
   one per participant in quorum order, so the survivors take up a down group's share.
 
-A step that did not commit (most often: a group died mid-allreduce) is tried again after a
-quorum, and its pass is not run again when that quorum left it valid (no heal, the same batch):
-the group's own gradients were held back from the average (``GroupLayout.average(hold=True)``,
-written into the grads only once the group agreed to commit), so the retry averages them again
-over the new quorum's groups (``_quorum_then_kept``). A survivor of a dead group so loses the
-death's detection and a quorum, not a whole pass.
-
 Checkpoints: at a checkpoint step the training thread only serializes the state (the consistent
 copy); a background writer makes it durable while training goes on. The per-step quorum is a
 barrier across the groups, so one group's slow step stalls every group: a synchronous write
@@ -163,20 +156,6 @@ class PeersGone(RuntimeError):
     first quorum (:meth:`Trainer._check_healed`): its group restarts and loads the checkpoint."""
 
 
-@dataclass(frozen=True)
-class KeptPass:
-    """The pass of a step the group did not commit (``Trainer._quorum_then_kept``): what it
-    trained on, its loss and compute time. Its gradients stay in the parameters' grads, the
-    group's own (the layout held the average back: ``GroupLayout.average``)."""
-
-    step: int
-    slot: int | None
-    pos: int
-    loss: torch.Tensor
-    participants: int
-    compute_s: float
-
-
 @dataclass
 class _DcpCheckpoints:
     """A rank's DCP checkpointing (``checkpoint.format = "dcp"``): its background writer (None
@@ -227,7 +206,6 @@ class Trainer:
         self._step_delay = 0.0
         self._checkpoint_delay = 0.0  # a slow disk under a checkpoint write (fault injection)
         self._compute_s = 0.0  # this step's own forward/backward time (stragglers: compute_s)
-        self._pass_kept = False  # this step averaged a kept pass again (_quorum_then_kept)
         self._quorum_failures = 0
         # Overlapping the quorum with the pass (``_quorum_overlapped``): a heal takes the lock.
         self._state_lock = threading.RLock()
@@ -243,11 +221,6 @@ class Trainer:
         self._quorum_hold: tuple[float, int] = (0.0, 0)
         self._participants = 0
         self._group_asks = Asks()  # what the group's ranks agreed on in the last pass
-        # The pass of the last step, kept while that step was not committed: its gradients
-        # (the group's own, held back from the average) are averaged again after the next
-        # quorum instead of running the pass again, when that quorum left it valid
-        # (_quorum_then_kept).
-        self._kept: KeptPass | None = None
         # Makes checkpoints durable off the training thread, one at a time (_maybe_checkpoint).
         self._writer = checkpoint.BackgroundWriter(f"harness-ckpt-r{replica_id}-{rank}")
         # Joins the quorum while the training thread runs the pass (_quorum_overlapped): one
@@ -351,14 +324,10 @@ class Trainer:
         """One attempt at the next step; returns (committed, loss)."""
         t0 = time.perf_counter()
         self._compute_s = 0.0
-        self._pass_kept = False
         with_quorum = self._quorum_next  # True for a trainer's first step
         self._quorum_next = True  # until this step commits and says otherwise
         joined: tuple[int, int | None, int, torch.Tensor] | None
-        kept, self._kept = self._kept, None
-        if kept is not None:  # a step that did not commit: always a quorum (_quorum_next)
-            joined = self._quorum_then_kept(kept)
-        elif not with_quorum:
+        if not with_quorum:
             joined = self._pass()
         elif OVERLAP_QUORUM and self.layout.overlap_quorum and self._last_slot is not None:
             joined = self._quorum_overlapped()
@@ -369,7 +338,6 @@ class Trainer:
         step, slot, pos, loss = joined
 
         # 3. Average gradients within the group, then across participating groups.
-        participants = self.manager.num_participants()
         flag = self._average_gradients(finite=bool(torch.isfinite(loss)))
 
         # 4. Commit only if every rank of the group saw a clean step (no collective failed,
@@ -382,7 +350,6 @@ class Trainer:
             # next step's allreduce, on this communicator; this group goes to a quorum instead,
             # and left open, that peer would wait out the process-group timeout.
             close_communicator(self._pg, err.original_exception if err else None)
-            self._kept = KeptPass(step, slot, pos, loss.detach(), participants, self._compute_s)
             self._emit(
                 STEP_ABORT,
                 {
@@ -394,7 +361,6 @@ class Trainer:
             )
             return False, loss.item()
 
-        self.layout.apply_average()
         self._wait_staged()  # a DCP checkpoint's copy of the state is taken before it changes
         self.optimizer.step()
         participants = self._participants = self.manager.num_participants()
@@ -421,7 +387,6 @@ class Trainer:
                 "seqs": seqs,
                 "seq_due": due,
                 "quorum": with_quorum,
-                **({"pass_kept": True} if self._pass_kept else {}),
             },
         )
         self._maybe_checkpoint(committed)
@@ -471,36 +436,6 @@ class Trainer:
             return None
         self._maybe_eval_initial()
         return self._pass()
-
-    def _quorum_then_kept(self, kept: KeptPass) -> tuple[int, int | None, int, torch.Tensor] | None:
-        """After a step the group did not commit (a group died mid-allreduce, most often): join
-        the quorum, then average the kept pass's gradients again instead of running the pass
-        again, if the quorum left them valid: no heal changed this rank's state, the step and
-        the data position are the same, and the batch is the same (``skip``: a group trains its
-        own shard whoever takes part; ``replay``: the same slot among as many participants).
-        Every rank of the group decides together (``group_min``: a sharded pass is collective
-        within the group). A survivor of a dead group so loses the time to find the death and
-        the quorum, not a whole pass."""
-        self._state_changed = False  # a heal from now on sets it
-        if not self._join_quorum():
-            self._kept = kept  # its ranks decide together at the next attempt
-            return None
-        self._maybe_eval_initial()
-        step, slot = self.manager.current_step(), self._slot()
-        same_batch = self.cfg.data.policy == "skip" or (
-            slot == kept.slot and self.manager.num_participants() == kept.participants
-        )
-        valid = (
-            not self._state_changed
-            and step == kept.step
-            and self.data.position == kept.pos
-            and same_batch
-        )
-        if self.layout.group_min(int(valid)) == 0:
-            return self._pass()
-        self._compute_s = kept.compute_s
-        self._pass_kept = True
-        return step, slot, kept.pos, kept.loss
 
     def _quorum_overlapped(self) -> tuple[int, int | None, int, torch.Tensor] | None:
         """The same, with the forward/backward pass run *while* the quorum forms (the quorum
@@ -800,7 +735,7 @@ class Trainer:
         torchft averages over participants; on a peer failure it records the error (so
         should_commit says no) instead of raising. Then close the communicator at once: a
         survivor blocked on this rank would otherwise wait out the process-group timeout."""
-        agreed = self.layout.average(self.model, contribute=finite, hold=True)
+        agreed = self.layout.average(self.model, contribute=finite)
         if agreed.quorum:
             self._quorum_asked.clear()  # the quorum it asks for comes at the next step
         self._group_asks = agreed
